@@ -1,0 +1,227 @@
+"""One estimator contract for every detector: fit / predict_proba / save / load.
+
+`CorrectnessDetector(detector="vit")` stores its arguments; `fit` builds the
+registered module for the maps' shape and trains it with the paper's recipe;
+`predict_proba` returns p(correct) (higher = more likely correct). Saved as
+`model.safetensors` + `config.json`, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from sklearn.exceptions import NotFittedError
+
+from actmap.detectors.registry import create_detector
+from actmap.training import (
+    EpochRecord,
+    ProgressCallback,
+    TrainConfig,
+    package_version,
+    predict_logits,
+    resolve_device,
+    seed_everything,
+    train_detector,
+    write_json,
+)
+
+SCHEMA_VERSION = 1  # of config.json next to a saved detector
+SHAPE_KWARGS = ("in_channels", "map_height", "map_width")  # every registered detector takes these
+
+
+def as_maps(maps: Any, name: str = "maps") -> torch.Tensor:
+    """(N, C, H, W) numpy array or tensor -> CPU float tensor (float16 kept until batching)."""
+    if isinstance(maps, np.ndarray):
+        if not np.issubdtype(maps.dtype, np.floating):
+            raise ValueError(f"{name} must be floating point, got dtype {maps.dtype}")
+        maps = np.ascontiguousarray(maps)
+        maps = torch.from_numpy(maps if maps.flags.writeable else maps.copy())
+    if not isinstance(maps, torch.Tensor):
+        raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(maps).__name__}")
+    if maps.ndim != 4:
+        raise ValueError(f"{name} must have shape (N, C, H, W), got {tuple(maps.shape)}")
+    if len(maps) == 0:
+        raise ValueError(f"{name} is empty")
+    if not maps.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got dtype {maps.dtype}")
+    if maps.dtype not in (torch.float16, torch.float32):
+        maps = maps.float()
+    maps = maps.cpu()
+    for start in range(0, len(maps), 1024):  # chunked, so the check allocates little
+        if not torch.isfinite(maps[start : start + 1024]).all():
+            raise ValueError(f"{name} contain NaN or infinite values")
+    return maps
+
+
+def as_labels(labels: Any, n_rows: int, name: str = "labels") -> torch.Tensor:
+    """(N,) 0/1 labels (bool, int or float) with both classes -> int64 tensor."""
+    if isinstance(labels, torch.Tensor):
+        labels = labels.cpu()
+    y = torch.as_tensor(np.asarray(labels))
+    if y.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(y.shape)}")
+    if len(y) != n_rows:
+        raise ValueError(f"{name} has {len(y)} rows but the maps have {n_rows}")
+    if not bool(((y == 0) | (y == 1)).all()):
+        raise ValueError(f"{name} must be 0 or 1, got values {torch.unique(y)[:10].tolist()}")
+    y = y.long()
+    if len(torch.unique(y)) < 2:
+        raise ValueError(f"{name} contain a single class; need both correct (1) and incorrect (0)")
+    return y
+
+
+class CorrectnessDetector:
+    """p(correct) from activation maps, with the paper's training recipe.
+
+    Learned state (after `fit` or `load`): `model_`, `detector_kwargs_` (resolved
+    constructor arguments), `config_`, `history_`, `best_epoch_`, `best_val_auroc_`,
+    `wall_time_s_`, `trained_on_` (device name), `device_` (where it scores now),
+    `metadata_`.
+    """
+
+    def __init__(
+        self,
+        detector: str = "vit",
+        detector_kwargs: dict[str, Any] | None = None,
+        config: TrainConfig | None = None,
+        seed: int = 42,
+        device: str | None = None,
+    ) -> None:
+        self.detector = detector
+        self.detector_kwargs = detector_kwargs
+        self.config = config
+        self.seed = seed
+        self.device = device
+
+    # --- fitting -------------------------------------------------------------
+
+    def _resolve_kwargs(self, map_shape: tuple[int, int, int]) -> dict[str, Any]:
+        kwargs = dict(self.detector_kwargs or {})
+        for key, value in zip(SHAPE_KWARGS, map_shape, strict=True):
+            if key in kwargs and kwargs[key] != value:
+                raise ValueError(f"detector_kwargs {key}={kwargs[key]} but the maps have {value}")
+            kwargs[key] = value
+        return kwargs
+
+    def fit(
+        self,
+        maps: Any,
+        labels: Any,
+        val_maps: Any,
+        val_labels: Any,
+        progress: ProgressCallback | None = None,
+    ) -> CorrectnessDetector:
+        """Train on (maps, labels), select the epoch on validation AUROC; returns self."""
+        x = as_maps(maps)
+        y = as_labels(labels, len(x))
+        vx = as_maps(val_maps, "val_maps")
+        vy = as_labels(val_labels, len(vx), "val_labels")
+        if vx.shape[1:] != x.shape[1:]:
+            raise ValueError(
+                f"val_maps have map shape {tuple(vx.shape[1:])}, maps {tuple(x.shape[1:])}"
+            )
+        cfg = self.config or TrainConfig()
+        kwargs = self._resolve_kwargs(tuple(x.shape[1:]))
+        device = resolve_device(self.device if self.device is not None else cfg.device)
+        seed_everything(self.seed)  # the initial weights depend on the seed too
+        model = create_detector(self.detector, **kwargs)
+        result = train_detector(model, x, y, vx, vy, cfg, self.seed, device, progress)
+        self.model_ = model.eval()
+        self.detector_kwargs_ = kwargs
+        self.config_ = cfg
+        self.history_: list[EpochRecord] = result.history
+        self.best_epoch_ = result.best_epoch
+        self.best_val_auroc_ = result.best_val_auroc
+        self.wall_time_s_ = result.wall_time_s
+        self.device_ = device
+        self.trained_on_ = str(device)
+        self.metadata_: dict[str, Any] = {}
+        return self
+
+    # --- scoring -------------------------------------------------------------
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "model_"):
+            raise NotFittedError("this CorrectnessDetector is not fitted; call fit() or load()")
+
+    def decision_function(self, maps: Any) -> np.ndarray:
+        """(N,) float32 logits; higher = more likely correct."""
+        self._check_fitted()
+        x = as_maps(maps)
+        expected = tuple(self.detector_kwargs_[k] for k in SHAPE_KWARGS)
+        if tuple(x.shape[1:]) != expected:
+            raise ValueError(f"maps have shape {tuple(x.shape[1:])}, detector expects {expected}")
+        batch = self.config_.eval_batch_size
+        return predict_logits(self.model_, x, batch, self.device_).numpy()
+
+    def predict_proba(self, maps: Any) -> np.ndarray:
+        """(N,) float32 p(correct) in [0, 1]."""
+        return torch.sigmoid(torch.from_numpy(self.decision_function(maps))).numpy()
+
+    # --- persistence ---------------------------------------------------------
+
+    def save(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+        """Write model.safetensors and config.json into `directory`; returns it."""
+        self._check_fitted()
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.model_.state_dict().items()}
+        save_file(state, out / "model.safetensors")
+        write_json(
+            out / "config.json",
+            {
+                "schema_version": SCHEMA_VERSION,
+                "actmap_version": package_version(),
+                "detector": self.detector,
+                "detector_kwargs": self.detector_kwargs_,
+                "train_config": self.config_.to_dict(),
+                "seed": self.seed,
+                "best_epoch": self.best_epoch_,
+                "best_val_auroc": self.best_val_auroc_,
+                "wall_time_s": self.wall_time_s_,
+                "trained_on": self.trained_on_,
+                "history": [vars(r) for r in self.history_],
+                "metadata": {**self.metadata_, **(metadata or {})},
+            },
+        )
+        return out
+
+    @classmethod
+    def load(cls, directory: str | Path, device: str | None = None) -> CorrectnessDetector:
+        """Restore a saved detector; it predicts exactly as the one saved."""
+        src = Path(directory)
+        for name in ("config.json", "model.safetensors"):
+            if not (src / name).is_file():
+                raise FileNotFoundError(f"{src / name} does not exist")
+        cfg = json.loads((src / "config.json").read_text())
+        if cfg.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(
+                f"{src / 'config.json'} has schema_version {cfg.get('schema_version')}, "
+                f"this actmap reads {SCHEMA_VERSION}"
+            )
+        kwargs = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in cfg["detector_kwargs"].items()
+        }  # JSON turns tuples into lists
+        train_config = TrainConfig.from_dict(cfg["train_config"])
+        est = cls(cfg["detector"], kwargs, train_config, cfg["seed"], device)
+        est.device_ = resolve_device(device if device is not None else train_config.device)
+        model = create_detector(cfg["detector"], **kwargs)
+        model.load_state_dict(load_file(src / "model.safetensors"), strict=True)
+        est.model_ = model.to(est.device_).eval()
+        est.detector_kwargs_ = kwargs
+        est.config_ = train_config
+        est.history_ = [
+            EpochRecord(**{k: (float("nan") if v is None else v) for k, v in r.items()})
+            for r in cfg["history"]
+        ]
+        est.best_epoch_ = cfg["best_epoch"]
+        est.best_val_auroc_ = cfg["best_val_auroc"]
+        est.wall_time_s_ = cfg["wall_time_s"]
+        est.trained_on_ = cfg["trained_on"]
+        est.metadata_ = cfg.get("metadata", {})
+        return est

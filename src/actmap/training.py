@@ -1,0 +1,579 @@
+"""The paper's training recipe (SPEC section 4), as small functions read top to bottom.
+
+`train_detector` trains one module on one seed: AdamW, per-epoch warm-up +
+cosine schedule, Gaussian input noise per map, batch mixup, BCE with
+pos_weight = N-/N+, grad-norm clipping, validation AUROC each epoch, strict-
+improvement checkpointing and early stopping. `run_seeds` repeats that for the
+paper's seeds, evaluates each selected checkpoint once on test, and writes one
+directory per seed plus a manifest and a summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actmap import metrics
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, dict[str, float]], None]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyperparameters of every detector's training (paper Table "training")."""
+
+    lr: float = 1e-3  # AdamW peak learning rate
+    weight_decay: float = 0.05  # AdamW decoupled weight decay
+    batch_size: int = 64
+    max_epochs: int = 80
+    warmup_epochs: int = 5  # linear warm-up (e+1)/w, then cosine
+    final_lr_multiplier: float = 0.01  # cosine ends at this fraction of lr
+    patience: int = 20  # epochs without a strict val-AUROC improvement before stopping
+    grad_clip: float = 1.0  # max global gradient norm
+    input_noise_sigma: float = 0.08  # Gaussian noise per training map; 0 disables
+    mixup_alpha: float = 0.2  # lambda ~ Beta(alpha, alpha) per batch; 0 disables mixup
+    seeds: tuple[int, ...] = (42, 123, 456)  # run_seeds trains one detector per seed
+    deterministic: bool = True  # deterministic torch algorithms and cuDNN while training
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    eval_batch_size: int = 256  # batch for validation/test scoring; does not change results
+
+    def __post_init__(self) -> None:
+        positive = ("lr", "batch_size", "max_epochs", "patience", "grad_clip", "eval_batch_size")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("weight_decay", "warmup_epochs", "input_noise_sigma", "mixup_alpha"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.final_lr_multiplier <= 1.0:
+            raise ValueError(
+                f"TrainConfig.final_lr_multiplier must be in [0, 1], got {self.final_lr_multiplier}"
+            )
+        if len(self.seeds) == 0:
+            raise ValueError("TrainConfig.seeds is empty")
+        object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "seeds": list(self.seeds)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields: {', '.join(unknown)}")
+        return cls(**data)
+
+
+# --- determinism and device ---------------------------------------------------
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """ "auto" (or None) picks cuda when available, else cpu; anything else is passed to torch."""
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) global generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def deterministic_torch(enabled: bool = True) -> Iterator[None]:
+    """Deterministic algorithms and cuDNN inside the block; previous settings restored after."""
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    if enabled:
+        # cuBLAS reads this once, at its first use; without it deterministic GEMMs only warn.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = previous[2:]
+
+
+@dataclass
+class Rngs:
+    """Every random draw of one training run, seeded from its seed."""
+
+    shuffle: torch.Generator  # CPU: batch order and mixup permutations
+    noise: torch.Generator  # on the training device: input noise
+    mixup: np.random.Generator  # Beta(alpha, alpha) mixing coefficients
+
+    @classmethod
+    def from_seed(cls, seed: int, device: torch.device) -> Rngs:
+        return cls(
+            shuffle=torch.Generator().manual_seed(seed),
+            noise=torch.Generator(device=device).manual_seed(seed),
+            mixup=np.random.default_rng(seed),
+        )
+
+
+# --- the recipe's pieces ------------------------------------------------------
+
+
+def lr_multiplier(epoch: int, cfg: TrainConfig) -> float:
+    """Zero-indexed epoch -> lr multiplier: linear warm-up, then cosine to the final multiplier."""
+    w = cfg.warmup_epochs
+    if epoch < w:
+        return (epoch + 1) / w
+    progress = (epoch - w) / (cfg.max_epochs - w)
+    f = cfg.final_lr_multiplier
+    return f + (1.0 - f) / 2.0 * (1.0 + math.cos(math.pi * progress))
+
+
+def positive_class_weight(labels: torch.Tensor) -> float:
+    """pos_weight = N- / N+ for BCE-with-logits (1.0 on balanced splits)."""
+    n_pos = int((labels == 1).sum())
+    if n_pos == 0 or n_pos == len(labels):
+        raise ValueError("training labels contain a single class")
+    return (len(labels) - n_pos) / n_pos
+
+
+def add_input_noise(x: torch.Tensor, sigma: float, generator: torch.Generator) -> torch.Tensor:
+    """Independent Gaussian noise on every entry of every map."""
+    if sigma == 0:
+        return x
+    return x + sigma * torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+
+
+def sample_mixup(batch: int, alpha: float, rngs: Rngs) -> tuple[float, torch.Tensor]:
+    """One lambda ~ Beta(alpha, alpha) for the batch and a random permutation of its rows."""
+    perm = torch.randperm(batch, generator=rngs.shuffle)
+    if alpha == 0:
+        return 1.0, perm
+    return float(rngs.mixup.beta(alpha, alpha)), perm
+
+
+def mix(x: torch.Tensor, lam: float, perm: torch.Tensor) -> torch.Tensor:
+    return lam * x + (1.0 - lam) * x[perm]  # (B, C, H, W)
+
+
+def mixup_bce_loss(
+    logits: torch.Tensor, y: torch.Tensor, lam: float, perm: torch.Tensor, pos_weight: torch.Tensor
+) -> torch.Tensor:
+    """lam * BCE(logits, y) + (1 - lam) * BCE(logits, y[perm]), each with pos_weight."""
+    bce = F.binary_cross_entropy_with_logits
+    return lam * bce(logits, y, pos_weight=pos_weight) + (1.0 - lam) * bce(
+        logits, y[perm], pos_weight=pos_weight
+    )
+
+
+@dataclass
+class EarlyStopping:
+    """Model selection on a validation score: strict improvements only, ties keep the earlier."""
+
+    patience: int
+    best_score: float = -math.inf
+    best_epoch: int = -1
+    epochs_without_improvement: int = 0
+
+    def update(self, epoch: int, score: float) -> bool:
+        """Record one epoch's score; True when it strictly improves (NaN never does)."""
+        if score > self.best_score:
+            self.best_score, self.best_epoch = score, epoch
+            self.epochs_without_improvement = 0
+            return True
+        self.epochs_without_improvement += 1
+        return False
+
+    @property
+    def should_stop(self) -> bool:
+        return self.epochs_without_improvement >= self.patience
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    epoch: int
+    train_loss: float  # mean mixup BCE over training maps
+    val_loss: float  # mean unweighted BCE on validation maps
+    val_auroc: float
+    lr: float
+    epoch_time_s: float
+    improved: bool  # the checkpoint was replaced after this epoch
+
+
+@dataclass
+class TrainResult:
+    best_epoch: int
+    best_val_auroc: float
+    history: list[EpochRecord]
+    state_dict: dict[str, torch.Tensor]  # the selected (best-epoch) weights, on CPU
+    wall_time_s: float
+    device: str
+
+
+# --- loops --------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def predict_logits(
+    model: nn.Module, maps: torch.Tensor, batch_size: int = 256, device: torch.device | None = None
+) -> torch.Tensor:
+    """Eval-mode logits for (N, C, H, W) maps of any float dtype; returns (N,) float32 on CPU."""
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        out = [
+            model(maps[i : i + batch_size].to(device, torch.float32)).float().cpu()
+            for i in range(0, len(maps), batch_size)
+        ]
+    finally:
+        model.train(was_training)
+    return torch.cat(out) if out else torch.empty(0)
+
+
+def train_one_epoch(
+    model: nn.Module,
+    maps: torch.Tensor,
+    labels: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    pos_weight: torch.Tensor,
+    cfg: TrainConfig,
+    rngs: Rngs,
+    device: torch.device,
+) -> float:
+    """One pass over shuffled training maps with noise and mixup; returns the mean loss."""
+    model.train()
+    order = torch.randperm(len(maps), generator=rngs.shuffle)
+    total = 0.0
+    for start in range(0, len(maps), cfg.batch_size):
+        idx = order[start : start + cfg.batch_size]
+        x = maps[idx].to(device, torch.float32)  # (B, C, H, W)
+        y = labels[idx].to(device, torch.float32)  # (B,)
+        x = add_input_noise(x, cfg.input_noise_sigma, rngs.noise)
+        lam, perm = sample_mixup(len(idx), cfg.mixup_alpha, rngs)
+        perm = perm.to(device)
+        loss = mixup_bce_loss(model(mix(x, lam, perm)), y, lam, perm, pos_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        total += loss.item() * len(idx)
+    return total / len(maps)
+
+
+def validate(
+    model: nn.Module,
+    maps: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: TrainConfig,
+    device: torch.device,
+) -> tuple[float, float]:
+    """(validation AUROC, mean BCE); AUROC is NaN when the logits are not finite."""
+    logits = predict_logits(model, maps, cfg.eval_batch_size, device)
+    y = labels.float()
+    if not torch.isfinite(logits).all():
+        log.warning("validation logits are not finite; this epoch cannot be selected")
+        return math.nan, math.nan
+    loss = F.binary_cross_entropy_with_logits(logits, y).item()
+    return metrics.auroc(torch.sigmoid(logits).numpy(), labels.numpy()), loss
+
+
+def train_detector(
+    model: nn.Module,
+    train_maps: torch.Tensor,
+    train_labels: torch.Tensor,
+    val_maps: torch.Tensor,
+    val_labels: torch.Tensor,
+    cfg: TrainConfig,
+    seed: int,
+    device: torch.device | str | None = None,
+    progress: ProgressCallback | None = None,
+) -> TrainResult:
+    """Train `model` in place with the paper's recipe; it ends holding the selected weights.
+
+    Maps are (N, C, H, W) tensors (float16 is fine, batches are cast to float32);
+    labels are (N,) with 1 = correct. `device` overrides `cfg.device`.
+    """
+    device = resolve_device(device if device is not None else cfg.device)
+    started = time.perf_counter()
+    with deterministic_torch(cfg.deterministic):
+        seed_everything(seed)
+        rngs = Rngs.from_seed(seed, device)
+        model.to(device)
+        pos_weight = torch.tensor(positive_class_weight(train_labels), device=device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: lr_multiplier(e, cfg))
+        stopper = EarlyStopping(cfg.patience)
+        best_state: dict[str, torch.Tensor] | None = None
+        history: list[EpochRecord] = []
+        for epoch in range(cfg.max_epochs):
+            t0 = time.perf_counter()
+            lr = optimizer.param_groups[0]["lr"]
+            train_loss = train_one_epoch(
+                model, train_maps, train_labels, optimizer, pos_weight, cfg, rngs, device
+            )
+            val_auroc, val_loss = validate(model, val_maps, val_labels, cfg, device)
+            improved = stopper.update(epoch, val_auroc)
+            if improved:
+                best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            record = EpochRecord(
+                epoch, train_loss, val_loss, val_auroc, lr, time.perf_counter() - t0, improved
+            )
+            history.append(record)
+            log.debug("seed %d %s", seed, record)
+            if progress is not None:
+                progress(
+                    epoch,
+                    {
+                        **asdict(record),
+                        "seed": seed,
+                        "max_epochs": cfg.max_epochs,
+                        "best_val_auroc": stopper.best_score,
+                        "best_epoch": stopper.best_epoch,
+                    },
+                )
+            if stopper.should_stop:
+                break
+            schedule.step()
+    if best_state is None:
+        raise RuntimeError("no epoch produced finite validation logits; training diverged")
+    model.load_state_dict(best_state)
+    wall = time.perf_counter() - started
+    log.info(
+        "seed %d: best epoch %d, val AUROC %.4f, %d epochs, %.1f s on %s",
+        seed,
+        stopper.best_epoch,
+        stopper.best_score,
+        len(history),
+        wall,
+        device,
+    )
+    return TrainResult(
+        stopper.best_epoch, stopper.best_score, history, best_state, wall, str(device)
+    )
+
+
+# --- seeds, test evaluation and artifacts ---------------------------------------
+
+
+@dataclass(frozen=True)
+class LabeledMaps:
+    """One split as the CLI loads it: maps (N, C, H, W), labels (N,) 1 = correct, row ids."""
+
+    maps: np.ndarray | torch.Tensor
+    labels: np.ndarray | torch.Tensor
+    ids: Sequence[Any] | None = None  # one id per row (e.g. the store's row id); None = row index
+
+    def row_ids(self) -> list[Any]:
+        if self.ids is None:
+            return list(range(len(self.labels)))
+        if len(self.ids) != len(self.labels):
+            raise ValueError(f"ids has {len(self.ids)} rows but labels has {len(self.labels)}")
+        return [i.item() if hasattr(i, "item") else i for i in self.ids]
+
+
+@dataclass(frozen=True)
+class RowScores:
+    """One score per test row of one seed's selected checkpoint."""
+
+    ids: list[Any]
+    labels: np.ndarray  # (N,) int64, 1 = correct
+    logits: np.ndarray  # (N,) float32
+    p_correct: np.ndarray  # (N,) float32, sigmoid(logit)
+
+    def write_parquet(self, path: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.table(
+            {
+                "id": self.ids,
+                "label": self.labels,
+                "logit": self.logits,
+                "p_correct": self.p_correct,
+            }
+        )
+        pq.write_table(table, path)
+
+
+def scoring_metrics(scores: RowScores) -> dict[str, float]:
+    """The per-seed test metrics written to metrics.json."""
+    headline = metrics.compute_metrics(scores.p_correct, scores.labels)
+    return {
+        **asdict(headline),
+        "coverage_at_5pct_risk": metrics.coverage_at_risk(scores.p_correct, scores.labels, 0.05),
+        "risk_at_80pct_coverage": metrics.risk_at_coverage(scores.p_correct, scores.labels, 0.8),
+        "n_test": len(scores.labels),
+        "n_correct": int(scores.labels.sum()),
+    }
+
+
+def evaluate_on_test(detector, test: LabeledMaps) -> tuple[RowScores, dict[str, float]]:
+    """Score a fitted CorrectnessDetector once on test: per-row scores and metrics."""
+    logits = detector.decision_function(test.maps)
+    labels = np.asarray(test.labels).astype(np.int64)
+    if len(labels) != len(logits):
+        raise ValueError(f"test maps have {len(logits)} rows but labels have {len(labels)}")
+    scores = RowScores(
+        test.row_ids(),
+        labels,
+        logits.astype(np.float32),
+        torch.sigmoid(torch.from_numpy(logits)).numpy().astype(np.float32),
+    )
+    return scores, scoring_metrics(scores)
+
+
+@dataclass
+class SeedRun:
+    seed: int
+    detector: Any  # the fitted CorrectnessDetector (selected state, history, config)
+    test_scores: RowScores
+    test_metrics: dict[str, float]
+
+
+@dataclass
+class SeedRuns:
+    runs: list[SeedRun]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+SUMMARY_METRICS = ("auroc", "auprc", "ece", "coverage_at_5pct_risk", "risk_at_80pct_coverage")
+
+
+def summarize_runs(runs: Sequence[SeedRun]) -> dict[str, Any]:
+    """Per-seed metrics and their mean and sample std (ddof=1) over seeds."""
+    mean, std = {}, {}
+    for name in SUMMARY_METRICS:
+        mean[name], std[name] = metrics.seed_summary([r.test_metrics[name] for r in runs])
+    return {
+        "seeds": [r.seed for r in runs],
+        "per_seed": {str(r.seed): r.test_metrics for r in runs},
+        "mean": mean,
+        "std": std,
+        "std_ddof": 1,
+    }
+
+
+def environment_manifest(device: torch.device, inputs: dict[str, Any] | None) -> dict[str, Any]:
+    """Software/hardware stack and input identifiers for one training run."""
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    return {
+        "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "os": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor(),
+        "numpy": np.__version__,
+        "actmap": package_version(),
+        "inputs": inputs or {},
+    }
+
+
+def package_version() -> str:
+    try:
+        from actmap import __version__
+    except ImportError:
+        return "0.1.0"
+    return __version__
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Strict JSON (NaN -> null), written to a temporary file then renamed into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_json_safe(obj), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return _json_safe(obj.item())
+    return obj
+
+
+def run_seeds(
+    train: LabeledMaps,
+    val: LabeledMaps,
+    test: LabeledMaps,
+    out_dir: str | Path | None = None,
+    detector: str = "vit",
+    detector_kwargs: dict[str, Any] | None = None,
+    config: TrainConfig | None = None,
+    seeds: Sequence[int] | None = None,
+    device: str | None = None,
+    inputs: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    progress: ProgressCallback | None = None,
+) -> SeedRuns:
+    """Train one detector per seed, evaluate each selected checkpoint once on test.
+
+    With `out_dir`, writes `seed-<s>/{model.safetensors, config.json, history.json,
+    test_scores.parquet, metrics.json}`, `manifest.json` (stack, device, `inputs`
+    identifiers such as the map store's manifest hash) and `summary.json`.
+    `metadata` is saved into every seed's config.json.
+    """
+    from actmap.detectors.base import CorrectnessDetector  # detectors import this module
+
+    config = config or TrainConfig()
+    seeds = tuple(seeds) if seeds is not None else config.seeds
+    out = Path(out_dir) if out_dir is not None else None
+    split_counts = {
+        name: {"n": len(s.labels), "n_correct": int(np.asarray(s.labels).sum())}
+        for name, s in (("train", train), ("val", val), ("test", test))
+    }
+    meta = {**(metadata or {}), "splits": split_counts, "inputs": inputs or {}}
+    runs = []
+    for seed in seeds:
+        est = CorrectnessDetector(detector, detector_kwargs, config, seed=seed, device=device)
+        est.fit(train.maps, train.labels, val.maps, val.labels, progress=progress)
+        scores, seed_metrics = evaluate_on_test(est, test)
+        seed_metrics.update(best_epoch=est.best_epoch_, best_val_auroc=est.best_val_auroc_)
+        runs.append(SeedRun(seed, est, scores, seed_metrics))
+        log.info("seed %d test: %s", seed, seed_metrics)
+        if out is not None:
+            seed_dir = out / f"seed-{seed}"
+            est.save(seed_dir, metadata=meta)
+            write_json(seed_dir / "history.json", [asdict(r) for r in est.history_])
+            scores.write_parquet(seed_dir / "test_scores.parquet")
+            write_json(seed_dir / "metrics.json", seed_metrics)
+    result = SeedRuns(runs, summarize_runs(runs))
+    if out is not None:
+        manifest = environment_manifest(runs[0].detector.device_, inputs)
+        manifest.update(
+            detector=detector, seeds=list(seeds), splits=split_counts, train_config=config.to_dict()
+        )
+        write_json(out / "manifest.json", manifest)
+        write_json(out / "summary.json", {"detector": detector, **result.summary})
+    return result

@@ -1,0 +1,289 @@
+"""Detector architectures (paper parameter counts) and the CorrectnessDetector contract."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.exceptions import NotFittedError
+
+from actmap.detectors import (
+    CorrectnessDetector,
+    create_detector,
+    list_detectors,
+    parameter_breakdown,
+    register_detector,
+)
+from actmap.detectors.mlp import mlp_parameters
+from actmap.detectors.vit import Attention, drop_path
+from actmap.training import TrainConfig
+
+PAPER_TOTAL = 2_401_985
+IN_FEATURES = 12 * 32 * 128  # 49,152
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# --- architectures ----------------------------------------------------------------
+
+
+def test_vit_matches_paper_parameter_accounting():
+    model = create_detector("vit")
+    assert parameter_breakdown(model) == {
+        "patch_embed": 147_648,
+        "position": 3_456,
+        "blocks": 2_225_664,
+        "norm": 384,
+        "head": 24_833,
+        "total": PAPER_TOTAL,
+    }
+    assert n_params(model) == PAPER_TOTAL
+
+
+def test_vit_structure_and_regularisation():
+    model = create_detector("vit")
+    assert model.patch_embed.kernel_size == (4, 16) and model.patch_embed.stride == (4, 16)
+    assert len(model.blocks) == 6 and model.blocks[0].attn.heads == 6
+    assert model.blocks[0].mlp.fc1.out_features == 576
+    assert [b.drop_path.p for b in model.blocks] == pytest.approx([0, 0.01, 0.02, 0.03, 0.04, 0.05])
+    assert model.blocks[0].attn.attn_drop == 0.1
+    assert model.blocks[0].mlp.drop.p == 0.3
+    assert model.pos_drop.p == 0.15
+    assert model.head[2].p == 0.3
+
+
+def test_vit_initialisation():
+    torch.manual_seed(0)
+    model = create_detector("vit")
+    w = model.patch_embed.weight  # (192, 12, 4, 16): fan_in 768, fan_out 192
+    bound = math.sqrt(6 / (12 * 4 * 16 + 192))
+    assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound
+    assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.05)
+    for p in (model.row_embed, model.col_embed):
+        assert p.std().item() == pytest.approx(0.02, rel=0.2)
+
+
+@pytest.mark.parametrize(
+    "shape", [(12, 32, 128), (9, 32, 128), (16, 32, 128), (12, 16, 64), (12, 64, 256)]
+)
+@pytest.mark.parametrize("name", ["vit", "mlp", "mlp4x", "logreg"])
+def test_forward_shapes(name, shape):
+    c, h, w = shape
+    model = create_detector(name, in_channels=c, map_height=h, map_width=w).eval()
+    with torch.no_grad():
+        out = model(torch.randn(3, c, h, w))
+    assert out.shape == (3,) and out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(("h", "w"), [(16, 64), (32, 128), (64, 256)])
+def test_vit_positions_follow_resolution(h, w):
+    model = create_detector("vit", map_height=h, map_width=w)
+    rows, cols = h // 4, w // 16
+    assert model.row_embed.shape == (rows, 192) and model.col_embed.shape == (cols, 192)
+    assert parameter_breakdown(model)["position"] == 192 * (2 + rows + cols)
+    assert model.forward_features(torch.randn(2, 12, h, w)).shape == (2, 192)
+
+
+def test_vit_rejects_indivisible_map():
+    with pytest.raises(ValueError, match="divisible"):
+        create_detector("vit", map_height=30)
+
+
+def test_attention_matches_naive_softmax_attention():
+    torch.manual_seed(0)
+    attn = Attention(dim=12, heads=3, attn_drop=0.1).eval()
+    x = torch.randn(2, 5, 12)
+    q, k, v = attn.qkv(x).split(12, dim=-1)
+    heads = []
+    for hd in range(3):
+        sl = slice(4 * hd, 4 * hd + 4)
+        weights = torch.softmax(q[..., sl] @ k[..., sl].transpose(1, 2) / 2.0, dim=-1)
+        heads.append(weights @ v[..., sl])
+    expected = attn.proj(torch.cat(heads, dim=-1))
+    torch.testing.assert_close(attn(x), expected)
+
+
+def test_drop_path_drops_whole_samples():
+    torch.manual_seed(0)
+    x = torch.ones(1000, 3, 4)
+    out = drop_path(x, 0.25, training=True)
+    per_sample = out.flatten(1)
+    kept = (per_sample == 1 / 0.75).all(1)
+    dropped = (per_sample == 0).all(1)
+    assert bool((kept | dropped).all())
+    assert dropped.float().mean().item() == pytest.approx(0.25, abs=0.05)
+    assert torch.equal(drop_path(x, 0.25, training=False), x)
+
+
+def test_vit_dropout_only_in_training_mode():
+    model = create_detector("vit", depth=2)
+    x = torch.randn(4, 12, 32, 128)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), model(x))
+        model.train()
+        assert not torch.equal(model(x), model(x))
+
+
+@pytest.mark.parametrize(("name", "budget"), [("mlp", PAPER_TOTAL), ("mlp4x", 4 * PAPER_TOTAL)])
+def test_mlp_width_is_the_closest_integer_to_the_budget(name, budget):
+    model = create_detector(name)
+    h = model.hidden
+    assert n_params(model) == h * IN_FEATURES + h + h + 1
+    gap = abs(n_params(model) - budget)
+    for other in (h - 1, h + 1):
+        neighbour = other * (IN_FEATURES + 1) + other + 1
+        assert gap <= abs(neighbour - budget)
+    assert mlp_parameters(IN_FEATURES, h) == n_params(model)
+
+
+def test_mlp_widths_for_paper_map():
+    assert create_detector("mlp").hidden == 49  # 2,408,547 params
+    assert create_detector("mlp4x").hidden == 195  # 9,585,031 params
+
+
+def test_logreg_has_49153_parameters():
+    assert n_params(create_detector("logreg")) == 49_153
+
+
+def test_registry():
+    assert {"vit", "mlp", "mlp4x", "logreg"} <= set(list_detectors())
+    with pytest.raises(ValueError, match="unknown detector 'nope'"):
+        create_detector("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_detector("vit")(lambda **kw: None)
+
+
+# --- the estimator contract --------------------------------------------------------
+
+FAST = TrainConfig(max_epochs=4, warmup_epochs=1, patience=3, device="cpu")
+
+
+def separable_maps(n: int, seed: int, shape=(12, 32, 128)) -> tuple[np.ndarray, np.ndarray]:
+    """Correct maps have channel 0 shifted up, incorrect ones down; balanced labels."""
+    rng = np.random.default_rng(seed)
+    labels = np.arange(n) % 2
+    rng.shuffle(labels)
+    maps = rng.standard_normal((n, *shape)).astype(np.float32)
+    maps[:, 0] += (0.3 * (2 * labels - 1))[:, None, None]
+    return maps.astype(np.float16), labels
+
+
+@pytest.fixture(scope="module")
+def fitted() -> tuple[CorrectnessDetector, np.ndarray, np.ndarray]:
+    maps, labels = separable_maps(160, 0)
+    test_maps, test_labels = separable_maps(64, 1)
+    det = CorrectnessDetector("logreg", config=FAST, seed=7)
+    det.fit(maps[:96], labels[:96], maps[96:], labels[96:])
+    return det, test_maps, test_labels
+
+
+def test_init_only_stores_arguments():
+    det = CorrectnessDetector("mlp", {"dropout": 0.1}, FAST, seed=3, device="cpu")
+    assert vars(det) == {
+        "detector": "mlp",
+        "detector_kwargs": {"dropout": 0.1},
+        "config": FAST,
+        "seed": 3,
+        "device": "cpu",
+    }
+    with pytest.raises(NotFittedError):
+        det.predict_proba(np.zeros((1, 12, 32, 128), np.float32))
+
+
+def test_fit_learns_and_scores_are_confidences(fitted):
+    det, test_maps, test_labels = fitted
+    assert det.detector_kwargs_ == {"in_channels": 12, "map_height": 32, "map_width": 128}
+    p = det.predict_proba(test_maps)
+    assert p.shape == (64,) and p.dtype == np.float32
+    assert ((p >= 0) & (p <= 1)).all()
+    from sklearn.metrics import roc_auc_score
+
+    assert roc_auc_score(test_labels, p) > 0.9  # higher p = correct
+    np.testing.assert_allclose(p, 1 / (1 + np.exp(-det.decision_function(test_maps))), rtol=1e-5)
+    # float16 input is cast, so it scores exactly as its float32 copy
+    np.testing.assert_array_equal(p, det.predict_proba(torch.from_numpy(test_maps).float()))
+
+
+def test_save_load_round_trip(fitted, tmp_path):
+    det, test_maps, _ = fitted
+    det.save(tmp_path / "d", metadata={"dataset": "synthetic"})
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["detector"] == "logreg" and cfg["seed"] == 7 and cfg["schema_version"] == 1
+    assert cfg["actmap_version"] == "0.1.0" and cfg["metadata"] == {"dataset": "synthetic"}
+    assert cfg["train_config"]["max_epochs"] == 4 and len(cfg["history"]) == len(det.history_)
+    loaded = CorrectnessDetector.load(tmp_path / "d", device="cpu")
+    np.testing.assert_array_equal(loaded.predict_proba(test_maps), det.predict_proba(test_maps))
+    assert loaded.config_ == det.config_ and loaded.best_epoch_ == det.best_epoch_
+    assert loaded.history_ == det.history_ and loaded.wall_time_s_ == det.wall_time_s_
+    read_only = test_maps.copy()
+    read_only.flags.writeable = False  # e.g. a memory-mapped store shard
+    np.testing.assert_array_equal(loaded.predict_proba(read_only), det.predict_proba(test_maps))
+
+
+def test_vit_save_load_round_trip(tmp_path):
+    torch.manual_seed(0)
+    det = CorrectnessDetector(
+        "vit",
+        {"depth": 1, "dim": 24, "heads": 2, "readout_hidden": 8, "patch": (8, 32)},
+        TrainConfig(max_epochs=1, device="cpu"),
+    )
+    maps, labels = separable_maps(8, 2)
+    det.fit(maps, labels, maps, labels)
+    loaded = CorrectnessDetector.load(det.save(tmp_path / "v"))
+    assert loaded.detector_kwargs_["patch"] == (8, 32)  # the JSON list is a tuple again
+    assert loaded.model_.grid == (4, 4)
+    np.testing.assert_array_equal(loaded.predict_proba(maps), det.predict_proba(maps))
+
+
+def test_load_rejects_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        CorrectnessDetector.load(tmp_path)
+
+
+GOOD_MAPS = np.zeros((4, 12, 32, 128), np.float32)
+GOOD_LABELS = np.array([0, 1, 0, 1])
+
+
+@pytest.mark.parametrize(
+    ("maps", "labels", "match"),
+    [
+        (np.zeros((4, 32, 128), np.float32), GOOD_LABELS, r"\(N, C, H, W\)"),
+        (np.full((4, 12, 32, 128), np.nan, np.float32), GOOD_LABELS, "NaN"),
+        (np.zeros((4, 12, 32, 128), np.int64), GOOD_LABELS, "floating point"),
+        (GOOD_MAPS, np.array([0, 1, 2, 1]), "0 or 1"),
+        (GOOD_MAPS, np.array([1, 1, 1, 1]), "single class"),
+        (GOOD_MAPS, np.array([0, 1, 0]), "3 rows but the maps have 4"),
+        (GOOD_MAPS, np.array([[0, 1, 0, 1]]), "1-D"),
+    ],
+)
+def test_fit_rejects_bad_input(maps, labels, match):
+    with pytest.raises(ValueError, match=match):
+        CorrectnessDetector("logreg", config=FAST).fit(maps, labels, GOOD_MAPS, GOOD_LABELS)
+
+
+def test_fit_rejects_bad_validation_and_shape_conflicts():
+    det = CorrectnessDetector("logreg", config=FAST)
+    with pytest.raises(ValueError, match="val_labels contain a single class"):
+        det.fit(GOOD_MAPS, GOOD_LABELS, GOOD_MAPS, np.zeros(4))
+    with pytest.raises(ValueError, match="val_maps have map shape"):
+        det.fit(GOOD_MAPS, GOOD_LABELS, np.zeros((4, 9, 32, 128), np.float32), GOOD_LABELS)
+    with pytest.raises(ValueError, match="in_channels=9 but the maps have 12"):
+        CorrectnessDetector("logreg", {"in_channels": 9}, FAST).fit(
+            GOOD_MAPS, GOOD_LABELS, GOOD_MAPS, GOOD_LABELS
+        )
+
+
+def test_predict_rejects_wrong_map_shape(fitted):
+    det = fitted[0]
+    with pytest.raises(ValueError, match="detector expects"):
+        det.predict_proba(np.zeros((2, 12, 16, 64), np.float32))
