@@ -1,0 +1,792 @@
+"""ACT-ViT baseline: a small ViT over the dense (layer x token x hidden) activation tensor.
+
+The straight line (BASELINES.md Part B section 1, decision 9; paper appendix
+"ACT-ViT Reproduction Protocol"):
+
+    Generation.dense (L, min(T, 100), D) float16, row t = state that produced token t
+    -> pad_tokens       (L, 100, D)     first 100 tokens, zero rows appended
+    -> pool_layers      (8, 100, D)     layer axis padded to a multiple of 8, max over 8 groups
+    -> ACTViT           per-LLM Linear(D -> D') on every cell, (p_h, p_w) patches, ViT, CLS -> logit
+    -> sigmoid          p(correct)
+
+Training follows ACT-ViT's own published protocol, not the ActMap recipe:
+AdamW lr 1e-3, BCE-with-logits (positive = correct), batch 128, 15 epochs,
+per-step cosine schedule with a 10% step warm-up, checkpoint on strict
+improvement of validation AUROC. `run_sweep` searches the 24-configuration
+grid with seed 42 and retrains the selected configuration with 123 and 456.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from sklearn.metrics import roc_auc_score
+from torch import nn
+
+from actmap.baselines.base import BaselineUnavailable, ScoreResult
+
+logger = logging.getLogger(__name__)
+
+N_MAX = 100  # ACT-ViT's fixed token axis (first generated tokens)
+LAYER_GROUPS = 8  # ACT-ViT's L_eff: the layer axis is max-pooled to 8 contiguous groups
+RESULT_SCHEMA_VERSION = 1
+SHARD_SCHEMA_VERSION = 1
+
+PadMode = Literal["zero", "replicate"]
+
+
+# --------------------------------------------------------------------------- preprocessing
+
+
+def pad_tokens(dense: torch.Tensor, n_max: int = N_MAX) -> torch.Tensor:
+    """Keep the first `n_max` generated tokens, or append all-zero token rows up to `n_max`.
+
+    (L, N, D) -> (L, n_max, D). No mask is carried forward (as upstream).
+    """
+    if dense.ndim != 3:
+        raise ValueError(f"dense must be (L, N, D), got shape {tuple(dense.shape)}")
+    if n_max < 1:
+        raise ValueError(f"n_max must be >= 1, got {n_max}")
+    n_layers, n_tokens, d_model = dense.shape
+    if n_tokens >= n_max:
+        return dense[:, :n_max]
+    pad = dense.new_zeros(n_layers, n_max - n_tokens, d_model)
+    return torch.cat([dense, pad], dim=1)  # (L, n_max, D)
+
+
+def pool_layers(
+    x: torch.Tensor, groups: int = LAYER_GROUPS, pad_mode: PadMode = "zero"
+) -> torch.Tensor:
+    """Pad the layer axis to a multiple of `groups`, then max over contiguous groups.
+
+    (L, N, D) -> (groups, N, D). `pad_mode="zero"` appends all-zero layers (the
+    ActMap paper's rule); `"replicate"` repeats the last layer (the authors'
+    helper). For L = 32 the two agree.
+    """
+    if x.ndim != 3:
+        raise ValueError(f"x must be (L, N, D), got shape {tuple(x.shape)}")
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    if pad_mode not in ("zero", "replicate"):
+        raise ValueError(f"pad_mode must be 'zero' or 'replicate', got {pad_mode!r}")
+    n_layers, n_tokens, d_model = x.shape
+    if n_layers == 0:
+        raise ValueError("x has no layers (L = 0)")
+    n_pad = (groups - n_layers % groups) % groups
+    if n_pad:
+        if pad_mode == "zero":
+            pad = x.new_zeros(n_pad, n_tokens, d_model)
+        else:
+            pad = x[-1:].expand(n_pad, n_tokens, d_model)
+        x = torch.cat([x, pad], dim=0)  # (L + n_pad, N, D)
+    per_group = x.shape[0] // groups
+    x = x.reshape(groups, per_group, n_tokens, d_model)  # (G, L / G, N, D)
+    return x.amax(dim=1)  # (G, N, D)
+
+
+def actvit_tensor(
+    dense: torch.Tensor,
+    n_max: int = N_MAX,
+    groups: int = LAYER_GROUPS,
+    pad_mode: PadMode = "zero",
+) -> torch.Tensor:
+    """One generation's dense states (L, N, D) -> ACT-ViT input (groups, n_max, D) float16."""
+    return pool_layers(pad_tokens(dense, n_max), groups, pad_mode).to(torch.float16)
+
+
+def tensor_nbytes(d_model: int, n_max: int = N_MAX, groups: int = LAYER_GROUPS) -> int:
+    """Bytes of one float16 ACT-ViT input row: groups * n_max * D * 2."""
+    return groups * n_max * d_model * 2
+
+
+def _as_batch(rows: Any, pad_mode: PadMode = "zero") -> torch.Tensor:
+    """Stack scorer inputs into (n, 8, 100, D) float16.
+
+    Accepts a stacked tensor, a sequence of (8, 100, D) tensors, or a sequence
+    of `Generation` records whose `dense` field is set (preprocessed here).
+    """
+    if isinstance(rows, torch.Tensor):
+        batch = rows
+    else:
+        rows = list(rows)
+        if not rows:
+            raise ValueError("no rows given")
+        tensors = []
+        for i, row in enumerate(rows):
+            if isinstance(row, torch.Tensor):
+                tensors.append(row)
+            elif hasattr(row, "dense"):
+                if row.dense is None:
+                    raise BaselineUnavailable(
+                        f"row {i} has no dense hidden states; capture with keep_dense=True"
+                    )
+                tensors.append(actvit_tensor(row.dense, pad_mode=pad_mode))
+            else:
+                raise ValueError(f"row {i}: expected a tensor or a Generation, got {type(row)}")
+        shapes = {tuple(t.shape) for t in tensors}
+        if len(shapes) != 1:
+            raise ValueError(f"rows have different shapes: {sorted(shapes)}")
+        batch = torch.stack(tensors)
+    if batch.ndim != 4 or batch.shape[1] != LAYER_GROUPS or batch.shape[2] != N_MAX:
+        raise ValueError(
+            f"ACT-ViT inputs must be (n, {LAYER_GROUPS}, {N_MAX}, D), got {tuple(batch.shape)}"
+        )
+    return batch.to(torch.float16)
+
+
+# --------------------------------------------------------------------------- storage
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors to a temporary file beside `path`, then os.replace (no torn files)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_dense_shard(path: str | Path, ids: Sequence[str], tensors: Any) -> Path:
+    """Write n ACT-ViT inputs as one safetensors file: (n, 8, 100, D) float16 + ids in metadata."""
+    ids = list(ids)
+    if not all(isinstance(i, str) for i in ids):
+        raise ValueError("ids must all be strings")
+    if len(set(ids)) != len(ids):
+        raise ValueError("ids must be unique within a shard")
+    batch = _as_batch(tensors)  # (n, 8, 100, D)
+    if batch.shape[0] != len(ids):
+        raise ValueError(f"{len(ids)} ids for {batch.shape[0]} tensors")
+    path = Path(path)
+    metadata = {"ids": json.dumps(ids), "schema_version": str(SHARD_SCHEMA_VERSION)}
+    _atomic_save({"tensors": batch}, path, metadata)
+    return path
+
+
+def read_dense_shard(path: str | Path) -> tuple[list[str], torch.Tensor]:
+    """Read a shard written by `write_dense_shard`: (ids, (n, 8, 100, D) float16)."""
+    path = Path(path)
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        if "ids" not in metadata or "tensors" not in set(f.keys()):
+            raise ValueError(f"{path} is not an ACT-ViT dense shard (missing ids or tensors)")
+        tensors = f.get_tensor("tensors")
+    ids = json.loads(metadata["ids"])
+    if len(ids) != tensors.shape[0]:
+        raise ValueError(f"{path}: {len(ids)} ids for {tensors.shape[0]} tensors")
+    return ids, tensors
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ACTViTConfig:
+    """One point of the ACT-ViT search space plus its training protocol."""
+
+    dim: int = 128  # ViT width; grid {128, 1024}; 128 is the paper's selected value
+    depth: int = 1  # encoder blocks; grid {1, 3}
+    weight_decay: float = 1e-3  # AdamW decoupled decay; grid {1, 1e-3}
+    patch: tuple[int, int] = (4, 2)  # (layer groups, tokens) per patch; grid (1,1) (8,1) (4,2)
+    heads: int = 4  # fixed by the protocol
+    dim_head: int = 64  # vit-pytorch default; not pinned down upstream
+    mlp_dim: int | None = None  # MLP width; None = 2 * dim (vit-pytorch examples' ratio)
+    adapter_dim: int | None = None  # D' of the per-LLM adapter; None = dim (BASELINES B1 step 4)
+    dropout: float = 0.3  # attention and MLP dropout, fixed by the protocol
+    emb_dropout: float = 0.3  # same value as dropout (BASELINES: inferred)
+    lr: float = 1e-3  # fixed by the protocol
+    epochs: int = 15  # every configuration runs all 15 (released patience 30 > 15)
+    batch_size: int = 128  # published batch size
+    warmup_fraction: float = 0.1  # warm-up over 10% of all optimizer steps, then cosine
+
+    def __post_init__(self) -> None:
+        if len(self.patch) != 2 or LAYER_GROUPS % self.patch[0] or N_MAX % self.patch[1]:
+            raise ValueError(f"patch {self.patch} must divide the ({LAYER_GROUPS}, {N_MAX}) grid")
+        if self.dim < 1 or self.depth < 1 or self.heads < 1 or self.dim_head < 1:
+            raise ValueError("dim, depth, heads and dim_head must be >= 1")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+
+    @property
+    def resolved_mlp_dim(self) -> int:
+        return self.mlp_dim if self.mlp_dim is not None else 2 * self.dim
+
+    @property
+    def resolved_adapter_dim(self) -> int:
+        return self.adapter_dim if self.adapter_dim is not None else self.dim
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["patch"] = list(self.patch)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ACTViTConfig:
+        return cls(**{**d, "patch": tuple(d["patch"])})
+
+
+# hidden {128, 1024} x depth {1, 3} x weight decay {1, 1e-3} x patch {(1,1), (8,1), (4,2)}
+SWEEP_GRID: tuple[ACTViTConfig, ...] = tuple(
+    ACTViTConfig(dim=dim, depth=depth, weight_decay=wd, patch=patch)
+    for dim, depth, wd, patch in itertools.product(
+        (128, 1024), (1, 3), (1.0, 1e-3), ((1, 1), (8, 1), (4, 2))
+    )
+)
+
+
+class Attention(nn.Module):
+    """Pre-norm multi-head self-attention (no mask: zero-padded tokens are visible, as upstream)."""
+
+    def __init__(self, dim: int, heads: int, dim_head: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        inner = heads * dim_head
+        self.norm = nn.LayerNorm(dim)
+        self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
+        self.to_out = nn.Sequential(nn.Linear(inner, dim), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.to_qkv(self.norm(x))  # (B, n, 3 * H * Dh)
+        q, k, v = qkv.view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, n, Dh)
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # (B, H, n, Dh)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1))  # (B, n, dim)
+
+
+class FeedForward(nn.Module):
+    """Pre-norm GELU MLP."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.LayerNorm(dim),
+            nn.Linear(dim, hidden),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, dim),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int, mlp_dim: int, dropout: float):
+        super().__init__()
+        self.attn = Attention(dim, heads, dim_head, dropout)
+        self.ff = FeedForward(dim, mlp_dim, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.ff(x)
+
+
+def patchify(x: torch.Tensor, patch: tuple[int, int]) -> torch.Tensor:
+    """(B, G, N, C) -> (B, (G / p_h) * (N / p_w), p_h * p_w * C), patches in row-major order.
+
+    Each patch flattens as (row within patch, column within patch, channel),
+    the vit-pytorch `(p1 p2 c)` order.
+    """
+    b, g, n, c = x.shape
+    ph, pw = patch
+    x = x.reshape(b, g // ph, ph, n // pw, pw, c)  # (B, G', p_h, N', p_w, C)
+    x = x.permute(0, 1, 3, 2, 4, 5)  # (B, G', N', p_h, p_w, C)
+    return x.reshape(b, (g // ph) * (n // pw), ph * pw * c)  # (B, P, p_h * p_w * C)
+
+
+class ACTViT(nn.Module):
+    """Per-LLM adapter + vit-pytorch style ViT over the (8, 100, D) activation grid."""
+
+    def __init__(
+        self,
+        d_model: int,
+        adapter_dim: int,
+        dim: int,
+        depth: int,
+        heads: int,
+        dim_head: int,
+        mlp_dim: int,
+        patch: tuple[int, int],
+        dropout: float,
+        emb_dropout: float,
+        groups: int = LAYER_GROUPS,
+        n_tokens: int = N_MAX,
+    ):
+        super().__init__()
+        if groups % patch[0] or n_tokens % patch[1]:
+            raise ValueError(f"patch {patch} must divide the ({groups}, {n_tokens}) grid")
+        self.d_model, self.groups, self.n_tokens, self.patch = d_model, groups, n_tokens, patch
+        n_patches = (groups // patch[0]) * (n_tokens // patch[1])
+        patch_dim = patch[0] * patch[1] * adapter_dim
+        # the only LLM-specific part; applied to every (group, token) cell after pooling
+        self.adapter = nn.Linear(d_model, adapter_dim)
+        self.patch_embed = nn.Sequential(
+            nn.LayerNorm(patch_dim), nn.Linear(patch_dim, dim), nn.LayerNorm(dim)
+        )
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+        self.pos_embedding = nn.Parameter(torch.randn(1, n_patches + 1, dim))
+        self.emb_dropout = nn.Dropout(emb_dropout)
+        self.blocks = nn.ModuleList(
+            Block(dim, heads, dim_head, mlp_dim, dropout) for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 1)
+
+    @classmethod
+    def from_config(cls, config: ACTViTConfig, d_model: int) -> ACTViT:
+        return cls(
+            d_model=d_model,
+            adapter_dim=config.resolved_adapter_dim,
+            dim=config.dim,
+            depth=config.depth,
+            heads=config.heads,
+            dim_head=config.dim_head,
+            mlp_dim=config.resolved_mlp_dim,
+            patch=config.patch,
+            dropout=config.dropout,
+            emb_dropout=config.emb_dropout,
+        )
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 8, 100, D) -> (B, dim), the normalized CLS token."""
+        expected = (self.groups, self.n_tokens, self.d_model)
+        if x.ndim != 4 or tuple(x.shape[1:]) != expected:
+            raise ValueError(
+                f"ACTViT expects (B, {', '.join(map(str, expected))}), got {tuple(x.shape)}"
+            )
+        x = self.adapter(x.to(self.adapter.weight.dtype))  # (B, G, N, D')
+        x = self.patch_embed(patchify(x, self.patch))  # (B, P, dim)
+        cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, dim)
+        x = torch.cat([cls, x], dim=1) + self.pos_embedding  # (B, P + 1, dim)
+        x = self.emb_dropout(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)[:, 0]  # (B, dim)
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head(features).squeeze(-1)  # (B,) logit of "correct"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# --------------------------------------------------------------------------- training
+
+
+class LabeledTensors(NamedTuple):
+    """ACT-ViT inputs and their labels (1 = correct)."""
+
+    x: torch.Tensor  # (n, 8, 100, D) float16
+    y: np.ndarray  # (n,) {0, 1}
+
+
+def _check_split(split: Any, name: str, need_both_classes: bool) -> LabeledTensors:
+    x, y = split
+    x = _as_batch(x)
+    y = np.asarray(y)
+    if y.ndim != 1 or y.shape[0] != x.shape[0]:
+        raise ValueError(f"{name}: labels shape {y.shape} does not match {x.shape[0]} rows")
+    if not np.isin(y, (0, 1)).all():
+        raise ValueError(f"{name}: labels must be 0/1 (1 = correct)")
+    if need_both_classes and len(np.unique(y)) < 2:
+        raise ValueError(f"{name}: AUROC needs both correct and incorrect rows")
+    return LabeledTensors(x, y.astype(np.float32))
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int) -> float:
+    """Per-step factor: linear warm-up from 0, then half-cosine to 0 at `total_steps`."""
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[torch.Generator]:
+    """Seed torch and turn on deterministic algorithms (warn only); restore the flags after."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield torch.Generator().manual_seed(seed)  # data order
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+
+
+@torch.no_grad()
+def predict_proba(
+    model: ACTViT, x: torch.Tensor, batch_size: int = 256, device: torch.device | None = None
+) -> np.ndarray:
+    """p(correct) for every row of x (n, 8, 100, D), float64."""
+    device = device or next(model.parameters()).device
+    model.eval()
+    out = [
+        torch.sigmoid(model(x[i : i + batch_size].to(device).float())).double().cpu()
+        for i in range(0, x.shape[0], batch_size)
+    ]
+    return torch.cat(out).numpy()
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    epoch: int
+    train_loss: float
+    val_auroc: float
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    """One trained configuration at one seed, at its best-validation epoch."""
+
+    seed: int
+    best_epoch: int
+    val_auroc: float
+    history: tuple[EpochStats, ...]
+    state: dict[str, torch.Tensor] = field(repr=False)  # selected checkpoint, on CPU
+    test_auroc: float | None = None
+    test_scores: np.ndarray | None = field(default=None, repr=False)  # (n_test,) p(correct)
+
+
+def train_config(
+    config: ACTViTConfig,
+    train: Any,
+    val: Any,
+    test: Any | None = None,
+    seed: int = 42,
+    device: str | torch.device | None = None,
+) -> SeedRun:
+    """Train one configuration with one seed; evaluate its best-validation checkpoint on test once.
+
+    `train`, `val`, `test` are `(x (n, 8, 100, D), y (n,))` with y = 1 for correct.
+    """
+    train = _check_split(train, "train", need_both_classes=False)
+    val = _check_split(val, "val", need_both_classes=True)
+    if test is not None:
+        test = _check_split(test, "test", need_both_classes=True)
+    device = resolve_device(device)
+    d_model = train.x.shape[-1]
+    if val.x.shape[-1] != d_model:
+        raise ValueError(f"val hidden size {val.x.shape[-1]} != train hidden size {d_model}")
+    n = train.x.shape[0]
+    steps_per_epoch = math.ceil(n / config.batch_size)
+    total_steps = steps_per_epoch * config.epochs
+    warmup_steps = int(config.warmup_fraction * total_steps)
+    y_train = torch.from_numpy(train.y)
+
+    with seeded(seed) as data_gen:
+        model = ACTViT.from_config(config, d_model).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_multiplier(s, total_steps, warmup_steps)
+        )
+        best_auroc, best_epoch, best_state = -math.inf, -1, None
+        history = []
+        for epoch in range(config.epochs):
+            model.train()
+            order = torch.randperm(n, generator=data_gen)
+            loss_sum = 0.0
+            for i in range(0, n, config.batch_size):
+                idx = order[i : i + config.batch_size]
+                xb = train.x[idx].to(device).float()  # (b, 8, 100, D)
+                yb = y_train[idx].to(device)
+                loss = F.binary_cross_entropy_with_logits(model(xb), yb)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                loss_sum += loss.item() * len(idx)
+            val_auroc = float(roc_auc_score(val.y, predict_proba(model, val.x, device=device)))
+            history.append(EpochStats(epoch, loss_sum / n, val_auroc))
+            if val_auroc > best_auroc:  # strict: ties keep the earlier epoch
+                best_auroc, best_epoch = val_auroc, epoch
+                best_state = {
+                    k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
+                }
+            logger.debug(
+                "seed %d epoch %d loss %.4f val AUROC %.4f", seed, epoch, loss_sum / n, val_auroc
+            )
+
+        test_auroc, test_scores = None, None
+        if test is not None:
+            model.load_state_dict(best_state)
+            test_scores = predict_proba(model, test.x, device=device)
+            test_auroc = float(roc_auc_score(test.y, test_scores))
+    return SeedRun(
+        seed, best_epoch, best_auroc, tuple(history), best_state, test_auroc, test_scores
+    )
+
+
+# --------------------------------------------------------------------------- sweep
+
+
+@dataclass(frozen=True)
+class ConfigResult:
+    config: ACTViTConfig
+    val_auroc: float  # best-epoch validation AUROC with the selection seed
+    best_epoch: int
+    n_params: int
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """Every configuration's validation AUROC, the selected one, and its runs per seed."""
+
+    d_model: int
+    grid: tuple[ConfigResult, ...]
+    selected: ACTViTConfig
+    n_params: int  # of the selected configuration
+    runs: tuple[SeedRun, ...]  # selection seed first
+
+    @property
+    def test_auroc_mean(self) -> float | None:
+        values = [r.test_auroc for r in self.runs]
+        return None if any(v is None for v in values) else float(np.mean(values))
+
+    def save(self, directory: str | Path) -> Path:
+        """result.json + one safetensors per seed (checkpoint, test scores). Never pickle."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "method": "actvit",
+            "schema_version": RESULT_SCHEMA_VERSION,
+            "actmap_version": _actmap_version(),
+            "d_model": self.d_model,
+            "selected": self.selected.to_dict(),
+            "n_params": self.n_params,
+            "test_auroc_mean": self.test_auroc_mean,
+            "grid": [{**dataclasses.asdict(g), "config": g.config.to_dict()} for g in self.grid],
+            "runs": [],
+        }
+        for run in self.runs:
+            fname = f"seed-{run.seed}.safetensors"
+            tensors = {f"state.{k}": v for k, v in run.state.items()}
+            if run.test_scores is not None:
+                tensors["test_scores"] = torch.from_numpy(np.asarray(run.test_scores, np.float64))
+            _atomic_save(
+                tensors, directory / fname, {"config": json.dumps(self.selected.to_dict())}
+            )
+            meta["runs"].append(
+                {
+                    "seed": run.seed,
+                    "best_epoch": run.best_epoch,
+                    "val_auroc": run.val_auroc,
+                    "test_auroc": run.test_auroc,
+                    "history": [dataclasses.asdict(h) for h in run.history],
+                    "file": fname,
+                }
+            )
+        tmp = directory / ".result.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, directory / "result.json")
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> SweepResult:
+        directory = Path(directory)
+        meta = json.loads((directory / "result.json").read_text())
+        runs = []
+        for r in meta["runs"]:
+            tensors = load_file(str(directory / r["file"]))
+            state = {k[len("state.") :]: v for k, v in tensors.items() if k.startswith("state.")}
+            scores = tensors.get("test_scores")
+            runs.append(
+                SeedRun(
+                    seed=r["seed"],
+                    best_epoch=r["best_epoch"],
+                    val_auroc=r["val_auroc"],
+                    history=tuple(EpochStats(**h) for h in r["history"]),
+                    state=state,
+                    test_auroc=r["test_auroc"],
+                    test_scores=None if scores is None else scores.numpy(),
+                )
+            )
+        grid = tuple(
+            ConfigResult(**{**g, "config": ACTViTConfig.from_dict(g["config"])})
+            for g in meta["grid"]
+        )
+        return cls(
+            d_model=meta["d_model"],
+            grid=grid,
+            selected=ACTViTConfig.from_dict(meta["selected"]),
+            n_params=meta["n_params"],
+            runs=tuple(runs),
+        )
+
+
+def _actmap_version() -> str:
+    return str(getattr(importlib.import_module("actmap"), "__version__", "unknown"))
+
+
+def run_sweep(
+    train: Any,
+    val: Any,
+    test: Any | None = None,
+    *,
+    seed: int = 42,
+    retrain_seeds: Sequence[int] = (123, 456),
+    grid: Sequence[ACTViTConfig] = SWEEP_GRID,
+    epochs: int | None = None,
+    device: str | torch.device | None = None,
+) -> SweepResult:
+    """Train every grid configuration with `seed`, select by validation AUROC, retrain with the rest.
+
+    Ties between configurations keep the earlier grid entry. The test split is
+    only scored with each seed's selected checkpoint, never used to select.
+    """
+    if not grid:
+        raise ValueError("grid is empty")
+    if epochs is not None:
+        grid = [dataclasses.replace(c, epochs=epochs) for c in grid]
+    train = _check_split(train, "train", need_both_classes=False)
+    val = _check_split(val, "val", need_both_classes=True)
+    d_model = train.x.shape[-1]
+
+    results, best_run, best_i = [], None, -1
+    for i, config in enumerate(grid):
+        run = train_config(config, train, val, None, seed=seed, device=device)
+        n_params = count_parameters(ACTViT.from_config(config, d_model))
+        results.append(ConfigResult(config, run.val_auroc, run.best_epoch, n_params))
+        logger.info("config %d/%d %s: val AUROC %.4f", i + 1, len(grid), config, run.val_auroc)
+        if best_run is None or run.val_auroc > best_run.val_auroc:
+            best_run, best_i = run, i
+    selected = grid[best_i]
+
+    runs = [_score_test(selected, best_run, test, d_model, device)]
+    for s in retrain_seeds:
+        runs.append(train_config(selected, train, val, test, seed=s, device=device))
+    return SweepResult(d_model, tuple(results), selected, results[best_i].n_params, tuple(runs))
+
+
+def _score_test(
+    config: ACTViTConfig, run: SeedRun, test: Any | None, d_model: int, device: Any
+) -> SeedRun:
+    """The selection seed's checkpoint, scored once on test."""
+    if test is None:
+        return run
+    test = _check_split(test, "test", need_both_classes=True)
+    model = ACTViT.from_config(config, d_model)
+    model.load_state_dict(run.state)
+    scores = predict_proba(model.to(resolve_device(device)), test.x)
+    auroc = float(roc_auc_score(test.y, scores))
+    return dataclasses.replace(run, test_auroc=auroc, test_scores=scores)
+
+
+# --------------------------------------------------------------------------- scorer
+
+
+class ACTViTScorer:
+    """The scorer contract over ACT-ViT: fit runs the sweep (or one fixed config), score gives p(correct).
+
+    Rows are (8, 100, D) tensors, one stacked (n, 8, 100, D) tensor, or
+    `Generation` records captured with `keep_dense=True`. `confidence` comes
+    from the first seed's checkpoint (the selection seed); the other seeds'
+    scores are in `details["confidence_by_seed"]` so metrics can be averaged
+    over seeds as the protocol reports them.
+    """
+
+    name: ClassVar[str] = "actvit"
+    supervised: ClassVar[bool] = True
+    requires: ClassVar[tuple[str, ...]] = ("dense",)
+
+    def __init__(
+        self,
+        config: ACTViTConfig | None = None,
+        seeds: Sequence[int] = (42, 123, 456),
+        grid: Sequence[ACTViTConfig] = SWEEP_GRID,
+        epochs: int | None = None,
+        layer_pad_mode: PadMode = "zero",
+        device: str | None = None,
+    ):
+        self.config = config
+        self.seeds = tuple(seeds)
+        self.grid = tuple(grid)
+        self.epochs = epochs
+        self.layer_pad_mode = layer_pad_mode
+        self.device = device
+
+    def fit(
+        self,
+        train: Any,
+        y_train: np.ndarray,
+        val: Any | None = None,
+        y_val: np.ndarray | None = None,
+    ) -> ACTViTScorer:
+        if val is None or y_val is None:
+            raise ValueError(
+                "ACT-ViT selects its epoch and configuration on validation rows: pass val"
+            )
+        if not self.seeds:
+            raise ValueError("seeds is empty")
+        grid = (self.config,) if self.config is not None else self.grid
+        self.result_ = run_sweep(
+            (_as_batch(train, self.layer_pad_mode), y_train),
+            (_as_batch(val, self.layer_pad_mode), y_val),
+            seed=self.seeds[0],
+            retrain_seeds=self.seeds[1:],
+            grid=grid,
+            epochs=self.epochs,
+            device=self.device,
+        )
+        device = resolve_device(self.device)
+        self.models_ = []
+        for run in self.result_.runs:
+            model = ACTViT.from_config(self.result_.selected, self.result_.d_model)
+            model.load_state_dict(run.state)
+            self.models_.append(model.to(device).eval())
+        return self
+
+    def score(self, rows: Any) -> ScoreResult:
+        if not hasattr(self, "models_"):
+            raise RuntimeError("ACTViTScorer.score called before fit")
+        x = _as_batch(rows, self.layer_pad_mode)
+        by_seed = {run.seed: predict_proba(m, x) for run, m in zip(self.result_.runs, self.models_)}
+        confidence = by_seed[self.result_.runs[0].seed]
+        return ScoreResult(
+            confidence=confidence,
+            raw=confidence.copy(),
+            raw_name="p_correct",
+            details={
+                "config": self.result_.selected.to_dict(),
+                "n_params": self.result_.n_params,
+                "seeds": [r.seed for r in self.result_.runs],
+                "val_auroc_by_seed": {r.seed: r.val_auroc for r in self.result_.runs},
+                "confidence_by_seed": by_seed,
+                "layer_pad_mode": self.layer_pad_mode,
+                "d_model": self.result_.d_model,
+            },
+        )

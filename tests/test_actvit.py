@@ -1,0 +1,350 @@
+"""ACT-ViT baseline: preprocessing against naive loops, model shapes and sizes, protocol, sweep, scorer."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import roc_auc_score
+
+from actmap.baselines.actvit import (
+    SWEEP_GRID,
+    ACTViT,
+    ACTViTConfig,
+    ACTViTScorer,
+    SweepResult,
+    actvit_tensor,
+    count_parameters,
+    lr_multiplier,
+    pad_tokens,
+    patchify,
+    pool_layers,
+    read_dense_shard,
+    run_sweep,
+    tensor_nbytes,
+    train_config,
+    write_dense_shard,
+)
+from actmap.baselines.base import BaselineUnavailable, ScoreResult
+from actmap.capture.records import Generation
+
+torch.set_num_threads(1)
+
+# small enough for one CPU core: 2 heads of width 8, MLP 32, 16-wide ViT
+TINY = ACTViTConfig(dim=16, depth=1, heads=2, dim_head=8, mlp_dim=32, patch=(8, 1), batch_size=32)
+
+
+# ----------------------------------------------------------------------------- naive references
+
+
+def naive_actvit(dense: torch.Tensor, n_max: int, groups: int, pad_mode: str) -> torch.Tensor:
+    """Element by element: token slice/zero-pad, layer pad to a multiple of groups, max per group."""
+    L, N, D = dense.shape
+    padded_layers = L if L % groups == 0 else (L // groups + 1) * groups
+    per_group = padded_layers // groups
+    out = torch.empty(groups, n_max, D, dtype=dense.dtype)
+    for g in range(groups):
+        for t in range(n_max):
+            best = None
+            for layer in range(g * per_group, (g + 1) * per_group):
+                if layer < L:
+                    row = dense[layer, t] if t < N else torch.zeros(D, dtype=dense.dtype)
+                elif pad_mode == "zero":
+                    row = torch.zeros(D, dtype=dense.dtype)
+                else:  # replicate the last real layer
+                    row = dense[L - 1, t] if t < N else torch.zeros(D, dtype=dense.dtype)
+                best = row.clone() if best is None else torch.maximum(best, row)
+            out[g, t] = best
+    return out
+
+
+def naive_patchify(x: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
+    _, G, N, _ = x.shape
+    patches = []
+    for i in range(G // ph):
+        for j in range(N // pw):
+            vals = [x[:, i * ph + a, j * pw + b, :] for a in range(ph) for b in range(pw)]
+            patches.append(torch.cat(vals, dim=-1))
+    return torch.stack(patches, dim=1)
+
+
+def formula_params(D: int, cfg: ACTViTConfig) -> int:
+    """Parameter count written out layer by layer (vit-pytorch layout, our adapter in front)."""
+    dp, dim, m = cfg.resolved_adapter_dim, cfg.dim, cfg.resolved_mlp_dim
+    inner = cfg.heads * cfg.dim_head
+    patch_dim = cfg.patch[0] * cfg.patch[1] * dp
+    n_patches = (8 // cfg.patch[0]) * (100 // cfg.patch[1])
+    adapter = D * dp + dp
+    embed = 2 * patch_dim + (patch_dim * dim + dim) + 2 * dim
+    tokens = dim + (n_patches + 1) * dim
+    block = (2 * dim + dim * 3 * inner + inner * dim + dim) + (
+        2 * dim + dim * m + m + m * dim + dim
+    )
+    return adapter + embed + tokens + cfg.depth * block + 2 * dim + dim + 1
+
+
+def separable(n: int, d: int, seed: int, shift: float = 1.5) -> tuple[torch.Tensor, np.ndarray]:
+    """Correct rows carry +shift on the first two hidden coordinates of the first 20 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    y = np.array([i % 2 for i in range(n)])
+    x = torch.randn(n, 8, 100, d, generator=g)
+    x[torch.from_numpy(y == 1), :, :20, :2] += shift
+    return x.half(), y
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+
+@pytest.mark.parametrize("pad_mode", ["zero", "replicate"])
+@pytest.mark.parametrize("L,N", list(itertools.product([18, 28, 30, 32], [1, 5, 100, 130])))
+def test_actvit_tensor_matches_naive_loop(L, N, pad_mode):
+    g = torch.Generator().manual_seed(L * 1000 + N)
+    dense = torch.randn(L, N, 3, generator=g).half()  # negatives make zero padding visible
+    got = actvit_tensor(dense, pad_mode=pad_mode)
+    assert got.shape == (8, 100, 3) and got.dtype == torch.float16
+    torch.testing.assert_close(got, naive_actvit(dense, 100, 8, pad_mode), rtol=0, atol=0)
+
+
+def test_zero_and_replicate_padding_differ_where_expected():
+    dense = -torch.rand(28, 4, 2) - 1.0  # all negative
+    zero = pool_layers(dense, pad_mode="zero")
+    rep = pool_layers(dense, pad_mode="replicate")
+    assert torch.equal(zero[:7], rep[:7])  # 28 = 7 full groups of 4
+    assert torch.equal(zero[7], torch.zeros(4, 2))  # 8th group is only padding
+    assert torch.equal(rep[7], dense[27])  # replicated last layer
+    assert torch.equal(
+        pool_layers(dense[:24], pad_mode="zero"), pool_layers(dense[:24], pad_mode="replicate")
+    )
+
+
+def test_pad_tokens_slices_and_pads():
+    dense = torch.arange(2 * 130 * 1, dtype=torch.float32).reshape(2, 130, 1)
+    assert torch.equal(pad_tokens(dense), dense[:, :100])
+    short = pad_tokens(dense[:, :3])
+    assert torch.equal(short[:, :3], dense[:, :3]) and short[:, 3:].abs().sum() == 0
+    assert pad_tokens(dense[:, :0]).shape == (2, 100, 1)  # empty answer -> all zeros
+
+
+def test_preprocessing_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"\(L, N, D\)"):
+        pad_tokens(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="pad_mode"):
+        pool_layers(torch.zeros(3, 4, 2), pad_mode="edge")
+    with pytest.raises(ValueError, match="no layers"):
+        pool_layers(torch.zeros(0, 4, 2))
+
+
+def test_bytes_per_row():
+    assert tensor_nbytes(576) == 8 * 100 * 576 * 2 == 921_600
+    assert tensor_nbytes(4096) == 6.25 * 2**20  # the paper's 6.25 MiB
+
+
+def test_dense_shard_round_trip(tmp_path):
+    x = torch.randn(5, 8, 100, 12).half()
+    ids = [f"q{i}" for i in range(5)]
+    path = write_dense_shard(tmp_path / "shard-0.safetensors", ids, x)
+    got_ids, got = read_dense_shard(path)
+    assert got_ids == ids and got.dtype == torch.float16 and torch.equal(got, x)
+    payload = 5 * tensor_nbytes(12)
+    assert payload <= path.stat().st_size < payload + 4096  # header only on top of the rows
+    assert [p.name for p in tmp_path.iterdir()] == ["shard-0.safetensors"]  # no temp left
+    # list of per-row tensors works as well; overwriting is atomic
+    write_dense_shard(path, ids[:2], [x[0], x[1]])
+    assert read_dense_shard(path)[1].shape == (2, 8, 100, 12)
+
+
+def test_dense_shard_rejects_bad_input(tmp_path):
+    x = torch.zeros(2, 8, 100, 4)
+    with pytest.raises(ValueError, match="2 tensors"):
+        write_dense_shard(tmp_path / "a.safetensors", ["a"], x)
+    with pytest.raises(ValueError, match="unique"):
+        write_dense_shard(tmp_path / "a.safetensors", ["a", "a"], x)
+    with pytest.raises(ValueError, match=r"\(n, 8, 100, D\)"):
+        write_dense_shard(tmp_path / "a.safetensors", ["a", "b"], torch.zeros(2, 8, 50, 4))
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@pytest.mark.parametrize("patch", [(1, 1), (8, 1), (4, 2), (2, 5)])
+def test_patchify_matches_naive_loop(patch):
+    x = torch.randn(2, 8, 100, 3)
+    torch.testing.assert_close(patchify(x, patch), naive_patchify(x, *patch), rtol=0, atol=0)
+
+
+def test_sweep_grid_is_the_24_configurations():
+    assert len(SWEEP_GRID) == 24 and len(set(SWEEP_GRID)) == 24
+    expected = set(itertools.product((128, 1024), (1, 3), (1.0, 1e-3), ((1, 1), (8, 1), (4, 2))))
+    assert {(c.dim, c.depth, c.weight_decay, c.patch) for c in SWEEP_GRID} == expected
+    fixed = (4, 0.3, 1e-3, 15, 128, 0.1)  # heads, dropout, lr, epochs, batch, warm-up
+    for c in SWEEP_GRID:
+        assert (c.heads, c.dropout, c.lr, c.epochs, c.batch_size, c.warmup_fraction) == fixed
+
+
+@pytest.mark.parametrize("D", [576, 4096])
+def test_parameter_counts_match_layer_formula(D):
+    for cfg in SWEEP_GRID:
+        with torch.device("meta"):
+            model = ACTViT.from_config(cfg, D)
+        assert count_parameters(model) == formula_params(D, cfg)
+
+
+def test_paper_selected_config_parameter_count():
+    # hidden 128, depth 1, wd 1e-3, patch 4x2 on a D = 4096 model (paper: 5.16M, see docs)
+    cfg = ACTViTConfig(dim=128, depth=1, weight_decay=1e-3, patch=(4, 2))
+    with torch.device("meta"):
+        assert count_parameters(ACTViT.from_config(cfg, 4096)) == 868_993
+        # a wider adapter is where the paper's extra parameters would have to live
+        wide = ACTViT.from_config(dataclasses.replace(cfg, adapter_dim=1024), 4096)
+    assert abs(count_parameters(wide) - 5.16e6) / 5.16e6 < 0.07
+
+
+def test_forward_shapes_and_input_check():
+    model = ACTViT.from_config(TINY, 6).eval()
+    assert model(torch.randn(3, 8, 100, 6).half()).shape == (3,)
+    with pytest.raises(ValueError, match="expects"):
+        model(torch.randn(3, 8, 100, 7))
+
+
+def test_config_rejects_patch_that_does_not_divide_grid():
+    with pytest.raises(ValueError, match="patch"):
+        ACTViTConfig(patch=(3, 2))
+
+
+# ----------------------------------------------------------------------------- protocol
+
+
+def test_lr_multiplier_matches_transformers_cosine_with_warmup():
+    from transformers import get_cosine_schedule_with_warmup
+
+    total, warmup = 155, 15
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = get_cosine_schedule_with_warmup(opt, warmup, total)
+    for step in range(total):
+        assert lr_multiplier(step, total, warmup) == pytest.approx(
+            sched.get_last_lr()[0], abs=1e-12
+        )
+        opt.step()
+        sched.step()
+    assert lr_multiplier(warmup, total, warmup) == 1.0
+    assert lr_multiplier(warmup + (total - warmup) // 2, total, warmup) == pytest.approx(0.5)
+
+
+def test_training_separates_synthetic_classes():
+    train, val, test = separable(192, 4, 0), separable(64, 4, 1), separable(64, 4, 2)
+    cfg = dataclasses.replace(TINY, epochs=6, dropout=0.0, emb_dropout=0.0)
+    run = train_config(cfg, train, val, test, seed=42, device="cpu")
+    assert run.test_auroc > 0.95
+    assert run.test_auroc == pytest.approx(roc_auc_score(test[1], run.test_scores))
+    assert ((run.test_scores >= 0) & (run.test_scores <= 1)).all()
+    val_aurocs = [h.val_auroc for h in run.history]
+    assert run.val_auroc == max(val_aurocs) and run.best_epoch == val_aurocs.index(max(val_aurocs))
+
+
+def test_training_is_deterministic_per_seed():
+    train, val = separable(64, 4, 0, shift=0.3), separable(32, 4, 1, shift=0.3)
+    cfg = dataclasses.replace(TINY, epochs=2)
+    a = train_config(cfg, train, val, val, seed=7, device="cpu")
+    b = train_config(cfg, train, val, val, seed=7, device="cpu")
+    c = train_config(cfg, train, val, val, seed=8, device="cpu")
+    np.testing.assert_array_equal(a.test_scores, b.test_scores)
+    assert a.history == b.history
+    assert not np.array_equal(a.test_scores, c.test_scores)
+    assert not torch.are_deterministic_algorithms_enabled()  # flag restored after training
+
+
+def test_ties_keep_earlier_epoch_and_earlier_config():
+    train, val = separable(32, 4, 0), separable(16, 4, 1)
+    frozen = dataclasses.replace(TINY, epochs=3, lr=0.0)  # weights never move: equal val AUROC
+    run = train_config(frozen, train, val, seed=42, device="cpu")
+    assert len({h.val_auroc for h in run.history}) == 1 and run.best_epoch == 0
+    grid = [frozen, dataclasses.replace(frozen, weight_decay=1.0)]
+    result = run_sweep(train, val, seed=42, retrain_seeds=(), grid=grid, device="cpu")
+    assert result.grid[0].val_auroc == result.grid[1].val_auroc
+    assert result.selected == grid[0]
+
+
+def test_bad_labels_and_missing_class_are_named():
+    x, y = separable(8, 4, 0)
+    with pytest.raises(ValueError, match="val: AUROC needs both"):
+        train_config(TINY, (x, y), (x, np.ones(8)), device="cpu")
+    with pytest.raises(ValueError, match="train: labels must be 0/1"):
+        train_config(TINY, (x, y * 2), (x, y), device="cpu")
+
+
+# ----------------------------------------------------------------------------- sweep and scorer
+
+
+def test_tiny_sweep_selects_by_validation_and_round_trips(tmp_path):
+    train, val = separable(48, 4, 0, shift=0.5), separable(24, 4, 1, shift=0.5)
+    test = separable(24, 4, 2)
+    grid = [TINY, dataclasses.replace(TINY, patch=(4, 2)), dataclasses.replace(TINY, depth=2)]
+    result = run_sweep(train, val, test, seed=42, grid=grid, epochs=1, device="cpu")
+    assert [g.config.epochs for g in result.grid] == [1, 1, 1]
+    vals = [g.val_auroc for g in result.grid]
+    best = vals.index(max(vals))
+    assert result.selected == result.grid[best].config
+    assert [r.seed for r in result.runs] == [42, 123, 456]
+    assert result.n_params == count_parameters(ACTViT.from_config(result.selected, 4))
+    assert result.runs[0].val_auroc == vals[best]  # the seed-42 run is the sweep's own
+    for run in result.runs:
+        assert run.test_auroc == pytest.approx(roc_auc_score(test[1], run.test_scores))
+    assert result.test_auroc_mean == pytest.approx(np.mean([r.test_auroc for r in result.runs]))
+
+    result.save(tmp_path / "sweep")
+    assert not list((tmp_path / "sweep").glob("*.pkl"))
+    loaded = SweepResult.load(tmp_path / "sweep")
+    assert loaded.selected == result.selected and loaded.grid == result.grid
+    for a, b in zip(loaded.runs, result.runs):
+        np.testing.assert_array_equal(a.test_scores, b.test_scores)
+        assert a.history == b.history and a.state.keys() == b.state.keys()
+        assert all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+
+
+def _generation(dense: torch.Tensor | None) -> Generation:
+    T = 3
+    return Generation(
+        prompt="q",
+        answer="a",
+        token_ids=[1] * T,
+        logprobs=torch.zeros(T),
+        entropies=torch.zeros(T),
+        trajectory=torch.zeros(30, T, 128),
+        stopped=True,
+        prompt_tokens=4,
+        dense=dense,
+    )
+
+
+def test_scorer_fixed_config_honours_contract():
+    train, val = separable(64, 4, 0), separable(32, 4, 1)
+    cfg = dataclasses.replace(TINY, epochs=2)
+    scorer = ACTViTScorer(config=cfg, seeds=(42, 123), device="cpu")
+    assert scorer.fit(train[0], train[1], val[0], val[1]) is scorer
+    rows = [val[0][i] for i in range(5)]  # sequence of (8, 100, D) tensors
+    res = scorer.score(rows)
+    assert isinstance(res, ScoreResult) and res.confidence.shape == (5,)
+    assert res.confidence.dtype == np.float64 and np.array_equal(res.raw, res.confidence)
+    assert res.details["config"] == cfg.to_dict() and res.details["seeds"] == [42, 123]
+    assert res.details["n_params"] == count_parameters(ACTViT.from_config(cfg, 4))
+    np.testing.assert_array_equal(res.details["confidence_by_seed"][42], res.confidence)
+    # the same rows given as Generation records with dense states are preprocessed identically
+    dense = torch.randn(30, 7, 4).half()
+    from_gen = scorer.score([_generation(dense)]).confidence
+    from_tensor = scorer.score(actvit_tensor(dense)[None]).confidence
+    np.testing.assert_array_equal(from_gen, from_tensor)
+
+
+def test_scorer_errors():
+    scorer = ACTViTScorer(config=TINY, device="cpu")
+    x, y = separable(8, 4, 0)
+    with pytest.raises(ValueError, match="val"):
+        scorer.fit(x, y)
+    with pytest.raises(RuntimeError, match="before fit"):
+        scorer.score(x)
+    with pytest.raises(BaselineUnavailable, match="keep_dense"):
+        scorer.fit([_generation(None)], np.array([1]), x, y)
+    assert ACTViTScorer.supervised is True and ACTViTScorer.name == "actvit"
