@@ -10,11 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-WORDS = (
-    "the a what is of to and in capital city river number answer question yes no true false "
-    "one two three four five six seven eight nine ten paris rome berlin madrid sum plus minus "
-    "times how many minutes hours days weeks who wrote which largest smallest red blue green"
-).split()
+WORDS = ["the", "a", "what", "is", "of", "to", "and", "in", "capital", "city", "river", "number", "answer", "question", "yes", "no", "true", "false", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "paris", "rome", "berlin", "madrid", "sum", "plus", "minus", "times", "how", "many", "minutes", "hours", "days", "weeks", "who", "wrote", "which", "largest", "smallest", "red", "blue", "green"]
 
 
 def make_word_tokenizer():

@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -105,7 +105,7 @@ class MapStore:
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
-    def create(cls, root: str | Path, config: dict, resume: bool = True) -> "MapStore":
+    def create(cls, root: str | Path, config: dict, resume: bool = True) -> MapStore:
         """A new store, or the existing one at ``root`` when its config matches (resume)."""
         root = Path(root)
         if (root / MANIFEST).exists():
@@ -122,7 +122,7 @@ class MapStore:
             "schema_version": SCHEMA_VERSION,
             "package": "actmap",
             "package_version": __version__,
-            "created_at": datetime.now(timezone.utc).isoformat(),
+            "created_at": datetime.now(UTC).isoformat(),
             "map_shape": list(MAP_SHAPE),
             "map_dtype": "float16",
             "config": config,
@@ -133,7 +133,7 @@ class MapStore:
         return store
 
     @classmethod
-    def open(cls, root: str | Path) -> "MapStore":
+    def open(cls, root: str | Path) -> MapStore:
         root = Path(root)
         path = root / MANIFEST
         if not path.is_file():
@@ -175,7 +175,7 @@ class MapStore:
 
     def write_maps(self, records: Sequence[MapRecord]) -> Path:
         """Append one shard of maps; every map must be (12, 32, 128) and finite."""
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         blobs = []
         for record in records:
             array = np.asarray(record.map)
@@ -238,7 +238,7 @@ class MapStore:
         for batch in self.dataset("maps").to_batches(columns=wanted, batch_size=batch_size):
             yield maps_from_column(batch.column("map")), batch.drop_columns(["map"])
 
-    def load_maps(self, ids: Sequence[str] | None = None) -> tuple[np.ndarray, "object"]:
+    def load_maps(self, ids: Sequence[str] | None = None) -> tuple[np.ndarray, object]:
         """(maps (N, 12, 32, 128) float16, metadata DataFrame) in the order of ``ids`` (or storage order)."""
         table = self.read_table("maps")
         if ids is not None:

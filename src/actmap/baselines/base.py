@@ -11,8 +11,9 @@ declares which store tables it needs in `requires`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, Sequence
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -44,7 +45,7 @@ class Scorer(Protocol):
         y_train: np.ndarray,
         val: Sequence[Any] | None = None,
         y_val: np.ndarray | None = None,
-    ) -> "Scorer": ...
+    ) -> Scorer: ...
 
     def score(self, rows: Sequence[Any]) -> ScoreResult: ...
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -43,18 +43,22 @@ def tokenize_prompts(tokenizer, prompts: Sequence[str], config: CaptureConfig, d
         raise ValueError(
             f"max_context={config.max_context} leaves no room for max_new_tokens={config.max_new_tokens}"
         )
-    tokenizer.padding_side = "left"
-    tokenizer.truncation_side = "left"
+    saved = tokenizer.padding_side, tokenizer.truncation_side, tokenizer.pad_token
+    tokenizer.padding_side = tokenizer.truncation_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    encoded = tokenizer(
-        list(prompts),
-        return_tensors="pt",
-        padding=True,
-        truncation=True,
-        max_length=budget,
-        add_special_tokens=not getattr(tokenizer, "chat_template", None),
-    )
+    try:
+        encoded = tokenizer(
+            list(prompts),
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=budget,
+            # templated chat text already carries its special tokens
+            add_special_tokens=not getattr(tokenizer, "chat_template", None),
+        )
+    finally:  # the caller's tokenizer is left as it was
+        tokenizer.padding_side, tokenizer.truncation_side, tokenizer.pad_token = saved
     return {k: v.to(device) for k, v in encoded.items()}
 
 
@@ -62,7 +66,7 @@ def _generate_kwargs(model: nn.Module, tokenizer, config: CaptureConfig) -> dict
     kwargs = dict(
         max_new_tokens=config.max_new_tokens,
         do_sample=config.do_sample,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         return_dict_in_generate=False,
     )
     if config.do_sample:

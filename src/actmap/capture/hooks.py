@@ -10,8 +10,8 @@ the host until the batch is done.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F

@@ -1,0 +1,122 @@
+"""Controls: an answer-length-only predictor and a permuted-label fit of any supervised scorer.
+
+The paper's sanity checks: a detector fit to permuted labels falls to chance,
+and the answer length alone stays well below the full map.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+from actmap.baselines.base import Scorer, ScoreResult
+
+
+def answer_length(row: Any) -> int:
+    """Number of answer tokens of a Generation (or any row with ``n_tokens`` or ``token_ids``)."""
+    if hasattr(row, "n_tokens"):
+        return int(row.n_tokens)
+    if hasattr(row, "token_ids"):
+        return len(row.token_ids)
+    raise TypeError(f"cannot read an answer length from {type(row).__name__}")
+
+
+def length_features(lengths: np.ndarray, features: str) -> np.ndarray:
+    """(N,) token counts -> (N, 1) [n] or (N, 2) [n, log(1 + n)]."""
+    n = np.asarray(lengths, dtype=np.float64).reshape(-1, 1)
+    if features == "n":
+        return n
+    if features == "n_log":
+        return np.hstack([n, np.log1p(n)])
+    raise ValueError(f"features must be 'n' or 'n_log', got {features!r}")
+
+
+class AnswerLengthPredictor:
+    """Logistic regression on the answer's token count; confidence = predicted p(correct)."""
+
+    name: ClassVar[str] = "answer_length"
+    supervised: ClassVar[bool] = True
+    requires: ClassVar[tuple[str, ...]] = ("generations",)
+
+    def __init__(self, features: str = "n_log", C: float = 1.0) -> None:
+        self.features = features  # "n" or "n_log" ([n, log(1 + n)] lets the fit bend)
+        self.C = C  # inverse L2 strength of the logistic regression
+
+    def _x(self, rows: Sequence[Any]) -> np.ndarray:
+        return length_features(np.array([answer_length(r) for r in rows]), self.features)
+
+    def fit(
+        self, train: Sequence[Any], y_train: np.ndarray, val=None, y_val=None
+    ) -> AnswerLengthPredictor:
+        y = np.asarray(y_train).astype(int)
+        if len(train) != len(y):
+            raise ValueError(f"train has {len(train)} rows but y_train has {len(y)}")
+        self.model_ = make_pipeline(StandardScaler(), LogisticRegression(C=self.C)).fit(
+            self._x(train), y
+        )
+        return self
+
+    def score(self, rows: Sequence[Any]) -> ScoreResult:
+        if not hasattr(self, "model_"):
+            raise RuntimeError("AnswerLengthPredictor.score called before fit")
+        p = self.model_.predict_proba(self._x(rows))[:, 1].astype(np.float64)
+        return ScoreResult(
+            confidence=p,
+            raw=p,
+            raw_name="p_correct_from_length",
+            details={"features": self.features, "C": self.C},
+        )
+
+
+def permute_labels(y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A random permutation of the label vector (same class counts, no link to the rows)."""
+    return np.asarray(y)[rng.permutation(len(y))]
+
+
+class PermutedLabelControl:
+    """A supervised scorer fit on permuted training (and validation) labels; AUROC should be ~0.5.
+
+    ``inner`` is a scorer instance (deep-copied, never mutated) or a zero-argument factory.
+    """
+
+    name: ClassVar[str] = "permuted_label"
+    supervised: ClassVar[bool] = True
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, inner: Scorer | Callable[[], Scorer], seed: int = 0) -> None:
+        self.inner = inner
+        self.seed = seed  # permutation seed, recorded with the scores
+
+    def _make(self) -> Scorer:
+        is_instance = not isinstance(self.inner, type) and hasattr(self.inner, "fit")
+        if is_instance:
+            return copy.deepcopy(self.inner)
+        if callable(self.inner):
+            return self.inner()  # a class or a factory function
+        raise TypeError("inner must be a scorer or a factory returning one")
+
+    def fit(
+        self, train: Sequence[Any], y_train: np.ndarray, val=None, y_val=None
+    ) -> PermutedLabelControl:
+        rng = np.random.default_rng(self.seed)
+        self.y_train_permuted_ = permute_labels(y_train, rng)
+        y_val_permuted = permute_labels(y_val, rng) if y_val is not None else None
+        self.scorer_ = self._make().fit(train, self.y_train_permuted_, val, y_val_permuted)
+        return self
+
+    def score(self, rows: Sequence[Any]) -> ScoreResult:
+        if not hasattr(self, "scorer_"):
+            raise RuntimeError("PermutedLabelControl.score called before fit")
+        inner = self.scorer_.score(rows)
+        details = {
+            "seed": self.seed,
+            "inner": getattr(self.scorer_, "name", type(self.scorer_).__name__),
+        }
+        details["inner_details"] = inner.details
+        return ScoreResult(inner.confidence, inner.raw, f"permuted_{inner.raw_name}", details)

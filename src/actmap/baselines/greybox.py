@@ -1,0 +1,112 @@
+"""Grey-box baselines read from the one greedy pass: perplexity and mean token entropy.
+
+Both read the raw-logit statistics the capture stores per answer token
+(``Generation.logprobs``, ``Generation.entropies``; natural log, full
+vocabulary, float32). The end-of-sequence step is not part of the answer and
+is left out by default (BASELINES decision 2); ``include_eos=True`` appends it
+when the answer stopped on EOS, which is what LM-Polygraph does.
+
+An empty answer (the model emitted EOS first) has no answer step; it is scored
+by its EOS step, the only step that produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from actmap.baselines.base import ScoreResult, negate
+from actmap.capture.records import Generation
+
+EOS_LOGPROB = "eos_logprob"  # Generation.extras key: log p(EOS) at the stopping step
+EOS_ENTROPY = "eos_entropy"  # Generation.extras key: entropy at the stopping step
+
+
+def answer_steps(gen: Generation, field: str, include_eos: bool = False) -> np.ndarray:
+    """The per-step values of one answer as float64, optionally with the EOS step appended.
+
+    ``field`` is "logprobs" or "entropies". The EOS step is also used, alone,
+    for an empty answer; an answer with no step at all is an error.
+    """
+    if field not in ("logprobs", "entropies"):
+        raise ValueError(f"field must be 'logprobs' or 'entropies', got {field!r}")
+    values = np.asarray(getattr(gen, field), dtype=np.float64).reshape(-1)  # (T,)
+    if values.shape[0] != gen.n_tokens:
+        raise ValueError(
+            f"Generation.{field} has {values.shape[0]} steps but token_ids has {gen.n_tokens}"
+        )
+    eos_key = EOS_LOGPROB if field == "logprobs" else EOS_ENTROPY
+    if (include_eos or values.size == 0) and gen.stopped and eos_key in gen.extras:
+        values = np.append(values, float(gen.extras[eos_key]))  # (T + 1,)
+    elif include_eos and gen.stopped:
+        raise ValueError(f"include_eos=True but Generation.extras has no {eos_key!r}")
+    if values.size == 0:
+        raise ValueError(
+            f"empty answer without an EOS step to score (prompt {gen.prompt[:40]!r}); "
+            f"Generation.extras needs {eos_key!r}"
+        )
+    return values
+
+
+def log_perplexity(logprobs: np.ndarray) -> float:
+    """-(1/T) sum_t log p(y_t): the log-perplexity (natural log, not exponentiated)."""
+    return -float(np.mean(logprobs))
+
+
+def mean_token_entropy(entropies: np.ndarray) -> float:
+    """(1/T) sum_t H_t, entropies in nats."""
+    return float(np.mean(entropies))
+
+
+class Perplexity:
+    """Confidence = mean token log-likelihood = -log-perplexity."""
+
+    name: ClassVar[str] = "perplexity"
+    supervised: ClassVar[bool] = False
+    requires: ClassVar[tuple[str, ...]] = ("generations",)
+
+    def __init__(self, include_eos: bool = False) -> None:
+        self.include_eos = include_eos  # True = count the EOS step too, as LM-Polygraph does
+
+    def fit(self, train: Sequence[Any], y_train: np.ndarray, val=None, y_val=None) -> Perplexity:
+        return self
+
+    def score(self, rows: Sequence[Generation]) -> ScoreResult:
+        raw = np.array(
+            [log_perplexity(answer_steps(g, "logprobs", self.include_eos)) for g in rows]
+        )
+        return ScoreResult(
+            confidence=negate(raw),
+            raw=raw,
+            raw_name="log_perplexity",
+            details={"include_eos": self.include_eos, "log_base": "e"},
+        )
+
+
+class MeanTokenEntropy:
+    """Confidence = -mean entropy of the next-token distributions of the answer."""
+
+    name: ClassVar[str] = "mean_token_entropy"
+    supervised: ClassVar[bool] = False
+    requires: ClassVar[tuple[str, ...]] = ("generations",)
+
+    def __init__(self, include_eos: bool = False) -> None:
+        self.include_eos = include_eos  # True = count the EOS step too, as LM-Polygraph does
+
+    def fit(
+        self, train: Sequence[Any], y_train: np.ndarray, val=None, y_val=None
+    ) -> MeanTokenEntropy:
+        return self
+
+    def score(self, rows: Sequence[Generation]) -> ScoreResult:
+        raw = np.array(
+            [mean_token_entropy(answer_steps(g, "entropies", self.include_eos)) for g in rows]
+        )
+        return ScoreResult(
+            confidence=negate(raw),
+            raw=raw,
+            raw_name="mean_token_entropy",
+            details={"include_eos": self.include_eos, "log_base": "e"},
+        )
