@@ -1,0 +1,303 @@
+"""Entailment judges for Semantic Entropy's clustering (BASELINES.md decision 5, B2 step 4).
+
+One small interface, ``check_implication(premise, hypothesis, question) ->
+0 | 1 | 2`` (contradiction, neutral, entailment), with two implementations:
+
+- `NLIJudge`: a sequence-classification NLI model (``microsoft/deberta-large-mnli``
+  or any local folder), label ids read from ``config.id2label`` by name.
+- `LLMEntailmentJudge`: any causal LM asked the Nature prompt, greedy decoding.
+
+`CachedJudge` wraps either with a cache keyed by a hash of the judge's name
+and its full input, kept in memory and optionally in a JSON file. Every judge
+has a ``name`` that results record (``"llm:qwen2.5-coder-1.5b-instruct"``).
+No NLI weights exist offline here, so real runs default to the LLM judge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from actmap.baselines.base import BaselineUnavailable
+
+log = logging.getLogger(__name__)
+
+CONTRADICTION, NEUTRAL, ENTAILMENT = 0, 1, 2
+DEFAULT_NLI_MODEL = "microsoft/deberta-large-mnli"  # Kuhn 2023 and LM-Polygraph's choice
+# The strongest model available offline (see /work/shared/models/README.md).
+DEFAULT_LLM_JUDGE = "~/.cache/actmap-models/qwen2.5-coder-1.5b-instruct.gguf"
+
+
+class EntailmentJudge(Protocol):
+    """Does ``premise_text`` entail ``hypothesis_text``? 0 contradiction, 1 neutral, 2 entailment."""
+
+    name: str
+
+    def check_implication(
+        self, premise_text: str, hypothesis_text: str, question: str | None = None
+    ) -> int: ...
+
+
+# -- NLI model ---------------------------------------------------------------------------------
+_LABEL_PREFIXES = {"contradict": CONTRADICTION, "neutral": NEUTRAL, "entail": ENTAILMENT}
+
+
+def nli_label_map(id2label: dict) -> dict[int, int]:
+    """Model output id -> actmap label, matched on the label names (never assumed by position)."""
+    mapping = {}
+    for idx, label in id2label.items():
+        for prefix, value in _LABEL_PREFIXES.items():
+            if str(label).lower().startswith(prefix):
+                mapping[int(idx)] = value
+    if sorted(mapping.values()) != [CONTRADICTION, NEUTRAL, ENTAILMENT]:
+        raise ValueError(
+            f"config.id2label={id2label} does not name exactly one contradiction, "
+            "neutral and entailment label"
+        )
+    return mapping
+
+
+class NLIJudge:
+    """A sequence-classification NLI model; argmax over its three labels."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_name: str,
+        condition_on_question: bool = True,
+        max_length: int = 512,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.condition_on_question = condition_on_question  # Nature code: "{question} {answer}"
+        self.max_length = max_length  # tokens of the (premise, hypothesis) pair, truncated beyond
+        self.label_map = nli_label_map(model.config.id2label)
+        suffix = "" if condition_on_question else ":unconditioned"
+        self.name = f"nli:{model_name}{suffix}"
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str = DEFAULT_NLI_MODEL,
+        device: str = "cpu",
+        revision: str = "main",
+        condition_on_question: bool = True,
+    ) -> NLIJudge:
+        """Load from a hub name or a local folder; never runs remote code."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                name_or_path, revision=revision, trust_remote_code=False
+            )
+        except OSError as err:
+            raise BaselineUnavailable(
+                f"NLI model '{name_or_path}' cannot be loaded ({err}); pass a local folder "
+                "or use the LLM judge"
+            ) from err
+        return cls(model.to(device), tokenizer, Path(name_or_path).name, condition_on_question)
+
+    def inputs(
+        self, premise_text: str, hypothesis_text: str, question: str | None
+    ) -> tuple[str, str]:
+        if not self.condition_on_question:
+            return premise_text, hypothesis_text
+        if question is None:
+            raise ValueError(f"{self.name} is question-conditioned but question is None")
+        return f"{question} {premise_text}", f"{question} {hypothesis_text}"
+
+    def render(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> str:
+        """The full model input, for cache keys."""
+        return json.dumps(self.inputs(premise_text, hypothesis_text, question))
+
+    @torch.inference_mode()
+    def check_implication(
+        self, premise_text: str, hypothesis_text: str, question: str | None = None
+    ) -> int:
+        premise, hypothesis = self.inputs(premise_text, hypothesis_text, question)
+        device = next(self.model.parameters()).device
+        encoded = self.tokenizer(
+            premise, hypothesis, return_tensors="pt", truncation=True, max_length=self.max_length
+        )
+        logits = self.model(**{k: v.to(device) for k, v in encoded.items()}).logits  # (1, 3)
+        return self.label_map[int(logits[0].argmax())]
+
+
+# -- LLM judge ---------------------------------------------------------------------------------
+def entailment_prompt(question: str, answer_1: str, answer_2: str) -> str:
+    """The Nature code's LLM-judge prompt shape (B2 step 4)."""
+    return (
+        f'We are evaluating answers to the question "{question}"\n'
+        "Here are two possible answers:\n"
+        f"Possible Answer 1: {answer_1}\n"
+        f"Possible Answer 2: {answer_2}\n"
+        "Does Possible Answer 1 semantically entail Possible Answer 2? "
+        "Respond only with entailment, contradiction, or neutral.\n"
+        "Response:"
+    )
+
+
+def parse_entailment(response: str) -> int:
+    """First 30 characters, lower-cased, checked in the Nature code's order; else neutral."""
+    head = response.lower()[:30]
+    if "entailment" in head:
+        return ENTAILMENT
+    if "neutral" in head:
+        return NEUTRAL
+    if "contradiction" in head:
+        return CONTRADICTION
+    log.debug("judge response %r names no label; taken as neutral", response)
+    return NEUTRAL
+
+
+class LLMEntailmentJudge:
+    """Any causal LM answering the Nature prompt, greedily; chat template when it has one."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_name: str,
+        max_new_tokens: int = 30,
+        use_chat_template: bool | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_new_tokens = max_new_tokens  # Nature code: up to 30 new tokens
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if use_chat_template and not has_template:
+            raise ValueError(
+                f"use_chat_template=True but {model_name}'s tokenizer has no chat template"
+            )
+        self.use_chat_template = has_template if use_chat_template is None else use_chat_template
+        self.name = f"llm:{model_name}"
+
+    def render(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> str:
+        """The exact text fed to the model."""
+        if question is None:
+            raise ValueError(f"{self.name} needs the question; got question=None")
+        prompt = entailment_prompt(question, premise_text, hypothesis_text)
+        if not self.use_chat_template:
+            return prompt
+        messages = [{"role": "user", "content": prompt}]
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
+    @torch.inference_mode()
+    def respond(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> str:
+        """The model's raw answer to the prompt."""
+        text = self.render(premise_text, hypothesis_text, question)
+        device = next(self.model.parameters()).device
+        # a templated prompt already holds its special tokens
+        encoded = self.tokenizer(
+            text, return_tensors="pt", add_special_tokens=not self.use_chat_template
+        )
+        pad = self.tokenizer.pad_token_id
+        out = self.model.generate(
+            **{k: v.to(device) for k, v in encoded.items()},
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.tokenizer.eos_token_id if pad is None else pad,
+        )
+        return self.tokenizer.decode(
+            out[0, encoded["input_ids"].shape[1] :], skip_special_tokens=True
+        )
+
+    def check_implication(
+        self, premise_text: str, hypothesis_text: str, question: str | None = None
+    ) -> int:
+        return parse_entailment(self.respond(premise_text, hypothesis_text, question))
+
+
+def load_llm_judge(name: str = DEFAULT_LLM_JUDGE, device: str = "cpu") -> LLMEntailmentJudge:
+    """The LLM judge from a short name, a ``.gguf`` path, a local folder or a hub id."""
+    from actmap.models import load_model
+
+    try:
+        model, tokenizer, source = load_model(name, device=device)
+    except (FileNotFoundError, OSError) as err:
+        raise BaselineUnavailable(
+            f"LLM judge '{name}' cannot be loaded ({err}); "
+            "run /work/shared/models/get-model qwen2.5-coder-1.5b-instruct"
+        ) from err
+    label = Path(source.gguf_file).stem if source.gguf_file else Path(source.name).name
+    return LLMEntailmentJudge(model, tokenizer, label)
+
+
+# -- cache -------------------------------------------------------------------------------------
+class CachedJudge:
+    """Answers each distinct full prompt once; JSON persistence when ``path`` is given."""
+
+    def __init__(self, judge: EntailmentJudge, path: str | Path | None = None) -> None:
+        self.judge = judge
+        self.path = Path(path) if path is not None else None
+        self.labels: dict[str, int] = {}
+        self.hits = 0
+        self.misses = 0
+        if self.path is not None and self.path.exists():
+            self._load(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.judge.name
+
+    def key(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> str:
+        render = getattr(self.judge, "render", None)
+        if render is not None:
+            text = render(premise_text, hypothesis_text, question)
+        else:
+            text = json.dumps([question, premise_text, hypothesis_text])
+        return hashlib.sha256(f"{self.name}\n{text}".encode()).hexdigest()
+
+    def check_implication(
+        self, premise_text: str, hypothesis_text: str, question: str | None = None
+    ) -> int:
+        key = self.key(premise_text, hypothesis_text, question)
+        if key in self.labels:
+            self.hits += 1
+            return self.labels[key]
+        self.misses += 1
+        label = int(self.judge.check_implication(premise_text, hypothesis_text, question))
+        self.labels[key] = label
+        return label
+
+    def save(self) -> None:
+        """Write the cache atomically (temporary file, then rename)."""
+        if self.path is None:
+            raise ValueError("CachedJudge has no path to save to")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump({"judge": self.name, "labels": self.labels}, handle)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _load(self, path: Path) -> None:
+        data = json.loads(path.read_text())
+        if data.get("judge") != self.name:
+            raise ValueError(
+                f"cache {path} belongs to judge {data.get('judge')!r}, not {self.name!r}"
+            )
+        labels = data.get("labels", {})
+        bad = {k: v for k, v in labels.items() if v not in (CONTRADICTION, NEUTRAL, ENTAILMENT)}
+        if bad:
+            raise ValueError(f"cache {path} holds labels outside 0/1/2: {list(bad.items())[:3]}")
+        self.labels = dict(labels)

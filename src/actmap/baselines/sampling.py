@@ -1,0 +1,320 @@
+"""Sampled answers for the sampling-based baselines (Semantic Entropy, EigenScore).
+
+`sample_answers` draws N answers per prompt in one ``generate`` call per batch
+(``num_return_sequences=N``) and keeps, per answer, what both methods read:
+the text, the per-token log-likelihoods, their mean, and one middle-layer
+embedding.
+
+Conventions (BASELINES.md decisions 2, 5, 6):
+
+- An answer ends at its first end-of-sequence token or at the first stop
+  string, whichever comes first. Neither is part of the answer: the text is
+  cut before the stop string, and the answer tokens are those whose text
+  starts before it (a token that carries answer text and then the stop string
+  stays in). An answer with no token at all keeps the log-likelihood of its
+  first generated token (the stop itself), as the Nature code does.
+- Log-likelihoods come from the *processed* sampling distribution by default
+  (after temperature, top-k and top-p, renormalised), as the Nature code's
+  ``compute_transition_scores(normalize_logits=True)``; ``logprob_source="raw"``
+  takes them from the raw logits instead. The choice is recorded.
+- The embedding is the output of decoder block ``embedding_layer`` (0-based;
+  default ``L // 2 - 1``, which is ``hidden_states[L // 2]`` of transformers,
+  LM-Polygraph's layer) at the answer's own last real step in actmap's
+  alignment: the position whose output distribution produced the last answer
+  token (SPEC section 1, row ``T - 1`` of a trajectory). With an empty answer
+  it is the last prompt position.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from actmap.capture.generate import tokenize_prompts
+from actmap.capture.layers import find_decoder_layers
+from actmap.capture.records import CaptureConfig
+
+log = logging.getLogger(__name__)
+
+# The Nature code's stop sequences; the first occurrence of any of them ends an answer.
+NATURE_STOP_STRINGS: tuple[str, ...] = ("\n\n\n\n", "\n\n\n", "\n\n", "\n", "Question:", "Context:")
+LOGPROB_SOURCES = ("processed", "raw")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the N answers per prompt are drawn; stored with every `SampleSet`."""
+
+    n_samples: int = 10  # Nature SE and EigenScore: 10 answers per prompt
+    temperature: float = 1.0  # Nature SE: T = 1.0
+    top_p: float = 0.9  # Nature SE: nucleus 0.9
+    top_k: int = 50  # the HF default the Nature runs inherited; 0 disables it
+    max_new_tokens: int = 32  # paper: 32 for short answers
+    embedding_layer: int | None = None  # 0-based block; None = L // 2 - 1 (LM-Polygraph)
+    stop_strings: tuple[str, ...] = NATURE_STOP_STRINGS  # cut from the text; end the answer
+    logprob_source: str = "processed"  # "processed" (Nature code) or "raw" logits
+    seed: int = 0  # torch seed for the whole call; the global RNG state is restored afterwards
+    batch_size: int = 1  # prompts per generate call; each expands to n_samples rows
+    max_context: int = 4096  # prompt + answer tokens; longer prompts keep their last tokens
+
+    def __post_init__(self) -> None:
+        if self.n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprob_source not in LOGPROB_SOURCES:
+            raise ValueError(
+                f"logprob_source must be one of {LOGPROB_SOURCES}, got {self.logprob_source!r}"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclass(frozen=True)
+class SampleSet:
+    """N sampled answers to one prompt, with what SE and EigenScore read."""
+
+    prompt: str
+    question: str | None  # what the entailment judge sees; None when not given
+    texts: tuple[str, ...]  # (N,) answers, stop string cut, whitespace stripped
+    token_ids: tuple[tuple[int, ...], ...]  # N x (T_i,) answer tokens
+    token_logprobs: tuple[torch.Tensor, ...]  # N x (max(T_i, 1),) float32, natural log
+    mean_logprobs: torch.Tensor  # (N,) float64, length-normalised log-likelihood per answer
+    embeddings: torch.Tensor  # (N, D) float32, block `config.embedding_layer` at the last real step
+    stopped: tuple[bool, ...]  # (N,) ended by end-of-sequence or a stop string
+    config: SamplingConfig  # embedding_layer resolved to the block actually read
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.texts)
+
+
+def _first_tensor(output: object) -> torch.Tensor:
+    # transformers 5 decoder layers return a tensor; 4.x returned a tuple
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def cut_answer(
+    token_ids: Sequence[int], tokenizer, stop_strings: Sequence[str]
+) -> tuple[int, str, bool]:
+    """(answer tokens kept, answer text, cut) for tokens that end before any end-of-sequence.
+
+    The text is cut before the first stop string; token ``k`` stays when its
+    text starts before the cut, i.e. ``len(decode(tokens[:k])) < cut``.
+    """
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    hits = [text.find(s) for s in stop_strings if s in text]
+    if not hits:
+        return len(token_ids), text.strip(), False
+    cut = min(hits)
+    kept = sum(
+        1
+        for k in range(len(token_ids))
+        if len(tokenizer.decode(list(token_ids[:k]), skip_special_tokens=True)) < cut
+    )
+    return kept, text[:cut].strip(), True
+
+
+def _stop_criteria(tokenizer, stop_strings: Sequence[str], prompt_len: int):
+    """Ends a row once its generated text holds a stop string; cheaper than transformers'
+    ``stop_strings``, which rebuilds a table over the whole vocabulary on every call."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopOnStrings(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+            texts = tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
+            done = [any(s in text for s in stop_strings) for text in texts]
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([StopOnStrings()]) if stop_strings else None
+
+
+def resolve_embedding_layer(n_layers: int, embedding_layer: int | None) -> int:
+    """0-based block index; the default ``L // 2 - 1`` is ``hidden_states[L // 2]``."""
+    layer = max(n_layers // 2 - 1, 0) if embedding_layer is None else embedding_layer
+    if not 0 <= layer < n_layers:
+        raise ValueError(
+            f"embedding_layer={embedding_layer} is outside the model's {n_layers} decoder blocks"
+        )
+    return layer
+
+
+@torch.inference_mode()
+def _generate(
+    model: nn.Module, tokenizer, encoded: dict, config: SamplingConfig, layer: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(generated ids (B*N, S), chosen-token log p (B*N, S), block states (B*N, S, D)) on the host.
+
+    Rows are prompt-major (N samples of prompt 0 first). State ``s`` is the
+    block output at the last position of forward step ``s``: the position whose
+    distribution produced generated token ``s``.
+    """
+    states: list[torch.Tensor] = []  # one (B*N, D) per forward step
+
+    def hook(module: nn.Module, args: tuple, output: object) -> None:
+        states.append(_first_tensor(output)[:, -1, :].float())
+
+    prompt_len = encoded["input_ids"].shape[1]
+    processed = config.logprob_source == "processed"
+    handle = layer.register_forward_hook(hook)
+    try:
+        out = model.generate(
+            **encoded,
+            do_sample=True,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            max_new_tokens=config.max_new_tokens,
+            num_return_sequences=config.n_samples,
+            pad_token_id=tokenizer.pad_token_id,
+            return_dict_in_generate=True,
+            output_scores=processed,
+            output_logits=not processed,
+            stopping_criteria=_stop_criteria(tokenizer, config.stop_strings, prompt_len),
+        )
+    finally:
+        handle.remove()
+    generated = out.sequences[:, prompt_len:]  # (B*N, S)
+    per_step = (
+        out.scores if processed else out.logits
+    )  # S x (B*N, V); one step at a time saves memory
+    chosen = [
+        s.float().log_softmax(-1).gather(1, generated[:, i, None]).squeeze(1)
+        for i, s in enumerate(per_step)
+    ]
+    logp = torch.stack(chosen, dim=1)  # (B*N, S)
+    hidden = torch.stack(states[: generated.shape[1]], dim=1)  # (B*N, S, D)
+    return generated.cpu(), logp.cpu(), hidden.cpu()
+
+
+def _sample_set(
+    prompt: str,
+    question: str | None,
+    generated: torch.Tensor,
+    logp: torch.Tensor,
+    hidden: torch.Tensor,
+    tokenizer,
+    config: SamplingConfig,
+    eos_ids: set[int],
+) -> SampleSet:
+    """One prompt's N rows, each cut at its own end-of-sequence or stop string."""
+    steps = generated.shape[1]
+    texts, ids, lps, embs, stopped = [], [], [], [], []
+    for r, row in enumerate(generated.tolist()):
+        n_eos = next((i for i, t in enumerate(row) if t in eos_ids), steps)
+        kept, text, cut = cut_answer(row[:n_eos], tokenizer, config.stop_strings)
+        n_ll = max(kept, 1)  # an empty answer keeps its stop token's likelihood (Nature code)
+        texts.append(text)
+        ids.append(tuple(row[:kept]))
+        lps.append(logp[r, :n_ll].clone())
+        embs.append(hidden[r, n_ll - 1])  # the state that produced the last answer token
+        stopped.append(cut or n_eos < steps)
+    return SampleSet(
+        prompt=prompt,
+        question=question,
+        texts=tuple(texts),
+        token_ids=tuple(ids),
+        token_logprobs=tuple(lps),
+        mean_logprobs=torch.stack([lp.double().mean() for lp in lps]),
+        embeddings=torch.stack(embs),
+        stopped=tuple(stopped),
+        config=config,
+    )
+
+
+def sample_answers(
+    model: nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    n_samples: int = 10,
+    temperature: float = 1.0,
+    top_p: float = 0.9,
+    max_new_tokens: int = 32,
+    embedding_layer: int | None = None,
+    stop_strings: Sequence[str] = NATURE_STOP_STRINGS,
+    seed: int = 0,
+    *,
+    questions: Sequence[str | None] | None = None,
+    top_k: int = 50,
+    logprob_source: str = "processed",
+    batch_size: int = 1,
+    max_context: int = 4096,
+    layers_path: str | None = None,
+) -> list[SampleSet]:
+    """Draw ``n_samples`` answers for every prompt; one `SampleSet` per prompt, in order.
+
+    ``prompts`` are the exact texts fed to the model (chat template already
+    applied, as for the greedy pass); ``questions`` are the bare questions the
+    entailment judge sees. The middle-layer embedding is read by a forward
+    hook on that one block, removed when generation ends or fails.
+    """
+    if questions is None:
+        questions = [None] * len(prompts)
+    if len(questions) != len(prompts):
+        raise ValueError(f"questions has {len(questions)} entries for {len(prompts)} prompts")
+    config = SamplingConfig(
+        n_samples=n_samples,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        embedding_layer=embedding_layer,
+        stop_strings=tuple(stop_strings),
+        logprob_source=logprob_source,
+        seed=seed,
+        batch_size=batch_size,
+        max_context=max_context,
+    )
+    layers = find_decoder_layers(model, layers_path)
+    config = replace(config, embedding_layer=resolve_embedding_layer(len(layers), embedding_layer))
+    block = layers[config.embedding_layer]
+    eos_ids = _eos_ids(model, tokenizer)
+    device = next(model.parameters()).device
+    budget = CaptureConfig(max_new_tokens=max_new_tokens, max_context=max_context)
+    n = config.n_samples
+    sets: list[SampleSet] = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), batch_size):
+            batch = list(prompts[start : start + batch_size])
+            encoded = tokenize_prompts(tokenizer, batch, budget, device)
+            generated, logp, hidden = _generate(model, tokenizer, encoded, config, block)
+            for p, prompt in enumerate(batch):
+                rows = slice(p * n, (p + 1) * n)
+                sets.append(
+                    _sample_set(
+                        prompt,
+                        questions[start + p],
+                        generated[rows],
+                        logp[rows],
+                        hidden[rows],
+                        tokenizer,
+                        config,
+                        eos_ids,
+                    )
+                )
+            log.debug("sampled %d/%d prompts", len(sets), len(prompts))
+    return sets
