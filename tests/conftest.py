@@ -10,7 +10,58 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-WORDS = ["the", "a", "what", "is", "of", "to", "and", "in", "capital", "city", "river", "number", "answer", "question", "yes", "no", "true", "false", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "paris", "rome", "berlin", "madrid", "sum", "plus", "minus", "times", "how", "many", "minutes", "hours", "days", "weeks", "who", "wrote", "which", "largest", "smallest", "red", "blue", "green"]
+WORDS = [
+    "the",
+    "a",
+    "what",
+    "is",
+    "of",
+    "to",
+    "and",
+    "in",
+    "capital",
+    "city",
+    "river",
+    "number",
+    "answer",
+    "question",
+    "yes",
+    "no",
+    "true",
+    "false",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "paris",
+    "rome",
+    "berlin",
+    "madrid",
+    "sum",
+    "plus",
+    "minus",
+    "times",
+    "how",
+    "many",
+    "minutes",
+    "hours",
+    "days",
+    "weeks",
+    "who",
+    "wrote",
+    "which",
+    "largest",
+    "smallest",
+    "red",
+    "blue",
+    "green",
+]
 
 
 def make_word_tokenizer():
@@ -27,7 +78,9 @@ def make_word_tokenizer():
     return tokenizer
 
 
-def make_tiny_llama(vocab_size: int, layers: int = 3, eos_token_id: int = 1, seed: int = 0, **overrides):
+def make_tiny_llama(
+    vocab_size: int, layers: int = 3, eos_token_id: int = 1, seed: int = 0, **overrides
+):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)

@@ -30,7 +30,9 @@ def teacher_forced(model, tokenizer, prompt: str, answer_ids: list[int], attenti
     layers = find_decoder_layers(model)
     outputs: list[torch.Tensor] = []
     handles = [
-        layer.register_forward_hook(lambda m, a, o: outputs.append(o if isinstance(o, torch.Tensor) else o[0]))
+        layer.register_forward_hook(
+            lambda m, a, o: outputs.append(o if isinstance(o, torch.Tensor) else o[0])
+        )
         for layer in layers
     ]
     try:
@@ -58,7 +60,9 @@ def test_trajectory_logprobs_entropies_match_teacher_forcing(tiny_llama, word_to
     config = CaptureConfig(max_new_tokens=7, batch_size=4)
     records = generate_with_capture(tiny_llama, word_tokenizer, PROMPTS, config)
     for record in records:
-        p, hidden, logp, _ = teacher_forced(tiny_llama, word_tokenizer, record.prompt, record.token_ids)
+        p, hidden, logp, _ = teacher_forced(
+            tiny_llama, word_tokenizer, record.prompt, record.token_ids
+        )
         T = record.n_tokens
         positions = torch.arange(p - 1, p - 1 + T)  # row t <- the state that produced token t
         expected = F.adaptive_avg_pool1d(hidden[:, positions, :], 128)  # (L, T, 128)
@@ -86,7 +90,9 @@ def test_stop_token_is_not_part_of_the_answer(tiny_llama, word_tokenizer):
     assert record.stopped
     assert record.token_ids == generated[:first]
     assert record.trajectory.shape[1] == record.logprobs.shape[0] == first
-    p, _, logp, _ = teacher_forced(tiny_llama, word_tokenizer, record.prompt, generated[: first + 1])
+    p, _, logp, _ = teacher_forced(
+        tiny_llama, word_tokenizer, record.prompt, generated[: first + 1]
+    )
     assert record.extras["eos_logprob"] == pytest.approx(float(logp[p - 1 + first, stop]), abs=1e-4)
 
 
@@ -98,7 +104,9 @@ def test_attention_entries_match_teacher_forced_eager_attention(word_tokenizer):
     config = CaptureConfig(max_new_tokens=6, batch_size=4, attention_keys=keys)
     records = generate_with_capture(model, word_tokenizer, PROMPTS, config)
     for record in records:
-        p, _, _, attentions = teacher_forced(model, word_tokenizer, record.prompt, record.token_ids, True)
+        p, _, _, attentions = teacher_forced(
+            model, word_tokenizer, record.prompt, record.token_ids, True
+        )
         A = torch.stack([a[0] for a in attentions])  # (L, H, S, S)
         assert record.attention.shape == (record.n_tokens, A.shape[0], A.shape[1], keys)
         for t in range(record.n_tokens):
@@ -107,17 +115,23 @@ def test_attention_entries_match_teacher_forced_eager_attention(word_tokenizer):
                 if t - k < 0:
                     assert torch.all(got == 0)
                 else:  # query = token t-1 at position p-1+t; key = generated token t-k at p+t-k
-                    torch.testing.assert_close(got, A[:, :, p - 1 + t, p + t - k], atol=1e-5, rtol=1e-4)
+                    torch.testing.assert_close(
+                        got, A[:, :, p - 1 + t, p + t - k], atol=1e-5, rtol=1e-4
+                    )
 
 
 def test_dense_states_are_the_unpooled_block_outputs(tiny_llama, word_tokenizer):
     config = CaptureConfig(max_new_tokens=5, batch_size=4, keep_dense=True, dense_max_tokens=3)
     records = generate_with_capture(tiny_llama, word_tokenizer, PROMPTS, config)
     for record in records:
-        p, hidden, _, _ = teacher_forced(tiny_llama, word_tokenizer, record.prompt, record.token_ids)
+        p, hidden, _, _ = teacher_forced(
+            tiny_llama, word_tokenizer, record.prompt, record.token_ids
+        )
         assert record.dense.shape == (hidden.shape[0], 3, hidden.shape[-1])
         assert record.dense.dtype == torch.float16
-        torch.testing.assert_close(record.dense.float(), hidden[:, p - 1 : p + 2], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(
+            record.dense.float(), hidden[:, p - 1 : p + 2], atol=2e-3, rtol=2e-3
+        )
 
 
 def test_hooks_are_removed_when_generation_raises(tiny_llama, word_tokenizer):
@@ -132,7 +146,9 @@ def test_hooks_are_removed_when_generation_raises(tiny_llama, word_tokenizer):
     handle = layers[1].register_forward_hook(explode)
     try:
         with pytest.raises(RuntimeError, match="boom"):
-            generate_with_capture(tiny_llama, word_tokenizer, PROMPTS, CaptureConfig(max_new_tokens=4))
+            generate_with_capture(
+                tiny_llama, word_tokenizer, PROMPTS, CaptureConfig(max_new_tokens=4)
+            )
     finally:
         handle.remove()
     modules = list(tiny_llama.modules())
@@ -167,7 +183,10 @@ def test_bad_prompts_and_long_prompts(tiny_llama, word_tokenizer):
 def test_real_smollm2_capture_is_exact_and_free_of_side_effects(smollm2):
     model, tokenizer, _ = smollm2
     messages = [[{"role": "user", "content": q}] for q in ("What is 2 + 3?", "Name a color.")]
-    prompts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    prompts = [
+        tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+        for m in messages
+    ]
     config = CaptureConfig(max_new_tokens=8, batch_size=2)
     plain = generate_plain(model, tokenizer, prompts, config)
     records = generate_with_capture(model, tokenizer, prompts, config)

@@ -90,12 +90,16 @@ def load_model(
             tokenizer = AutoTokenizer.from_pretrained(cached)
         else:
             log.info("de-quantizing %s (once; cached at %s)", source.gguf_file, cached)
-            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, gguf_file=source.gguf_file, **kwargs
+            )
             tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
             if use_cache:
                 _save_atomically(model, tokenizer, cached)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source.path, revision=source.revision, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path, revision=source.revision, **kwargs
+        )
         tokenizer = AutoTokenizer.from_pretrained(source.path, revision=source.revision)
     model.to(device).eval()
     return model, tokenizer, source

@@ -144,7 +144,9 @@ class MapStore:
             raise StoreError(f"{path} is not valid JSON: {error}") from error
         version = manifest.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise StoreError(f"{path} has schema_version {version}; this actmap reads {SCHEMA_VERSION}")
+            raise StoreError(
+                f"{path} has schema_version {version}; this actmap reads {SCHEMA_VERSION}"
+            )
         return cls(root, manifest)
 
     def _write_manifest(self) -> None:
@@ -173,6 +175,15 @@ class MapStore:
         _write_atomically(data, target)
         return target
 
+    def replace_table(self, table: str, data: pa.Table) -> Path:
+        """Write ``data`` as the newest shard of ``table``, then drop the older shards."""
+        folder = self.root / table
+        older = sorted(folder.glob("part-*.parquet")) if folder.exists() else []
+        target = self.write_table(table, data)
+        for shard in older:
+            shard.unlink()
+        return target
+
     def write_maps(self, records: Sequence[MapRecord]) -> Path:
         """Append one shard of maps; every map must be (12, 32, 128) and finite."""
         now = datetime.now(UTC)
@@ -180,7 +191,9 @@ class MapStore:
         for record in records:
             array = np.asarray(record.map)
             if array.shape != MAP_SHAPE:
-                raise StoreError(f"map of '{record.id}' has shape {array.shape}, expected {MAP_SHAPE}")
+                raise StoreError(
+                    f"map of '{record.id}' has shape {array.shape}, expected {MAP_SHAPE}"
+                )
             if not np.isfinite(array).all():
                 raise StoreError(f"map of '{record.id}' has non-finite values")
             blobs.append(encode_array(array))
@@ -260,6 +273,10 @@ def maps_from_column(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     if column.null_count:
         raise StoreError("the map column has missing values")
     buffer = column.buffers()[1]
-    values = np.frombuffer(buffer, dtype=np.float16, count=len(column) * MAP_BYTES // 2,
-                           offset=column.offset * MAP_BYTES)
+    values = np.frombuffer(
+        buffer,
+        dtype=np.float16,
+        count=len(column) * MAP_BYTES // 2,
+        offset=column.offset * MAP_BYTES,
+    )
     return values.reshape(len(column), *MAP_SHAPE)

@@ -148,7 +148,7 @@ def lr_multiplier(epoch: int, cfg: TrainConfig) -> float:
     w = cfg.warmup_epochs
     if epoch < w:
         return (epoch + 1) / w
-    progress = (epoch - w) / (cfg.max_epochs - w)
+    progress = (epoch - w) / max(cfg.max_epochs - w, 1)  # short runs (max_epochs <= warm-up)
     f = cfg.final_lr_multiplier
     return f + (1.0 - f) / 2.0 * (1.0 + math.cos(math.pi * progress))
 

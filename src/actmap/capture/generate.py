@@ -66,7 +66,9 @@ def _generate_kwargs(model: nn.Module, tokenizer, config: CaptureConfig) -> dict
     kwargs = dict(
         max_new_tokens=config.max_new_tokens,
         do_sample=config.do_sample,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id
+        if tokenizer.pad_token_id is not None
+        else tokenizer.eos_token_id,
         return_dict_in_generate=False,
     )
     if config.do_sample:
@@ -95,7 +97,9 @@ def _eager_attention(model: nn.Module, needed: bool) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def generate_plain(model: nn.Module, tokenizer, prompts: Sequence[str], config: CaptureConfig) -> torch.Tensor:
+def generate_plain(
+    model: nn.Module, tokenizer, prompts: Sequence[str], config: CaptureConfig
+) -> torch.Tensor:
     """The same generation without hooks: (B, P + T') token ids. The reference for overhead and equality."""
     encoded = tokenize_prompts(tokenizer, prompts, config, _device(model))
     return model.generate(**encoded, **_generate_kwargs(model, tokenizer, config))
@@ -125,12 +129,17 @@ def generate_batch(
         dense_steps=min(config.dense_max_tokens, config.max_new_tokens) if config.keep_dense else 0,
         hidden_size=getattr(text_config, "hidden_size", 0),
     )
-    with _eager_attention(model, config.attention_keys > 0), recording(model, recorder, layers_path):
+    with (
+        _eager_attention(model, config.attention_keys > 0),
+        recording(model, recorder, layers_path),
+    ):
         sequences = model.generate(**encoded, **_generate_kwargs(model, tokenizer, config))
         prompt_len = encoded["input_ids"].shape[1]
         generated = sequences[:, prompt_len:]  # (B, steps)
         recorder.finish(generated[:, -1])
-    return _split_rows(recorder, generated, encoded, prompts, tokenizer, _stop_ids(model, tokenizer))
+    return _split_rows(
+        recorder, generated, encoded, prompts, tokenizer, _stop_ids(model, tokenizer)
+    )
 
 
 def _split_rows(
@@ -147,7 +156,9 @@ def _split_rows(
     for stop in stop_ids:
         is_stop |= generated == stop
     # (B,) index of the first stop token, or `steps` when the row never stopped
-    first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), torch.full_like(generated[:, 0], steps))
+    first_stop = torch.where(
+        is_stop.any(1), is_stop.int().argmax(1), torch.full_like(generated[:, 0], steps)
+    )
     prompt_tokens = encoded["attention_mask"].sum(1)
     host = {
         "pooled": recorder.pooled[:, :, :steps].cpu(),
@@ -178,7 +189,9 @@ def _split_rows(
                 stopped=stopped,
                 prompt_tokens=int(prompt_tokens[row]),
                 attention=None if host["attention"] is None else host["attention"][row, :n].clone(),
-                dense=None if host["dense"] is None else host["dense"][row, :, : min(n, host["dense"].shape[2])].clone(),
+                dense=None
+                if host["dense"] is None
+                else host["dense"][row, :, : min(n, host["dense"].shape[2])].clone(),
                 extras=extras,
             )
         )

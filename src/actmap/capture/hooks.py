@@ -45,17 +45,23 @@ class StepRecorder:
         self.max_steps = max_steps
         self.attention_keys = attention_keys
         self.dense_steps = dense_steps
-        self.pooled = torch.zeros(batch, n_layers, max_steps, pooled_dim, device=device)  # (B, L, T, D')
+        self.pooled = torch.zeros(
+            batch, n_layers, max_steps, pooled_dim, device=device
+        )  # (B, L, T, D')
         self.logprobs = torch.zeros(batch, max_steps, device=device)  # (B, T) chosen-token log p
         self.entropies = torch.zeros(batch, max_steps, device=device)  # (B, T)
-        self._last_logp: torch.Tensor | None = None  # (B, V) of the newest step, until its token is known
+        self._last_logp: torch.Tensor | None = (
+            None  # (B, V) of the newest step, until its token is known
+        )
         self.attention = (
             torch.zeros(batch, max_steps, n_layers, n_heads, attention_keys, device=device)
             if attention_keys
             else None
         )  # (B, T, L, H, K)
         self.dense = (
-            torch.zeros(batch, n_layers, dense_steps, hidden_size, device=device, dtype=torch.float16)
+            torch.zeros(
+                batch, n_layers, dense_steps, hidden_size, device=device, dtype=torch.float16
+            )
             if dense_steps
             else None
         )  # (B, L, N, D)
@@ -85,7 +91,9 @@ class StepRecorder:
 
     def layer_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            hidden = _first_tensor(output)[:, -1, :]  # (B, D) the position that predicts token `step`
+            hidden = _first_tensor(output)[
+                :, -1, :
+            ]  # (B, D) the position that predicts token `step`
             self.pooled[:, index, self.step] = pool_hidden(hidden.float(), self.pooled.shape[-1])
             if self.dense is not None and self.step < self.dense_steps:
                 self.dense[:, index, self.step] = hidden.to(torch.float16)
@@ -131,10 +139,14 @@ def recording(
         model.register_forward_hook(recorder.on_model_end, with_kwargs=True),
     ]
     try:
-        handles += [layer.register_forward_hook(recorder.layer_hook(i)) for i, layer in enumerate(layers)]
+        handles += [
+            layer.register_forward_hook(recorder.layer_hook(i)) for i, layer in enumerate(layers)
+        ]
         if recorder.attention is not None:
             attention = find_attention_modules(layers)
-            handles += [m.register_forward_hook(recorder.attention_hook(i)) for i, m in enumerate(attention)]
+            handles += [
+                m.register_forward_hook(recorder.attention_hook(i)) for i, m in enumerate(attention)
+            ]
         yield recorder
     finally:
         for handle in handles:

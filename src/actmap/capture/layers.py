@@ -63,7 +63,11 @@ def find_attention_modules(layers: nn.ModuleList) -> list[nn.Module]:
     modules = []
     for index, layer in enumerate(layers):
         module = next(
-            (getattr(layer, n) for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)),
+            (
+                getattr(layer, n)
+                for n in ATTENTION_NAMES
+                if isinstance(getattr(layer, n, None), nn.Module)
+            ),
             None,
         )
         if module is None:

@@ -22,9 +22,9 @@ LEVELS: tuple[tuple[str, tuple[tuple[int, int], ...], str], ...] = (
     ("What is {a} + {b}?", ((1, 9), (1, 9)), "a + b"),
     ("What is {a} times {b}?", ((2, 9), (2, 9)), "a * b"),
     ("What is {a} + {b}?", ((10, 99), (10, 99)), "a + b"),
-    ("How many minutes are in {a} hours?", ((2, 12),), "60 * a"),
+    ("How many minutes are in {a} hours?", ((2, 48),), "60 * a"),
     ("What is {a} minus {b}?", ((10, 99), (1, 9)), "a - b"),
-    ("How many days are in {a} weeks?", ((2, 12),), "7 * a"),
+    ("How many days are in {a} weeks?", ((2, 52),), "7 * a"),
 )
 INSTRUCTION = "Reply with just the number."
 SPLITS = ("train", "validation", "test")
@@ -46,7 +46,9 @@ def make_questions(n: int, seed: int = 0) -> list[tuple[str, int]]:
         attempts += 1
         if attempts > 100 * n + 1000:
             raise DataError(f"cannot make {n} distinct built-in questions")
-        template, ranges, formula = LEVELS[len(out) % len(LEVELS)]
+        template, ranges, formula = LEVELS[
+            attempts % len(LEVELS)
+        ]  # exhausted levels yield to others
         values = {name: rng.randint(lo, hi) for name, (lo, hi) in zip("ab", ranges)}
         question = template.format(**values)
         if question in seen:
@@ -103,14 +105,29 @@ class BuiltinArithmeticTask:
         """Zero-shot: the chat template when the tokenizer has one, else 'Question: ... Answer:'."""
         if getattr(tokenizer, "chat_template", None):
             messages = [{"role": "user", "content": f"{example.question} {INSTRUCTION}"}]
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
         return f"Question: {example.question}\nAnswer:"
 
-    def label(self, answer: str, example: Example) -> bool | None:
-        """The final number of the answer's first line must equal the exact result.
+    def postprocess(self, raw: str) -> str:
+        """The answer's first line: small models keep talking after the result."""
+        return raw.strip().split("\n", 1)[0]
 
-        Small models restate the question ("7 + 7 = 14"), so the final number of
-        the first line is the one they commit to.
+    def label(self, answer: str, example: Example) -> bool | None:
+        """The final number of the (post-processed) answer must equal the exact result.
+
+        Small models restate the question ("7 + 7 = 14"), so the final number is
+        the one they commit to.
         """
-        first_line = answer.strip().split("\n", 1)[0]
-        return gsm8k_correct(first_line, example.references[0], which="final")
+        return gsm8k_correct(answer, example.references[0], which="final")
+
+    def describe(self) -> dict:
+        return {
+            "task": self.name,
+            "n_questions": self.n_questions,
+            "seed": self.seed,
+            "prompt": f"zero-shot, '<question> {INSTRUCTION}'",
+            "label_rule": "final number of the first line, exact match",
+            "max_new_tokens": self.max_new_tokens,
+        }

@@ -165,6 +165,18 @@ class CorrectnessDetector:
 
     # --- persistence ---------------------------------------------------------
 
+    def score(self, maps: Any):
+        """The baselines' scorer contract: confidence = p(correct), raw = the logit."""
+        from actmap.baselines.base import ScoreResult
+
+        logits = self.decision_function(maps).astype(np.float64)
+        return ScoreResult(
+            confidence=1.0 / (1.0 + np.exp(-logits)),
+            raw=logits,
+            raw_name="logit",
+            details={"detector": self.detector, "seed": self.seed},
+        )
+
     def save(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path:
         """Write model.safetensors and config.json into `directory`; returns it."""
         self._check_fitted()

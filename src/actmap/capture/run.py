@@ -1,0 +1,282 @@
+"""A resumable capture run: task examples -> generations -> labels -> maps -> the store.
+
+Each batch is committed by writing its side tables first and its ``maps``
+shard last, so the ids in ``maps`` are exactly the finished rows. A run that
+is killed loses at most the batch in flight; on restart, ids already in
+``maps`` (or recorded as skipped) are not generated again, and side-table rows
+of an unfinished batch are superseded by the rerun (readers keep the last).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from actmap.capture.generate import generate_batch
+from actmap.capture.records import CaptureConfig, Generation
+from actmap.data.base import Example, Task
+from actmap.maps import MapConfig, build_maps_from_list, map_shape
+from actmap.models import ModelSource
+from actmap.store import MapRecord, MapStore, encode_array
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What one capture run did; also written into the store manifest."""
+
+    written: int  # rows committed by this run
+    skipped_existing: int  # rows already in the store (resume)
+    skipped_empty: int  # answers with no token before the stop token (no map can be built)
+    correct: int  # among rows written by this run with a known label
+    labelled: int
+    wall_time_s: float
+    generation_time_s: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.labelled if self.labelled else float("nan")
+
+
+def example_id(example: Example) -> str:
+    return f"{example.dataset}:{example.source_key}"
+
+
+def store_config(
+    task: Task, source: ModelSource, capture: CaptureConfig, maps: MapConfig, keep: dict
+) -> dict:
+    """The config a store is created with; a resumed run must match it exactly."""
+    describe = getattr(task, "describe", None)
+    return {
+        "task": describe() if describe else {"task": task.name},
+        "model": {"name": source.name, "revision": source.revision, "gguf_file": source.gguf_file},
+        "capture": asdict(capture),
+        "map": asdict(maps),
+        "keep": keep,
+    }
+
+
+def _label_text(task: Task, raw: str) -> str:
+    postprocess = getattr(task, "postprocess", None)
+    return postprocess(raw) if postprocess else raw
+
+
+def _side_tables(
+    ids: list[str], examples: list[Example], records: list[Generation], task: Task
+) -> pa.Table:
+    return pa.table(
+        {
+            "id": ids,
+            "question": [e.question for e in examples],
+            "references": [list(e.references) for e in examples],
+            "label_text": [_label_text(task, r.answer) for r in records],
+            "token_ids": pa.array([r.token_ids for r in records], pa.list_(pa.int32())),
+            "logprobs": pa.array([r.logprobs.tolist() for r in records], pa.list_(pa.float32())),
+            "entropies": pa.array([r.entropies.tolist() for r in records], pa.list_(pa.float32())),
+            "stopped": [r.stopped for r in records],
+            "prompt_tokens": pa.array([r.prompt_tokens for r in records], pa.int32()),
+            "eos_logprob": pa.array([r.extras.get("eos_logprob") for r in records], pa.float32()),
+            "eos_entropy": pa.array([r.extras.get("eos_entropy") for r in records], pa.float32()),
+        }
+    )
+
+
+def _array_table(ids: list[str], arrays: list, column: str) -> pa.Table:
+    """Tensors of varying shape as float16 bytes plus their shape."""
+    return pa.table(
+        {
+            "id": ids,
+            "shape": pa.array([list(a.shape) for a in arrays], pa.list_(pa.int32())),
+            column: [encode_array(a.float().numpy()) for a in arrays],
+        }
+    )
+
+
+def commit_batch(
+    store: MapStore,
+    task: Task,
+    source: ModelSource,
+    examples: list[Example],
+    records: list[Generation],
+    map_config: MapConfig,
+    keep_trajectories: bool,
+) -> tuple[int, int, int]:
+    """Write one batch; returns (written, correct, labelled). Empty answers go to ``skipped``."""
+    empty = [i for i, r in enumerate(records) if r.n_tokens == 0]
+    if empty:
+        store.write_table(
+            "skipped",
+            pa.table(
+                {
+                    "id": [example_id(examples[i]) for i in empty],
+                    "reason": ["empty answer"] * len(empty),
+                }
+            ),
+        )
+        log.warning("%d empty answers (stop token first) recorded in 'skipped'", len(empty))
+    keep = [i for i in range(len(records)) if records[i].n_tokens > 0]
+    if not keep:
+        return 0, 0, 0
+    examples = [examples[i] for i in keep]
+    records = [records[i] for i in keep]
+    ids = [example_id(e) for e in examples]
+    maps = build_maps_from_list([r.trajectory for r in records], map_config)  # (B, 12, 32, 128)
+    labels = [
+        task.label(_label_text(task, r.answer), e) for e, r in zip(examples, records, strict=True)
+    ]
+    store.write_table("generations", _side_tables(ids, examples, records, task))
+    if keep_trajectories:
+        store.write_table(
+            "trajectories", _array_table(ids, [r.trajectory for r in records], "trajectory")
+        )
+    if records[0].attention is not None:
+        store.write_table(
+            "attention", _array_table(ids, [r.attention for r in records], "attention")
+        )
+    if records[0].dense is not None:
+        store.write_table("dense", _array_table(ids, [r.dense for r in records], "dense"))
+    store.write_maps(  # last: the commit of this batch
+        [
+            MapRecord(
+                id=key,
+                source_key=e.source_key,
+                dataset=e.dataset,
+                split=e.split,
+                model_name=source.name,
+                model_revision=source.revision,
+                prompt=r.prompt,
+                answer=r.answer,
+                n_tokens=r.n_tokens,
+                label=None if label is None else int(label),
+                map=m.numpy(),
+            )
+            for key, e, r, label, m in zip(ids, examples, records, labels, maps, strict=True)
+        ]
+    )
+    known = [label for label in labels if label is not None]
+    return len(ids), int(sum(known)), len(known)
+
+
+def run_capture(
+    model,
+    tokenizer,
+    source: ModelSource,
+    task: Task,
+    examples: Sequence[Example],
+    store: MapStore,
+    capture: CaptureConfig = CaptureConfig(),
+    map_config: MapConfig = MapConfig(),
+    keep_trajectories: bool = False,
+    layers_path: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> RunSummary:
+    """Capture every example not yet in ``store``, one committed batch at a time."""
+    if map_shape(map_config) != (12, 32, 128):
+        raise ValueError(
+            "the store keeps the paper's 12x32x128 maps; build ablation maps from trajectories"
+        )
+    started = time.perf_counter()
+    done = store.ids("maps") | store.ids("skipped")
+    todo = [e for e in examples if example_id(e) not in done]
+    if progress is not None and len(examples) > len(todo):
+        progress(len(examples) - len(todo))
+    written = correct = labelled = empty = 0
+    generation_time = 0.0
+    for start in range(0, len(todo), capture.batch_size):
+        batch = todo[start : start + capture.batch_size]
+        prompts = [task.prompt(e, tokenizer) for e in batch]
+        tick = time.perf_counter()
+        records = generate_batch(model, tokenizer, prompts, capture, layers_path)
+        generation_time += time.perf_counter() - tick
+        w, c, n = commit_batch(store, task, source, batch, records, map_config, keep_trajectories)
+        written, correct, labelled, empty = (
+            written + w,
+            correct + c,
+            labelled + n,
+            empty + len(batch) - w,
+        )
+        if progress is not None:
+            progress(len(batch))
+    summary = RunSummary(
+        written=written,
+        skipped_existing=len(examples) - len(todo),
+        skipped_empty=empty,
+        correct=correct,
+        labelled=labelled,
+        wall_time_s=time.perf_counter() - started,
+        generation_time_s=generation_time,
+    )
+    runs = store.manifest.get("runs", [])
+    store.update_manifest(runs=[*runs, {**asdict(summary), "finished_at": time.time()}])
+    return summary
+
+
+def natural_accuracy(store: MapStore) -> dict[str, float]:
+    """Fraction correct among labelled rows, per split and overall."""
+    frame = store.metadata()
+    frame = frame[frame["label"].notna()]
+    result = {split: float(group["label"].mean()) for split, group in frame.groupby("split")}
+    result["all"] = float(frame["label"].mean()) if len(frame) else float("nan")
+    return result
+
+
+def latest_rows(table: pa.Table) -> pa.Table:
+    """Keep the last row per id (a rerun of an unfinished batch supersedes its earlier rows)."""
+    ids = table.column("id").to_pylist()
+    last = {key: i for i, key in enumerate(ids)}
+    return table.take(pa.array(sorted(last.values()), pa.int64()))
+
+
+def read_generations(store: MapStore, ids: Sequence[str]) -> list[Generation]:
+    """Rebuild `Generation` records (with attention and trajectories when stored) for scorers."""
+    import torch
+
+    from actmap.store import decode_array
+
+    maps_meta = store.metadata().set_index("id")
+    tables = {
+        name: latest_rows(store.read_table(name))
+        for name in ("generations", "attention", "trajectories")
+        if store.has_table(name)
+    }
+    index = {
+        name: {k: i for i, k in enumerate(t.column("id").to_pylist())} for name, t in tables.items()
+    }
+
+    def tensor(name: str, column: str, key: str):
+        if name not in tables or key not in index[name]:
+            return None
+        row = index[name][key]
+        shape = tables[name].column("shape")[row].as_py()
+        return torch.from_numpy(
+            decode_array(tables[name].column(column)[row].as_py(), shape).astype(np.float32)
+        )
+
+    gens = tables["generations"]
+    out = []
+    for key in ids:
+        row = index["generations"][key]
+        get = lambda c: gens.column(c)[row].as_py()  # noqa: E731
+        extras = {k: v for k in ("eos_logprob", "eos_entropy") if (v := get(k)) is not None}
+        trajectory = tensor("trajectories", "trajectory", key)
+        out.append(
+            Generation(
+                prompt=maps_meta.at[key, "prompt"],
+                answer=maps_meta.at[key, "answer"],
+                token_ids=get("token_ids"),
+                logprobs=torch.tensor(get("logprobs"), dtype=torch.float32),
+                entropies=torch.tensor(get("entropies"), dtype=torch.float32),
+                trajectory=trajectory if trajectory is not None else torch.empty(0),
+                stopped=get("stopped"),
+                prompt_tokens=get("prompt_tokens"),
+                attention=tensor("attention", "attention", key),
+                extras=extras,
+            )
+        )
+    return out

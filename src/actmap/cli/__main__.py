@@ -1,0 +1,3 @@
+from actmap.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""``actmap baselines``: every method's score per stored row, written into the store's results."""

@@ -1,0 +1,179 @@
+"""``actmap capture`` and ``actmap build-maps``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from actmap.cli import app
+from actmap.cli.common import console, progress_bar, user_errors
+
+SPLITS = ("train", "validation", "test")
+
+
+def load_task(
+    task: str, prompts: Path | None, data_dir: Path | None, prompt_style: str, label_rule: str
+):
+    from actmap.data import get_task
+    from actmap.data.promptfile import PromptFileTask
+
+    if prompts is not None:
+        return PromptFileTask(prompts)
+    if task == "builtin":
+        return get_task("builtin")
+    kwargs = {"data_dir": data_dir, "prompt_style": prompt_style}
+    if task in ("triviaqa", "nq_open"):
+        kwargs["label_rule"] = label_rule
+    return get_task(task, **kwargs)
+
+
+@app.command()
+def capture(
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Store folder (created, or resumed when it exists)."
+    ),
+    task: str = typer.Option("builtin", help="builtin | gsm8k | nq_open | triviaqa | cnn_dm"),
+    prompts: Path = typer.Option(
+        None, help="JSONL file of {'prompt', 'id'?, 'answers'?} instead of a task."
+    ),
+    model: str = typer.Option(
+        "smollm2-135m-instruct", help="Embedded name, .gguf path, local folder or hub id."
+    ),
+    revision: str = typer.Option("main", help="Hub revision of the model."),
+    limit: int = typer.Option(None, help="At most this many examples per split."),
+    splits: str = typer.Option(",".join(SPLITS), help="Comma-separated splits to capture."),
+    batch_size: int = typer.Option(32, help="Prompts per generation batch."),
+    max_new_tokens: int = typer.Option(
+        None, help="Default: the task's (32 short answers, 384 summaries)."
+    ),
+    keep_trajectories: bool = typer.Option(
+        False, help="Also store pooled L x T x 128 trajectories (ablations)."
+    ),
+    attention_keys: int = typer.Option(
+        0, help="Keep attention to the K previous tokens (RAUQ/TAD need 10)."
+    ),
+    keep_dense: bool = typer.Option(
+        False, help="Keep unpooled states of the first 100 tokens (ACT-ViT)."
+    ),
+    data_dir: Path = typer.Option(
+        None, help="Folder of local dataset files (default ../shared/data)."
+    ),
+    prompt_style: str = typer.Option("few_shot", help="few_shot | zero_shot (dataset tasks)."),
+    label_rule: str = typer.Option("paper", help="QA label rule: paper | contains."),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+    layers_path: str = typer.Option(
+        None, help="Dotted path to the decoder-layer list for unknown layouts."
+    ),
+) -> None:
+    """Generate answers with capture on, label them, and store one 12x32x128 map per answer."""
+    with user_errors():
+        from actmap.capture import CaptureConfig
+        from actmap.capture.run import natural_accuracy, run_capture, store_config
+        from actmap.maps import MapConfig
+        from actmap.models import load_model
+        from actmap.store import MapStore
+
+        the_task = load_task(task, prompts, data_dir, prompt_style, label_rule)
+        wanted = [s.strip() for s in splits.split(",") if s.strip()]
+        examples = [e for split in wanted for e in the_task.load(split, limit)]
+        if not examples:
+            raise ValueError(f"task '{the_task.name}' has no examples in splits {wanted}")
+        config = CaptureConfig(
+            max_new_tokens=max_new_tokens or the_task.max_new_tokens,
+            batch_size=batch_size,
+            attention_keys=attention_keys,
+            keep_dense=keep_dense,
+        )
+        console.print(f"loading [bold]{model}[/bold] ...")
+        lm, tokenizer, source = load_model(model, revision=revision, device=device)
+        keep = {
+            "trajectories": keep_trajectories,
+            "attention_keys": attention_keys,
+            "dense": keep_dense,
+        }
+        store = MapStore.create(out, store_config(the_task, source, config, MapConfig(), keep))
+        with progress_bar() as bar:
+            job = bar.add_task(f"capture {the_task.name}", total=len(examples), info="")
+            summary = run_capture(
+                lm,
+                tokenizer,
+                source,
+                the_task,
+                examples,
+                store,
+                config,
+                keep_trajectories=keep_trajectories,
+                layers_path=layers_path,
+                progress=lambda n: bar.advance(job, n),
+            )
+        console.print(
+            f"wrote {summary.written} rows ({summary.skipped_existing} already stored, "
+            f"{summary.skipped_empty} empty answers) in {summary.wall_time_s:.1f} s; "
+            f"accuracy of this run {summary.accuracy:.3f}"
+        )
+        accuracy = natural_accuracy(store)
+        console.print(
+            "natural accuracy in the store: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
+        )
+
+
+@app.command("build-maps")
+def build_maps_command(
+    store_path: Path = typer.Option(
+        ..., "--store", help="A store captured with --keep-trajectories."
+    ),
+    out: Path = typer.Option(..., "--out", "-o", help="Output .safetensors file of maps (+ ids)."),
+    segments: int = typer.Option(4, help="Segment means: 1, 4 or 8."),
+    resolution: str = typer.Option(
+        "32x128", help="Layers x coordinates, e.g. 16x64, 32x128, 64x256."
+    ),
+    channels: str = typer.Option(None, help="Comma-separated channel names to keep (default all)."),
+    normalization: str = typer.Option("channel", help="channel | global"),
+) -> None:
+    """Rebuild maps from stored trajectories with other operator settings (ablations)."""
+    with user_errors():
+        import json
+
+        import torch
+        from safetensors.torch import save_file
+
+        from actmap.capture.run import latest_rows
+        from actmap.maps import MapConfig, build_maps_from_list
+        from actmap.store import MapStore, decode_array
+
+        layers_out, coords_out = (int(x) for x in resolution.lower().split("x"))
+        config = MapConfig(
+            n_segments=segments,
+            layers_out=layers_out,
+            coords_out=coords_out,
+            channels=tuple(c.strip() for c in channels.split(",")) if channels else None,
+            normalization=normalization,
+        )
+        store = MapStore.open(store_path)
+        if not store.has_table("trajectories"):
+            raise ValueError(f"{store_path} has no trajectories; capture with --keep-trajectories")
+        table = latest_rows(store.read_table("trajectories"))
+        committed = store.ids("maps")
+        ids, maps = [], []
+        with progress_bar() as bar:
+            job = bar.add_task("build maps", total=table.num_rows, info="")
+            for batch in table.to_batches(max_chunksize=256):
+                keys = batch.column("id").to_pylist()
+                shapes = batch.column("shape").to_pylist()
+                blobs = batch.column("trajectory").to_pylist()
+                trajectories = [
+                    torch.from_numpy(decode_array(b, s).astype("float32"))
+                    for k, s, b in zip(keys, shapes, blobs, strict=True)
+                    if k in committed
+                ]
+                if trajectories:
+                    maps.append(build_maps_from_list(trajectories, config).half())
+                    ids += [k for k in keys if k in committed]
+                bar.advance(job, len(keys))
+        stacked = torch.cat(maps)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        metadata = {"ids": json.dumps(ids), "map_config": json.dumps(config.__dict__, default=list)}
+        save_file({"maps": stacked.contiguous()}, str(out), metadata=metadata)
+        console.print(f"wrote {len(ids)} maps of shape {tuple(stacked.shape[1:])} to {out}")
