@@ -209,72 +209,93 @@ def _token_reductions(
 ) -> None:
     """The passes over the token axis of right-padded (answer, layer) rows (N, Tmax, D').
 
-    With y = x - x[T-1] (float32), writes into `out`: the linear channels
-    `weights @ y` (N, K, D') and x[T-1], sum_t y^2, max_t y, sum_t |y_t - y_(t-1)|
-    (N, D' each). Relative to the final token the padding becomes exactly 0, so
-    garbage there (even NaN) never reaches a statistic and no other mask is needed.
+    Writes into `out`: the linear channels `weights @ x` (N, K, D'; the last one
+    is the mean) and x[T-1], sum_t (x_t - xbar)^2, max_t x, sum_t |x_t - x_(t-1)|
+    (N, D' each), all over valid tokens only.
     """
-    linear, last, sum_sq, maximum, abs_diff = out
+    linear, last, sum_sq_dev, maximum, abs_diff = out
     n_rows, t_max, width = x.shape
     last.copy_(x[torch.arange(n_rows, device=x.device), lengths - 1])  # (N, D')
-    y = (x - last[:, None, :]).to(torch.float32)  # (N, T, D'); half inputs promote here
-    padding = torch.arange(t_max, device=x.device) >= lengths[:, None]  # (N, T)
-    if bool(padding.any()):  # index_fill_ writes only the padded (row, token) pairs
-        y.view(n_rows * t_max, width).index_fill_(0, padding.flatten().nonzero()[:, 0], 0.0)
+    valid = torch.arange(t_max, device=x.device) < lengths[:, None]  # (N, T)
+    padded = not bool(valid.all())
+    y = x.to(torch.float32, copy=padded)  # (N, T, D'); the input itself is never written
+    if padded:
+        # Padding repeats the row's final token: garbage there (even NaN) never
+        # reaches a statistic, the maximum is unchanged, token-to-token differences
+        # there are 0 and the linear weights give it 0. Only padded pairs are written.
+        index = (~valid).flatten().nonzero()[:, 0]  # row * Tmax + token
+        y.view(n_rows * t_max, width).index_copy_(0, index, last[index // t_max])
     torch.matmul(weights, y, out=linear)  # (N, K, D')
-    torch.sum(y.square(), dim=1, out=sum_sq)
+    deviation = (y - linear[:, -1:]).square_()  # (N, T, D'): two-pass, around the mean
+    if padded:
+        torch.matmul(valid.float()[:, None, :], deviation, out=sum_sq_dev[:, None, :])
+    else:
+        torch.sum(deviation, dim=1, out=sum_sq_dev)
+    del deviation
     torch.amax(y, dim=1, out=maximum)
-    torch.sum((y[:, 1:] - y[:, :-1]).abs_(), dim=1, out=abs_diff)  # padding adds 0
+    torch.sum((y[:, 1:] - y[:, :-1]).abs_(), dim=1, out=abs_diff)
 
 
 def _finish_statistics(
     reductions: tuple[torch.Tensor, ...], lengths: torch.Tensor, n_segments: int, out: torch.Tensor
 ) -> None:
     """Channel statistics (N, C, D') from the token reductions of N rows of lengths (N,)."""
-    linear, last, sum_sq_y, max_y, abs_diff = (r[:, None] if r.ndim == 2 else r for r in reductions)
-    segments, final_window, drift, slope, mean_y = linear.split([n_segments, 1, 1, 1, 1], 1)
+    linear, last, sum_sq_dev, maximum, abs_diff = (
+        r[:, None] if r.ndim == 2 else r for r in reductions
+    )
+    segments, final_window, drift, slope, mean = linear.split([n_segments, 1, 1, 1, 1], 1)
     n = lengths.float()[:, None, None]  # (N, 1, 1)
     several = (lengths > 1)[:, None, None]  # (N, 1, 1): statistics that vanish for T = 1
     denominator = (n - 1).clamp(min=1)
-    sum_sq_dev = (sum_sq_y - n * mean_y.square()).clamp(min=0)  # sum_t (x_t - xbar)^2, shifted
     std = torch.where(several, (sum_sq_dev / denominator).sqrt(), 0.0)
     mean_abs_diff = torch.where(several, abs_diff / denominator, 0.0)
     # sum_t x_t^2 = sum_t (x_t - xbar)^2 + T xbar^2, summed over coordinates
-    sum_sq = (sum_sq_dev + n * (mean_y + last).square()).sum(dim=-1, keepdim=True)
+    sum_sq = (sum_sq_dev + n * mean.square()).sum(dim=-1, keepdim=True)
     layer_rms = (sum_sq / (n * last.shape[-1])).sqrt().expand_as(last)  # (N, 1, D')
-    channels = [segments + last, last, final_window + last, std, max_y + last, drift, slope]
-    torch.cat([*channels, layer_rms, mean_abs_diff], dim=1, out=out)  # (N, C, D')
+    channels = [segments, last, final_window, std, maximum, drift, slope, layer_rms]
+    torch.cat([*channels, mean_abs_diff], dim=1, out=out)  # (N, C, D')
+
+
+def _workspace(n_rows: int, n_linear: int, n_channels: int, width: int, device) -> list:
+    """Buffers for `_statistics` over up to n_rows rows, reused from group to group."""
+    return [
+        torch.empty(n_rows, n_linear, width, device=device),  # linear channels
+        *torch.empty(4, n_rows, width, device=device),  # x[T-1], sum dev^2, max, sum |dx|
+        torch.empty(n_rows, n_channels, width, device=device),  # the statistics
+    ]
 
 
 def _statistics(
-    x: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor, n_segments: int
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor,
+    n_segments: int,
+    workspace: list | None = None,
 ) -> torch.Tensor:
     """Unnormalised statistics of a right-padded batch: (B, L, Tmax, D') -> (B, L, C, D').
 
     On the CPU the (answer, layer) rows go through in blocks of about
     `_BLOCK_BYTES` of trajectory: the temporaries stay small and are reused by
     the allocator, where whole-batch temporaries would page-fault a fresh copy
-    of the batch for every pass.
+    of the batch for every pass. The result lives in `workspace` when given.
     """
     batch, n_layers, t_max, width = x.shape
     device = x.device
     n_rows = batch * n_layers
+    n_channels = n_segments + len(_TAIL_CHANNELS)
+    if workspace is None:
+        workspace = _workspace(n_rows, weights.shape[1], n_channels, width, device)
+    *reductions, stats = (buffer[:n_rows] for buffer in workspace)
     rows = x.reshape(n_rows, t_max, width)  # (B*L, T, D')
     row_answer = torch.arange(batch, device=device).repeat_interleave(n_layers)  # (B*L,)
     row_lengths = lengths[row_answer]  # (B*L,)
-    reductions = (
-        torch.empty(n_rows, weights.shape[1], width, device=device),  # linear channels
-        *torch.empty(4, n_rows, width, device=device),  # last, sum_sq, max, abs_diff
-    )
     block = n_rows if device.type != "cpu" else max(1, _BLOCK_BYTES // (t_max * width * 4))
     for start in range(0, n_rows, block):
         part = slice(start, start + block)
-        owner = row_answer[part]
         out = tuple(r[part] for r in reductions)
-        _token_reductions(rows[part], row_lengths[part], weights[owner], out)
-    stats = torch.empty(n_rows, n_segments + len(_TAIL_CHANNELS), width, device=device)
+        _token_reductions(rows[part], row_lengths[part], weights[row_answer[part]], out)
     _finish_statistics(reductions, row_lengths, n_segments, out=stats)
-    return stats.view(batch, n_layers, -1, width)  # (B, L, C, D')
+    return stats.view(batch, n_layers, n_channels, width)  # (B, L, C, D')
 
 
 def temporal_statistics(trajectory: torch.Tensor, n_segments: int = 4) -> torch.Tensor:
@@ -302,9 +323,10 @@ def _check_single(trajectory: torch.Tensor) -> None:
 
 def _raise_if_non_finite(result: torch.Tensor, x: torch.Tensor, lengths: torch.Tensor) -> None:
     """Check the (small) result; only on failure count the bad input values."""
-    if bool(torch.isfinite(result.amax())) and bool(
-        torch.isfinite(result.amin())
-    ):  # NaN propagates
+    if result.numel() == 0:
+        return
+    low, high = torch.aminmax(result)  # NaN propagates into both
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
         return
     lengths = lengths.to(x.device)
     valid = (torch.arange(x.shape[2], device=x.device) < lengths[:, None])[:, None, :, None]
@@ -326,29 +348,34 @@ def _pooling_matrix(n_in: int, n_out: int) -> torch.Tensor:
     return F.adaptive_avg_pool1d(torch.eye(n_in)[None], n_out)[0].T.contiguous()
 
 
-def _pool_and_normalize(stats: torch.Tensor, config: MapConfig) -> torch.Tensor:
-    """(B, L, C_all, D') statistics -> (B, C, R, K) maps."""
+def _pool_and_normalize(stats: torch.Tensor, config: MapConfig, out: torch.Tensor) -> None:
+    """(b, L, C_all, D') statistics -> (b, C, R, K) maps, written into `out`."""
     device = stats.device
     if config.channels is not None:
         canonical = all_channel_names(config.n_segments)
         index = torch.tensor([canonical.index(c) for c in config.channels], device=device)
-        stats = stats.index_select(2, index)  # (B, L, C, D')
-    batch, n_layers, n_channels, width = stats.shape
+        stats = stats.index_select(2, index)  # (b, L, C, D')
+    by_channel = stats.transpose(1, 2)  # (b, C, L, D')
     # Adaptive average pooling of the ordered layer axis L -> R, as a product.
-    layer_pool = _pooling_matrix(n_layers, config.layers_out).to(device)  # (R, L)
-    pooled = torch.matmul(layer_pool, stats.reshape(batch, n_layers, n_channels * width))
-    pooled = pooled.reshape(batch, config.layers_out, n_channels, width)  # (B, R, C, D')
-    if config.coords_out != width:  # coarser map: pool the coordinates further
-        pooled = torch.matmul(pooled, _pooling_matrix(width, config.coords_out).T.to(device))
-    dims = (1, 3) if config.normalization == "channel" else (1, 2, 3)
+    layer_pool = _pooling_matrix(by_channel.shape[2], config.layers_out).to(device)  # (R, L)
+    if config.coords_out == by_channel.shape[3]:
+        torch.matmul(layer_pool, by_channel, out=out)  # (b, C, R, K)
+    else:  # coarser map: pool the coordinates D' -> K too
+        coord_pool = _pooling_matrix(by_channel.shape[3], config.coords_out).T.to(device)
+        torch.matmul(torch.matmul(layer_pool, by_channel), coord_pool, out=out)
+    _standardize_(out, config.normalization)
+
+
+def _standardize_(maps: torch.Tensor, normalization: str) -> None:
+    """In place: (b, C, R, K) -> (S - mean) / max(std, 1e-6), per channel or over all channels."""
+    batch, n_channels = maps.shape[:2]
+    flat = maps.view(batch, n_channels if normalization == "channel" else 1, -1)
     # Shifting by one entry first keeps an exactly constant channel exactly 0
     # (a float32 mean of equal values need not equal them).
-    shift = pooled[:, :1, :, :1] if config.normalization == "channel" else pooled[:, :1, :1, :1]
-    shifted = pooled - shift  # (B, R, C, K)
-    centred = shifted - shifted.mean(dim=dims, keepdim=True)
-    std = centred.square().mean(dim=dims, keepdim=True).sqrt()  # population std
-    maps = centred / std.clamp(min=STD_FLOOR)
-    return maps.transpose(1, 2)  # (B, C, R, K)
+    flat.sub_(flat[..., :1].clone())
+    flat.sub_(flat.mean(dim=-1, keepdim=True))
+    std = torch.linalg.vector_norm(flat, dim=-1, keepdim=True) / flat.shape[-1] ** 0.5  # population
+    flat.div_(std.clamp(min=STD_FLOOR))
 
 
 def build_maps(
@@ -378,14 +405,17 @@ def build_maps(
     maps = torch.empty(batch, *map_shape(config), device=device)  # (B, C, R, K)
     # Answers go through in groups of about `_GROUP_BYTES` of trajectory or
     # statistics, so that the group's buffers stay small too.
-    per_answer = n_layers * max(t_max, config.n_segments + 8) * width * 4
+    n_channels = config.n_segments + len(_TAIL_CHANNELS)
+    per_answer = n_layers * max(t_max, n_channels) * width * 4
     group = batch if device.type != "cpu" else max(1, _GROUP_BYTES // per_answer)
+    group = max(1, min(group, batch))
+    workspace = _workspace(group * n_layers, weights.shape[1], n_channels, width, device)
     for start in range(0, batch, group):
         part = slice(start, start + group)
         stats = _statistics(
-            trajectories[part], lengths_here[part], weights[part], config.n_segments
+            trajectories[part], lengths_here[part], weights[part], config.n_segments, workspace
         )  # (b, L, C_all, D')
-        maps[part] = _pool_and_normalize(stats, config)
+        _pool_and_normalize(stats, config, out=maps[part])
     _raise_if_non_finite(maps, trajectories, lengths)
     return maps
 

@@ -43,6 +43,9 @@ def tokenize_prompts(tokenizer, prompts: Sequence[str], config: CaptureConfig, d
         raise ValueError(
             f"max_context={config.max_context} leaves no room for max_new_tokens={config.max_new_tokens}"
         )
+    add_special = config.add_special_tokens
+    if add_special is None:  # templated chat text already carries its special tokens
+        add_special = not getattr(tokenizer, "chat_template", None)
     saved = tokenizer.padding_side, tokenizer.truncation_side, tokenizer.pad_token
     tokenizer.padding_side = tokenizer.truncation_side = "left"
     if tokenizer.pad_token_id is None:
@@ -54,8 +57,7 @@ def tokenize_prompts(tokenizer, prompts: Sequence[str], config: CaptureConfig, d
             padding=True,
             truncation=True,
             max_length=budget,
-            # templated chat text already carries its special tokens
-            add_special_tokens=not getattr(tokenizer, "chat_template", None),
+            add_special_tokens=add_special,
         )
     finally:  # the caller's tokenizer is left as it was
         tokenizer.padding_side, tokenizer.truncation_side, tokenizer.pad_token = saved

@@ -39,6 +39,9 @@ class CaptureConfig:
     keep_dense: bool = False  # keep full (unpooled) hidden states for ACT-ViT
     dense_max_tokens: int = 100  # ACT-ViT's N_max: dense states kept for the first tokens only
     batch_size: int = 32
+    # tokenizer special tokens (e.g. BOS) for plain prompts; None = only when the tokenizer
+    # has no chat template (templated text already carries them)
+    add_special_tokens: bool | None = None
 
 
 @dataclass(frozen=True)

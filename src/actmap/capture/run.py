@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
+from actmap.baselines.actvit import pool_layers
 from actmap.capture.generate import generate_batch
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.data.base import Example, Task
@@ -139,8 +140,9 @@ def commit_batch(
         store.write_table(
             "attention", _array_table(ids, [r.attention for r in records], "attention")
         )
-    if records[0].dense is not None:
-        store.write_table("dense", _array_table(ids, [r.dense for r in records], "dense"))
+    if records[0].dense is not None:  # ACT-ViT's layer max-pooling to 8 groups, done once here (L/8 smaller)
+        dense = [pool_layers(r.dense.float()) for r in records]  # (8, N, D)
+        store.write_table("dense", _array_table(ids, dense, "dense"))
     store.write_maps(  # last: the commit of this batch
         [
             MapRecord(

@@ -13,7 +13,13 @@ SPLITS = ("train", "validation", "test")
 
 
 def load_task(
-    task: str, prompts: Path | None, data_dir: Path | None, prompt_style: str, label_rule: str
+    task: str,
+    prompts: Path | None,
+    data_dir: Path | None,
+    prompt_style: str,
+    label_rule: str,
+    chat_template: bool = True,
+    builtin_questions: int = 400,
 ):
     from actmap.data import get_task
     from actmap.data.promptfile import PromptFileTask
@@ -21,8 +27,8 @@ def load_task(
     if prompts is not None:
         return PromptFileTask(prompts)
     if task == "builtin":
-        return get_task("builtin")
-    kwargs = {"data_dir": data_dir, "prompt_style": prompt_style}
+        return get_task("builtin", n_questions=builtin_questions)
+    kwargs = {"data_dir": data_dir, "prompt_style": prompt_style, "chat_template": chat_template}
     if task in ("triviaqa", "nq_open"):
         kwargs["label_rule"] = label_rule
     return get_task(task, **kwargs)
@@ -61,6 +67,10 @@ def capture(
     ),
     prompt_style: str = typer.Option("few_shot", help="few_shot | zero_shot (dataset tasks)."),
     label_rule: str = typer.Option("paper", help="QA label rule: paper | contains."),
+    builtin_questions: int = typer.Option(400, help="Questions the built-in task generates."),
+    chat_template: bool = typer.Option(
+        True, help="Wrap prompts in the tokenizer's chat template (--no-chat-template: plain text)."
+    ),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     layers_path: str = typer.Option(
         None, help="Dotted path to the decoder-layer list for unknown layouts."
@@ -74,7 +84,9 @@ def capture(
         from actmap.models import load_model
         from actmap.store import MapStore
 
-        the_task = load_task(task, prompts, data_dir, prompt_style, label_rule)
+        the_task = load_task(
+            task, prompts, data_dir, prompt_style, label_rule, chat_template, builtin_questions
+        )
         wanted = [s.strip() for s in splits.split(",") if s.strip()]
         examples = [e for split in wanted for e in the_task.load(split, limit)]
         if not examples:

@@ -18,7 +18,7 @@ class Example:
     dataset: str  # "gsm8k", "nq_open", "triviaqa", "cnn_dm", "builtin"
     split: str  # "train", "validation" or "test"
     question: str  # the question, or the article for summarization
-    references: tuple[str, ...]  # gold aliases, the gold number as text, or the reference highlights
+    references: tuple[str, ...]  # gold aliases, the gold number, or the reference highlights
     meta: dict[str, str] = field(default_factory=dict)
 
 
@@ -34,6 +34,10 @@ class Task(Protocol):
         """The exact text fed to the model (chat template applied when the tokenizer has one)."""
         ...
 
+    def postprocess(self, raw: str) -> str:
+        """The text the label is computed on (the raw answer is stored as generated)."""
+        ...
+
     def label(self, answer: str, example: Example) -> bool | None:
-        """True iff the answer is correct; None when the label needs a judge not run yet."""
+        """True iff the (post-processed) answer is correct; None when a judge has not run yet."""
         ...

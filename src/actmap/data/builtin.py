@@ -49,7 +49,7 @@ def make_questions(n: int, seed: int = 0) -> list[tuple[str, int]]:
         template, ranges, formula = LEVELS[
             attempts % len(LEVELS)
         ]  # exhausted levels yield to others
-        values = {name: rng.randint(lo, hi) for name, (lo, hi) in zip("ab", ranges)}
+        values = {name: rng.randint(lo, hi) for name, (lo, hi) in zip("ab", ranges, strict=False)}
         question = template.format(**values)
         if question in seen:
             continue

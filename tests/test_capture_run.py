@@ -1,0 +1,153 @@
+"""Capture runs into a store: labels, side tables, empty answers, and resume after a kill."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from actmap.capture import CaptureConfig, generate_with_capture
+from actmap.capture.run import read_generations, run_capture, store_config
+from actmap.data.base import Example
+from actmap.maps import MapConfig, build_map
+from actmap.models import ModelSource
+from actmap.store import MapStore
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "what is the capital of the river red blue green one two three four five".split()
+
+
+class WordTask:
+    """Tiny task: the answer is 'correct' when its first word is in the question."""
+
+    name = "words"
+    max_new_tokens = 5
+
+    def __init__(self, n: int = 24):
+        rng = np.random.default_rng(0)
+        self.examples = [
+            Example(
+                source_key=f"q{i}",
+                dataset="words",
+                split=("train", "validation", "test")[i % 3],
+                question=" ".join(rng.choice(WORDS, size=int(rng.integers(2, 8)))),
+                references=(),
+            )
+            for i in range(n)
+        ]
+
+    def load(self, split, limit=None):
+        return [e for e in self.examples if e.split == split][:limit]
+
+    def prompt(self, example, tokenizer):
+        return example.question
+
+    def label(self, answer, example):
+        words = answer.split()
+        return bool(words) and words[0] in example.question.split()
+
+    def describe(self):
+        return {"task": self.name}
+
+
+SOURCE = ModelSource("tiny", "tiny", None, "0")
+
+
+def test_run_writes_maps_labels_and_side_tables(tmp_path, tiny_llama, word_tokenizer):
+    task = WordTask()
+    config = CaptureConfig(max_new_tokens=5, batch_size=8, attention_keys=2, keep_dense=True)
+    store = MapStore.create(tmp_path, store_config(task, SOURCE, config, MapConfig(), {}))
+    summary = run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config, keep_trajectories=True)
+    assert summary.written == 24 and summary.skipped_existing == 0
+    maps, meta = store.load_maps()
+    # independent reference: capture the same prompts directly and build each map
+    direct = generate_with_capture(tiny_llama, word_tokenizer, [e.question for e in task.examples], config)
+    by_id = {f"words:{e.source_key}": (e, r) for e, r in zip(task.examples, direct, strict=True)}
+    for row, key in enumerate(meta["id"]):
+        example, generation = by_id[key]
+        assert meta.loc[row, "answer"] == generation.answer
+        assert meta.loc[row, "label"] == int(task.label(generation.answer, example))
+        assert meta.loc[row, "split"] == example.split
+        expected = build_map(generation.trajectory).half().numpy()
+        np.testing.assert_allclose(maps[row].astype(np.float32), expected.astype(np.float32), atol=2e-3)
+    rebuilt = read_generations(store, list(meta["id"][:3]))
+    for key, record in zip(meta["id"][:3], rebuilt, strict=True):
+        generation = by_id[key][1]
+        assert record.token_ids == generation.token_ids
+        torch.testing.assert_close(record.logprobs, generation.logprobs)
+        torch.testing.assert_close(record.attention, generation.attention, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(record.trajectory, generation.trajectory, atol=1e-2, rtol=1e-2)
+    assert store.has_table("dense") and store.has_table("trajectories")
+    # a second run skips everything
+    again = run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config)
+    assert again.written == 0 and again.skipped_existing == 24
+
+
+def test_empty_answers_are_recorded_not_mapped(tmp_path, tiny_llama, word_tokenizer):
+    task = WordTask(6)
+    config = CaptureConfig(max_new_tokens=4, batch_size=6)
+    first = generate_with_capture(tiny_llama, word_tokenizer, [task.examples[0].question], config)[0]
+    original = tiny_llama.generation_config.eos_token_id
+    tiny_llama.generation_config.eos_token_id = first.token_ids[0]  # example 0 now stops at once
+    try:
+        store = MapStore.create(tmp_path, {})
+        summary = run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config)
+    finally:
+        tiny_llama.generation_config.eos_token_id = original
+    assert summary.skipped_empty >= 1
+    assert "words:q0" in store.ids("skipped") and "words:q0" not in store.ids("maps")
+    assert summary.written + summary.skipped_empty == 6
+
+
+KILL_SCRIPT = """
+import sys, time
+sys.path.insert(0, {src!r}); sys.path.insert(0, {tests!r})
+from conftest import make_word_tokenizer, make_tiny_llama
+from test_capture_run import WordTask, SOURCE
+from actmap.capture import CaptureConfig
+from actmap.capture.run import run_capture, store_config
+from actmap.maps import MapConfig
+from actmap.store import MapStore
+import actmap.capture.run as run
+
+original = run.commit_batch
+def slow_commit(*args, **kwargs):
+    out = original(*args, **kwargs)
+    time.sleep(0.5)  # leave time to be killed between batches
+    return out
+run.commit_batch = slow_commit
+tok = make_word_tokenizer(); model = make_tiny_llama(len(tok))
+task = WordTask(40); config = CaptureConfig(max_new_tokens=4, batch_size=4)
+store = MapStore.create({store!r}, store_config(task, SOURCE, config, MapConfig(), {{}}))
+run_capture(model, tok, SOURCE, task, task.examples, store, config)
+"""
+
+
+def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, word_tokenizer):
+    from conftest import make_tiny_llama
+
+    path = tmp_path / "store"
+    script = KILL_SCRIPT.format(src=str(ROOT / "src"), tests=str(ROOT / "tests"), store=str(path))
+    process = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((path / "maps").glob("part-*.parquet"))) < 2:
+        time.sleep(0.05)
+    process.kill()
+    process.wait()
+    store = MapStore.open(path)
+    partial = store.ids()
+    assert 0 < len(partial) < 40, "the run should have been killed mid-way"
+    task = WordTask(40)
+    config = CaptureConfig(max_new_tokens=4, batch_size=4)
+    model = make_tiny_llama(len(word_tokenizer))
+    store = MapStore.create(path, store_config(task, SOURCE, config, MapConfig(), {}))
+    summary = run_capture(model, word_tokenizer, SOURCE, task, task.examples, store, config)
+    assert summary.skipped_existing == len(partial)
+    ids = store.read_table("maps", ["id"]).column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 40
+    generations = read_generations(store, ids)
+    assert len(generations) == 40
