@@ -1,0 +1,168 @@
+"""The command line: help on every command, capture from a prompts file, train and evaluate a store."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from actmap.cli import app
+from actmap.store import MapRecord, MapStore
+
+runner = CliRunner()
+COMMANDS = ["capture", "build-maps", "train", "evaluate", "demo", "baselines", "compare"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command):
+    result = runner.invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.output
+
+
+@pytest.fixture()
+def tiny_model_dir(tmp_path, tiny_llama, word_tokenizer):
+    folder = tmp_path / "tiny-model"
+    tiny_llama.save_pretrained(folder)
+    word_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_capture_from_prompts_file_and_rebuild_maps(tmp_path, tiny_model_dir):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [
+        {"prompt": "what is the capital", "id": "a", "answers": ["paris"]},
+        {"prompt": "red blue green"},
+    ]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    store = tmp_path / "store"
+    args = [
+        "capture",
+        "--prompts",
+        str(prompts),
+        "--model",
+        str(tiny_model_dir),
+        "--out",
+        str(store),
+        "--splits",
+        "test",
+        "--max-new-tokens",
+        "4",
+        "--keep-trajectories",
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    frame = pd.read_parquet(store / "maps")
+    assert sorted(frame["id"]) == sorted(["prompts:a", f"prompts:{frame['source_key'][1]}"])
+    assert frame.set_index("source_key").loc["a", "label"] in (0, 1)  # has answers -> labelled
+    assert pd.isna(frame[frame["source_key"] != "a"]["label"]).all()  # no answers -> unknown
+    again = runner.invoke(app, args)  # resume: nothing new
+    assert again.exit_code == 0 and "0 rows" in again.output.replace("\n", " ")
+    out = tmp_path / "maps16.safetensors"
+    built = runner.invoke(
+        app, ["build-maps", "--store", str(store), "--out", str(out), "--resolution", "16x64"]
+    )
+    assert built.exit_code == 0, built.output
+    from safetensors.torch import load_file
+
+    assert load_file(out)["maps"].shape == (2, 12, 16, 64)
+
+
+def test_capture_reports_bad_input_clearly(tmp_path, tiny_model_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x"}\n')
+    result = runner.invoke(
+        app,
+        [
+            "capture",
+            "--prompts",
+            str(bad),
+            "--model",
+            str(tiny_model_dir),
+            "--out",
+            str(tmp_path / "s"),
+        ],
+    )
+    assert result.exit_code == 2
+    assert "bad.jsonl:1" in result.output and "prompt" in result.output
+
+
+def synthetic_store(path, n=120, seed=0):
+    """Maps whose channel 0 carries the label, spread over the three splits."""
+    rng = np.random.default_rng(seed)
+    store = MapStore.create(path, {"synthetic": True})
+    records = []
+    for i in range(n):
+        label = i % 2
+        grid = rng.standard_normal((12, 32, 128)).astype(np.float32)
+        grid[0] += 1.5 * label
+        split = "train" if i % 10 < 6 else "validation" if i % 10 < 8 else "test"
+        records.append(
+            MapRecord(
+                f"s:{i}",
+                str(i),
+                "s",
+                split,
+                "m",
+                "r",
+                "p",
+                "a",
+                int(rng.integers(1, 30)),
+                label,
+                grid,
+            )
+        )
+    store.write_maps(records)
+    return store
+
+
+def test_train_then_evaluate_on_a_store(tmp_path):
+    synthetic_store(tmp_path / "store")
+    run = tmp_path / "run"
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--store",
+            str(tmp_path / "store"),
+            "--out",
+            str(run),
+            "--detector",
+            "logreg",
+            "--seeds",
+            "42,123",
+            "--max-epochs",
+            "6",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert (run / "seed-42" / "model.safetensors").is_file() and (run / "summary.json").is_file()
+    evaluated = runner.invoke(app, ["evaluate", "--run", str(run)])
+    assert evaluated.exit_code == 0, evaluated.output
+    report = json.loads((run / "evaluation.json").read_text())
+    from sklearn.metrics import roc_auc_score
+
+    scores = pd.read_parquet(run / "seed-42" / "test_scores.parquet")
+    assert report["per_seed"]["42"]["auroc"] == pytest.approx(
+        roc_auc_score(scores["label"], scores["p_correct"])
+    )
+    assert report["mean"]["auroc"] > 0.9
+    # frozen detectors on another store (transfer path) score its balanced test rows
+    synthetic_store(tmp_path / "other", seed=1)
+    transfer = runner.invoke(
+        app,
+        [
+            "evaluate",
+            "--run",
+            str(run),
+            "--store",
+            str(tmp_path / "other"),
+            "--out",
+            str(tmp_path / "t.json"),
+        ],
+    )
+    assert transfer.exit_code == 0, transfer.output
+    assert json.loads((tmp_path / "t.json").read_text())["mean"]["auroc"] > 0.9
