@@ -46,7 +46,7 @@ def tokenize_prompts(tokenizer, prompts: Sequence[str], config: CaptureConfig, d
     add_special = config.add_special_tokens
     if add_special is None:  # templated chat text already carries its special tokens
         add_special = not getattr(tokenizer, "chat_template", None)
-    saved = tokenizer.padding_side, tokenizer.truncation_side, tokenizer.pad_token
+    saved = tuple(getattr(tokenizer, a, None) for a in ("padding_side", "truncation_side", "pad_token"))
     tokenizer.padding_side = tokenizer.truncation_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
