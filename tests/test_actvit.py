@@ -298,7 +298,7 @@ def test_tiny_sweep_selects_by_validation_and_round_trips(tmp_path):
     assert not list((tmp_path / "sweep").glob("*.pkl"))
     loaded = SweepResult.load(tmp_path / "sweep")
     assert loaded.selected == result.selected and loaded.grid == result.grid
-    for a, b in zip(loaded.runs, result.runs):
+    for a, b in zip(loaded.runs, result.runs, strict=False):
         np.testing.assert_array_equal(a.test_scores, b.test_scores)
         assert a.history == b.history and a.state.keys() == b.state.keys()
         assert all(torch.equal(a.state[k], b.state[k]) for k in a.state)

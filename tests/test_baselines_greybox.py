@@ -158,7 +158,7 @@ def test_teacher_forced_logprobs_and_entropies_match_capture(tiny_model_and_toke
     )
     ppl = Perplexity().score(gens)
     mte = MeanTokenEntropy().score(gens)
-    for i, (prompt, g) in enumerate(zip(prompts, gens)):
+    for i, (prompt, g) in enumerate(zip(prompts, gens, strict=False)):
         prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         assert len(prompt_ids) == g.prompt_tokens
         ids = torch.tensor([prompt_ids + list(g.token_ids)])

@@ -61,11 +61,22 @@ def test_run_writes_maps_labels_and_side_tables(tmp_path, tiny_llama, word_token
     task = WordTask()
     config = CaptureConfig(max_new_tokens=5, batch_size=8, attention_keys=2, keep_dense=True)
     store = MapStore.create(tmp_path, store_config(task, SOURCE, config, MapConfig(), {}))
-    summary = run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config, keep_trajectories=True)
+    summary = run_capture(
+        tiny_llama,
+        word_tokenizer,
+        SOURCE,
+        task,
+        task.examples,
+        store,
+        config,
+        keep_trajectories=True,
+    )
     assert summary.written == 24 and summary.skipped_existing == 0
     maps, meta = store.load_maps()
     # independent reference: capture the same prompts directly and build each map
-    direct = generate_with_capture(tiny_llama, word_tokenizer, [e.question for e in task.examples], config)
+    direct = generate_with_capture(
+        tiny_llama, word_tokenizer, [e.question for e in task.examples], config
+    )
     by_id = {f"words:{e.source_key}": (e, r) for e, r in zip(task.examples, direct, strict=True)}
     for row, key in enumerate(meta["id"]):
         example, generation = by_id[key]
@@ -73,8 +84,10 @@ def test_run_writes_maps_labels_and_side_tables(tmp_path, tiny_llama, word_token
         assert meta.loc[row, "label"] == int(task.label(generation.answer, example))
         assert meta.loc[row, "split"] == example.split
         expected = build_map(generation.trajectory).half().numpy()
-        np.testing.assert_allclose(maps[row].astype(np.float32), expected.astype(np.float32), atol=2e-3)
-    rebuilt = read_generations(store, list(meta["id"][:3]))
+        np.testing.assert_allclose(
+            maps[row].astype(np.float32), expected.astype(np.float32), atol=2e-3
+        )
+    rebuilt = read_generations(store, list(meta["id"][:3]), with_trajectories=True)
     for key, record in zip(meta["id"][:3], rebuilt, strict=True):
         generation = by_id[key][1]
         assert record.token_ids == generation.token_ids
@@ -90,12 +103,16 @@ def test_run_writes_maps_labels_and_side_tables(tmp_path, tiny_llama, word_token
 def test_empty_answers_are_recorded_not_mapped(tmp_path, tiny_llama, word_tokenizer):
     task = WordTask(6)
     config = CaptureConfig(max_new_tokens=4, batch_size=6)
-    first = generate_with_capture(tiny_llama, word_tokenizer, [task.examples[0].question], config)[0]
+    first = generate_with_capture(tiny_llama, word_tokenizer, [task.examples[0].question], config)[
+        0
+    ]
     original = tiny_llama.generation_config.eos_token_id
     tiny_llama.generation_config.eos_token_id = first.token_ids[0]  # example 0 now stops at once
     try:
         store = MapStore.create(tmp_path, {})
-        summary = run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config)
+        summary = run_capture(
+            tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config
+        )
     finally:
         tiny_llama.generation_config.eos_token_id = original
     assert summary.skipped_empty >= 1

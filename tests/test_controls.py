@@ -26,7 +26,7 @@ def make_rows(rng, n, dim=100):
     lengths = np.where(y == 1, rng.integers(1, 12, n), rng.integers(8, 30, n))
     feats = rng.normal(size=(n, dim))
     feats[:, 0] += np.where(y == 1, 1.5, -1.5)
-    return [Row(list(range(k)), f) for k, f in zip(lengths, feats)], y
+    return [Row(list(range(k)), f) for k, f in zip(lengths, feats, strict=False)], y
 
 
 class FeatureProbe:

@@ -161,7 +161,7 @@ def test_capture_indexing_matches_teacher_forced_attention():
     gens = capture.generate_with_capture(
         model, tok, prompts, CaptureConfig(max_new_tokens=6, attention_keys=3, batch_size=2)
     )
-    for prompt, g in zip(prompts, gens):
+    for prompt, g in zip(prompts, gens, strict=False):
         prompt_ids = tok([prompt])["input_ids"][0].tolist()
         n_p = len(prompt_ids)
         assert g.attention is not None and g.attention.shape == (g.n_tokens, 3, 4, 3)

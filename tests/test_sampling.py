@@ -57,7 +57,7 @@ def _processed_logp(
     order = scaled.argsort(descending=True)[:top_k]
     probs = scaled[order].softmax(-1)
     mass = 0.0
-    for idx, p in zip(order.tolist(), probs.tolist()):
+    for idx, p in zip(order.tolist(), probs.tolist(), strict=False):
         keep[idx] = True
         mass += p
         if mass >= top_p:
@@ -99,7 +99,7 @@ def test_logprobs_and_embeddings_match_teacher_forcing(model, tokenizer, source)
         assert s.config.embedding_layer == n_layers // 2 - 1 and s.config.logprob_source == source
         assert s.embeddings.shape == (4, model.config.hidden_size)
         for text, ids, lp, mean, emb in zip(
-            s.texts, s.token_ids, s.token_logprobs, s.mean_logprobs, s.embeddings
+            s.texts, s.token_ids, s.token_logprobs, s.mean_logprobs, s.embeddings, strict=False
         ):
             assert "e" not in text and not set(ids) & set(EOS_RANGE)
             lengths.add(len(ids))
@@ -129,7 +129,7 @@ def test_empty_answer_keeps_one_likelihood_and_prompt_state(model, tokenizer):
         model, tokenizer, ["hi"], n_samples=3, max_new_tokens=4, stop_strings=stops, seed=1
     )
     P, _, hidden = _teacher_forced(model, tokenizer, "hi", [])
-    for ids, lp, emb in zip(s.token_ids, s.token_logprobs, s.embeddings):
+    for ids, lp, emb in zip(s.token_ids, s.token_logprobs, s.embeddings, strict=False):
         if ids:
             continue
         assert lp.shape == (1,)

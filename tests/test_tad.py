@@ -93,7 +93,7 @@ def test_recurrence_matches_step_by_step_ridge_predict():
     x, target, _ = design_matrix(seqs, oracle_q(seqs, y), y)
     model = Ridge(alpha=0.1).fit(x, target)
     model.coef_ = model.coef_ * 5  # push predictions out of [0, 1] so the clip matters
-    for gen, seq in zip(gens, seqs):
+    for gen, seq in zip(gens, seqs, strict=False):
         q = [seq.p[0]]
         for t in range(1, gen.n_tokens):
             row = naive_features(gen, q + [0.0] * (gen.n_tokens - t), 3)[t - 1]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from actmap.capture.generate import tokenize_prompts
+from actmap.capture.generate import stop_ids, tokenize_prompts
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig
 
@@ -104,17 +104,6 @@ class SampleSet:
 def _first_tensor(output: object) -> torch.Tensor:
     # transformers 5 decoder layers return a tensor; 4.x returned a tuple
     return output if isinstance(output, torch.Tensor) else output[0]
-
-
-def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif value is not None:
-            ids.update(int(v) for v in value)
-    return ids
 
 
 def cut_answer(
@@ -291,7 +280,7 @@ def sample_answers(
     layers = find_decoder_layers(model, layers_path)
     config = replace(config, embedding_layer=resolve_embedding_layer(len(layers), embedding_layer))
     block = layers[config.embedding_layer]
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = stop_ids(model, tokenizer)
     device = next(model.parameters()).device
     budget = CaptureConfig(max_new_tokens=max_new_tokens, max_context=max_context)
     n = config.n_samples

@@ -128,14 +128,14 @@ def design_matrix(seqs: Sequence[TadSequence], qs: Sequence[np.ndarray], targets
 
     Returns X (n_tok, F) float32, y (n_tok,) float32, owner (n_tok,) sequence ids.
     """
-    xs = [tad_features(s.p, q, s.attention) for s, q in zip(seqs, qs)]
+    xs = [tad_features(s.p, q, s.attention) for s, q in zip(seqs, qs, strict=False)]
     owner = np.concatenate([np.full(len(x), j) for j, x in enumerate(xs)])
     return np.concatenate(xs), np.repeat(targets, [len(x) for x in xs]).astype(np.float32), owner
 
 
 def oracle_q(seqs: Sequence[TadSequence], targets: np.ndarray) -> list[np.ndarray]:
     """Stage 1: every previous-token confidence is the sequence's own label."""
-    return [np.full(len(s.p), float(y)) for s, y in zip(seqs, targets)]
+    return [np.full(len(s.p), float(y)) for s, y in zip(seqs, targets, strict=False)]
 
 
 def stacked_q(

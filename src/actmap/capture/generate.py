@@ -16,7 +16,8 @@ from actmap.capture.records import CaptureConfig, Generation
 log = logging.getLogger(__name__)
 
 
-def _stop_ids(model: nn.Module, tokenizer) -> set[int]:
+def stop_ids(model: nn.Module, tokenizer) -> set[int]:
+    """End-of-sequence ids of the model's generation config and of the tokenizer."""
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), tokenizer):
         value = getattr(source, "eos_token_id", None)
@@ -41,12 +42,15 @@ def tokenize_prompts(tokenizer, prompts: Sequence[str], config: CaptureConfig, d
     budget = config.max_context - config.max_new_tokens
     if budget <= 0:
         raise ValueError(
-            f"max_context={config.max_context} leaves no room for max_new_tokens={config.max_new_tokens}"
+            f"max_context={config.max_context} leaves no room for "
+            f"max_new_tokens={config.max_new_tokens}"
         )
     add_special = config.add_special_tokens
     if add_special is None:  # templated chat text already carries its special tokens
         add_special = not getattr(tokenizer, "chat_template", None)
-    saved = tuple(getattr(tokenizer, a, None) for a in ("padding_side", "truncation_side", "pad_token"))
+    saved = tuple(
+        getattr(tokenizer, a, None) for a in ("padding_side", "truncation_side", "pad_token")
+    )
     tokenizer.padding_side = tokenizer.truncation_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -102,7 +106,7 @@ def _eager_attention(model: nn.Module, needed: bool) -> Iterator[None]:
 def generate_plain(
     model: nn.Module, tokenizer, prompts: Sequence[str], config: CaptureConfig
 ) -> torch.Tensor:
-    """The same generation without hooks: (B, P + T') token ids. The reference for overhead and equality."""
+    """The same generation without hooks: (B, P + T') token ids; the reference for overhead."""
     encoded = tokenize_prompts(tokenizer, prompts, config, _device(model))
     return model.generate(**encoded, **_generate_kwargs(model, tokenizer, config))
 
@@ -139,9 +143,7 @@ def generate_batch(
         prompt_len = encoded["input_ids"].shape[1]
         generated = sequences[:, prompt_len:]  # (B, steps)
         recorder.finish(generated[:, -1])
-    return _split_rows(
-        recorder, generated, encoded, prompts, tokenizer, _stop_ids(model, tokenizer)
-    )
+    return _split_rows(recorder, generated, encoded, prompts, tokenizer, stop_ids(model, tokenizer))
 
 
 def _split_rows(

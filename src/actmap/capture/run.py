@@ -140,7 +140,9 @@ def commit_batch(
         store.write_table(
             "attention", _array_table(ids, [r.attention for r in records], "attention")
         )
-    if records[0].dense is not None:  # ACT-ViT's layer max-pooling to 8 groups, done once here (L/8 smaller)
+    if (
+        records[0].dense is not None
+    ):  # ACT-ViT's layer max-pooling to 8 groups, done once here (L/8 smaller)
         dense = [pool_layers(r.dense.float()) for r in records]  # (8, N, D)
         store.write_table("dense", _array_table(ids, dense, "dense"))
     store.write_maps(  # last: the commit of this batch
@@ -235,8 +237,10 @@ def latest_rows(table: pa.Table) -> pa.Table:
     return table.take(pa.array(sorted(last.values()), pa.int64()))
 
 
-def read_generations(store: MapStore, ids: Sequence[str]) -> list[Generation]:
-    """Rebuild `Generation` records (with attention and trajectories when stored) for scorers."""
+def read_generations(
+    store: MapStore, ids: Sequence[str], with_trajectories: bool = False
+) -> list[Generation]:
+    """Rebuild `Generation` records (attention when stored; trajectories when asked) for scorers."""
     import torch
 
     from actmap.store import decode_array
@@ -244,7 +248,7 @@ def read_generations(store: MapStore, ids: Sequence[str]) -> list[Generation]:
     maps_meta = store.metadata().set_index("id")
     tables = {
         name: latest_rows(store.read_table(name))
-        for name in ("generations", "attention", "trajectories")
+        for name in ("generations", "attention") + (("trajectories",) if with_trajectories else ())
         if store.has_table(name)
     }
     index = {
@@ -264,7 +268,10 @@ def read_generations(store: MapStore, ids: Sequence[str]) -> list[Generation]:
     out = []
     for key in ids:
         row = index["generations"][key]
-        get = lambda c: gens.column(c)[row].as_py()  # noqa: E731
+
+        def get(column: str, row: int = row):
+            return gens.column(column)[row].as_py()
+
         extras = {k: v for k in ("eos_logprob", "eos_entropy") if (v := get(k)) is not None}
         trajectory = tensor("trajectories", "trajectory", key)
         out.append(
