@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from actmap.capture.layers import find_attention_modules, find_decoder_layers
@@ -50,9 +49,8 @@ class StepRecorder:
         )  # (B, L, T, D')
         self.logprobs = torch.zeros(batch, max_steps, device=device)  # (B, T) chosen-token log p
         self.entropies = torch.zeros(batch, max_steps, device=device)  # (B, T)
-        self._last_logp: torch.Tensor | None = (
-            None  # (B, V) of the newest step, until its token is known
-        )
+        self._last_logp: torch.Tensor | None = None  # (B, V) newest step, until its token is known
+        self._step_hidden = torch.zeros(batch, n_layers, hidden_size, device=device)  # (B, L, D)
         self.attention = (
             torch.zeros(batch, max_steps, n_layers, n_heads, attention_keys, device=device)
             if attention_keys
@@ -80,23 +78,23 @@ class StepRecorder:
     def record_chosen(self, token_ids: torch.Tensor) -> None:
         """Log-prob of the token chosen at the previous step (now known)."""
         assert self._last_logp is not None
-        chosen = self._last_logp.gather(1, token_ids.to(self._last_logp.device).view(-1, 1))
-        self.logprobs[:, self.step - 1] = chosen.squeeze(1)
+        index = token_ids.to(self._last_logp.device).view(-1, 1)
+        self.logprobs[:, self.step - 1] = self._last_logp.gather(1, index).squeeze(1)
 
     def on_model_end(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        # every layer has run: pool this step's states in one call, (B, L, D) -> (B, L, D')
+        self.pooled[:, :, self.step] = pool_hidden(self._step_hidden, self.pooled.shape[-1])
+        if self.dense is not None and self.step < self.dense_steps:
+            self.dense[:, :, self.step] = self._step_hidden.to(torch.float16)
         logits = output.logits if hasattr(output, "logits") else _first_tensor(output)
-        logp = F.log_softmax(logits[:, -1, :].float(), dim=-1)  # (B, V) raw logits, float32
+        logp = torch.log_softmax(logits[:, -1, :].float(), dim=-1)  # (B, V) raw logits
         self.entropies[:, self.step] = -(logp.exp() * logp).sum(-1)
         self._last_logp = logp
 
     def layer_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            hidden = _first_tensor(output)[
-                :, -1, :
-            ]  # (B, D) the position that predicts token `step`
-            self.pooled[:, index, self.step] = pool_hidden(hidden.float(), self.pooled.shape[-1])
-            if self.dense is not None and self.step < self.dense_steps:
-                self.dense[:, index, self.step] = hidden.to(torch.float16)
+            # (B, D): the position that predicts token `step`; pooled once per step above
+            self._step_hidden[:, index] = _first_tensor(output)[:, -1, :]
 
         return hook
 
