@@ -9,6 +9,7 @@ from pathlib import Path
 
 from actmap.data.base import DataError, Example
 from actmap.data.labels import qa_correct
+from actmap.data.prompts import extract_answer
 
 
 @dataclass
@@ -46,6 +47,10 @@ class PromptFileTask:
 
     def prompt(self, example: Example, tokenizer) -> str:
         return example.question
+
+    def postprocess(self, raw: str) -> str:
+        """The label reads the answer up to its first newline or next 'Question:'."""
+        return extract_answer(raw)
 
     def label(self, answer: str, example: Example) -> bool | None:
         return qa_correct(answer, example.references) if example.references else None
