@@ -189,3 +189,23 @@ def build_maps_command(
         metadata = {"ids": json.dumps(ids), "map_config": json.dumps(config.__dict__, default=list)}
         save_file({"maps": stacked.contiguous()}, str(out), metadata=metadata)
         console.print(f"wrote {len(ids)} maps of shape {tuple(stacked.shape[1:])} to {out}")
+
+
+@app.command()
+def relabel(
+    store: Path = typer.Option(..., help="A QA store (TriviaQA, NQ-Open, prompts with answers)."),
+    rule: str = typer.Option(..., help="Label rule: paper | contains."),
+    out: Path = typer.Option(..., "--out", "-o", help="New store folder (shares side tables)."),
+) -> None:
+    """Relabel a store under another named rule, without generating again."""
+    with user_errors():
+        from actmap.capture.run import natural_accuracy
+        from actmap.relabel import relabel_store
+        from actmap.store import MapStore
+
+        new = relabel_store(MapStore.open(store), out, rule)
+        accuracy = natural_accuracy(new)
+        console.print(
+            f"relabelled under rule '{rule}' into {out}; natural accuracy "
+            + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
+        )

@@ -1,0 +1,61 @@
+"""Relabel a QA store under another named label rule, without generating again.
+
+The new store shares every side table with the source (hard links where the
+file system allows, copies otherwise) and rewrites only the ``label`` column
+of its maps, from the stored post-processed answers and gold aliases. Its
+manifest names the rule, so results made on it are reported with it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from actmap.capture.run import latest_rows
+from actmap.data.labels import get_label_rule
+from actmap.store import MapStore, StoreError
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def relabel_store(source: MapStore, target: str | Path, rule: str) -> MapStore:
+    """A sibling store at ``target`` whose labels follow ``rule`` (see ``LABEL_RULES``)."""
+    labeler = get_label_rule(rule)
+    if not source.has_table("generations"):
+        raise StoreError(f"{source.root} has no generations table to relabel from")
+    generations = latest_rows(source.read_table("generations", ["id", "label_text", "references"]))
+    labels = {
+        key: int(labeler(text, refs))
+        for key, text, refs in zip(
+            generations.column("id").to_pylist(),
+            generations.column("label_text").to_pylist(),
+            generations.column("references").to_pylist(),
+            strict=True,
+        )
+    }
+    if not any(refs for refs in generations.column("references").to_pylist()):
+        raise StoreError(f"{source.root} stores no gold aliases; only QA stores can be relabelled")
+    config = {**source.manifest["config"], "relabel": {"source": str(source.root), "rule": rule}}
+    store = MapStore.create(target, config, resume=False)
+    for shard in sorted((source.root / "maps").glob("part-*.parquet")):
+        table = pq.read_table(shard)
+        new = pa.array([labels.get(key) for key in table.column("id").to_pylist()], pa.int8())
+        store.write_table(
+            "maps", table.set_column(table.schema.get_field_index("label"), "label", new)
+        )
+    for name in source.tables():
+        if name in ("maps", "splits") or name.startswith("results"):
+            continue  # labels changed: balanced rows and scores are made anew
+        for shard in sorted((source.root / name).glob("part-*.parquet")):
+            _link_or_copy(shard, store.root / name / shard.name)
+    return store
