@@ -774,7 +774,10 @@ class ACTViTScorer:
         if not hasattr(self, "models_"):
             raise RuntimeError("ACTViTScorer.score called before fit")
         x = _as_batch(rows, self.layer_pad_mode)
-        by_seed = {run.seed: predict_proba(m, x) for run, m in zip(self.result_.runs, self.models_, strict=False)}
+        by_seed = {
+            run.seed: predict_proba(m, x)
+            for run, m in zip(self.result_.runs, self.models_, strict=False)
+        }
         confidence = by_seed[self.result_.runs[0].seed]
         return ScoreResult(
             confidence=confidence,

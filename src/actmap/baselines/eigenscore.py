@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from actmap.baselines.base import ScoreResult, negate
+from actmap.baselines.sampling import check_same_sampling
 
 COV_SCALES = ("unscaled", "d_minus_1")
 EIGEN_FLOOR = 1e-10  # LM-Polygraph's floor before the log
@@ -66,13 +67,7 @@ class EigenScore:
         return self
 
     def score(self, rows: Sequence[Any]) -> ScoreResult:
-        if not rows:
-            raise ValueError("no rows to score")
-        configs = {row.config for row in rows}
-        if len(configs) > 1:
-            raise ValueError(
-                f"rows were sampled with {len(configs)} different settings; score them apart"
-            )
+        check_same_sampling(rows)
         raw = []
         for index, row in enumerate(rows):
             try:

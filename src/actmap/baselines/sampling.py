@@ -106,6 +106,17 @@ def _first_tensor(output: object) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output[0]
 
 
+def check_same_sampling(rows: Sequence[SampleSet]) -> None:
+    """Scores compare across rows only when every row was sampled with the same settings."""
+    if not rows:
+        raise ValueError("no rows to score")
+    configs = {row.config for row in rows}
+    if len(configs) > 1:
+        raise ValueError(
+            f"rows were sampled with {len(configs)} different settings; score them apart"
+        )
+
+
 def cut_answer(
     token_ids: Sequence[int], tokenizer, stop_strings: Sequence[str]
 ) -> tuple[int, str, bool]:

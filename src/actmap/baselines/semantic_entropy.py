@@ -25,6 +25,7 @@ import numpy as np
 
 from actmap.baselines.base import BaselineUnavailable, ScoreResult, negate
 from actmap.baselines.judges import CONTRADICTION, ENTAILMENT, NEUTRAL, EntailmentJudge
+from actmap.baselines.sampling import check_same_sampling
 
 CLUSTERING_MODES = ("nature_code", "paper")
 
@@ -150,13 +151,7 @@ class SemanticEntropy:
                 "Semantic Entropy needs an entailment judge: pass judge=load_llm_judge() "
                 "or judge=NLIJudge.from_pretrained(...) (actmap.baselines.judges)"
             )
-        if not rows:
-            raise ValueError("no rows to score")
-        configs = {row.config for row in rows}
-        if len(configs) > 1:
-            raise ValueError(
-                f"rows were sampled with {len(configs)} different settings; score them apart"
-            )
+        check_same_sampling(rows)
         se, dse, all_ids = [], [], []
         for index, row in enumerate(rows):
             if len(row.texts) < 2:
