@@ -22,11 +22,9 @@ from actmap.baselines.actvit import (
     pad_tokens,
     patchify,
     pool_layers,
-    read_dense_shard,
     run_sweep,
     tensor_nbytes,
     train_config,
-    write_dense_shard,
 )
 from actmap.baselines.base import BaselineUnavailable, ScoreResult
 from actmap.capture.records import Generation
@@ -140,30 +138,6 @@ def test_preprocessing_rejects_bad_input():
 def test_bytes_per_row():
     assert tensor_nbytes(576) == 8 * 100 * 576 * 2 == 921_600
     assert tensor_nbytes(4096) == 6.25 * 2**20  # the paper's 6.25 MiB
-
-
-def test_dense_shard_round_trip(tmp_path):
-    x = torch.randn(5, 8, 100, 12).half()
-    ids = [f"q{i}" for i in range(5)]
-    path = write_dense_shard(tmp_path / "shard-0.safetensors", ids, x)
-    got_ids, got = read_dense_shard(path)
-    assert got_ids == ids and got.dtype == torch.float16 and torch.equal(got, x)
-    payload = 5 * tensor_nbytes(12)
-    assert payload <= path.stat().st_size < payload + 4096  # header only on top of the rows
-    assert [p.name for p in tmp_path.iterdir()] == ["shard-0.safetensors"]  # no temp left
-    # list of per-row tensors works as well; overwriting is atomic
-    write_dense_shard(path, ids[:2], [x[0], x[1]])
-    assert read_dense_shard(path)[1].shape == (2, 8, 100, 12)
-
-
-def test_dense_shard_rejects_bad_input(tmp_path):
-    x = torch.zeros(2, 8, 100, 4)
-    with pytest.raises(ValueError, match="2 tensors"):
-        write_dense_shard(tmp_path / "a.safetensors", ["a"], x)
-    with pytest.raises(ValueError, match="unique"):
-        write_dense_shard(tmp_path / "a.safetensors", ["a", "a"], x)
-    with pytest.raises(ValueError, match=r"\(n, 8, 100, D\)"):
-        write_dense_shard(tmp_path / "a.safetensors", ["a", "b"], torch.zeros(2, 8, 50, 4))
 
 
 # ----------------------------------------------------------------------------- model

@@ -35,12 +35,12 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from sklearn.metrics import roc_auc_score
 from torch import nn
 
 from actmap.baselines.base import BaselineUnavailable, ScoreResult
+from actmap.training import deterministic_torch, resolve_device, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def _as_batch(rows: Any, pad_mode: PadMode = "zero") -> torch.Tensor:
     return batch.to(torch.float16)
 
 
-# --------------------------------------------------------------------------- storage
+# --------------------------------------------------------------------------- artifacts
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -165,36 +165,6 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def write_dense_shard(path: str | Path, ids: Sequence[str], tensors: Any) -> Path:
-    """Write n ACT-ViT inputs as one safetensors file: (n, 8, 100, D) float16 + ids in metadata."""
-    ids = list(ids)
-    if not all(isinstance(i, str) for i in ids):
-        raise ValueError("ids must all be strings")
-    if len(set(ids)) != len(ids):
-        raise ValueError("ids must be unique within a shard")
-    batch = _as_batch(tensors)  # (n, 8, 100, D)
-    if batch.shape[0] != len(ids):
-        raise ValueError(f"{len(ids)} ids for {batch.shape[0]} tensors")
-    path = Path(path)
-    metadata = {"ids": json.dumps(ids), "schema_version": str(SHARD_SCHEMA_VERSION)}
-    _atomic_save({"tensors": batch}, path, metadata)
-    return path
-
-
-def read_dense_shard(path: str | Path) -> tuple[list[str], torch.Tensor]:
-    """Read a shard written by `write_dense_shard`: (ids, (n, 8, 100, D) float16)."""
-    path = Path(path)
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-        if "ids" not in metadata or "tensors" not in set(f.keys()):
-            raise ValueError(f"{path} is not an ACT-ViT dense shard (missing ids or tensors)")
-        tensors = f.get_tensor("tensors")
-    ids = json.loads(metadata["ids"])
-    if len(ids) != tensors.shape[0]:
-        raise ValueError(f"{path}: {len(ids)} ids for {tensors.shape[0]} tensors")
-    return ids, tensors
 
 
 # --------------------------------------------------------------------------- model
@@ -429,23 +399,12 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int) -> float:
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 @contextmanager
 def seeded(seed: int) -> Iterator[torch.Generator]:
-    """Seed torch and turn on deterministic algorithms (warn only); restore the flags after."""
-    was_on = torch.are_deterministic_algorithms_enabled()
-    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.manual_seed(seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield torch.Generator().manual_seed(seed)  # data order
-    finally:
-        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+    """The recipe's seeding and deterministic settings (restored after); yields the data-order generator."""
+    seed_everything(seed)
+    with deterministic_torch():
+        yield torch.Generator().manual_seed(seed)
 
 
 @torch.no_grad()
