@@ -12,6 +12,20 @@ from actmap.cli.common import console, progress_bar, user_errors
 SPLITS = ("train", "validation", "test")
 
 
+def load_factuality_judge(spec: str | None):
+    """CNN/DM's judge: 'minicheck:<path or hub id>', or any causal LM actmap can load (LLM judge)."""
+    if spec is None:
+        return None
+    from actmap.data.factuality import LLMFactualityJudge, MiniCheckJudge
+
+    if spec.startswith("minicheck:"):
+        return MiniCheckJudge.from_pretrained(spec.split(":", 1)[1])
+    from actmap.models import load_model
+
+    model, tokenizer, source = load_model(spec)
+    return LLMFactualityJudge(model, tokenizer, name=f"llm:{Path(source.name).stem}")
+
+
 def load_task(
     task: str,
     prompts: Path | None,
@@ -20,6 +34,7 @@ def load_task(
     label_rule: str,
     chat_template: bool = True,
     builtin_questions: int = 400,
+    judge: str | None = None,
 ):
     from actmap.data import get_task
     from actmap.data.promptfile import PromptFileTask
@@ -28,7 +43,11 @@ def load_task(
         return PromptFileTask(prompts)
     if task == "builtin":
         return get_task("builtin", n_questions=builtin_questions)
-    kwargs = {"data_dir": data_dir, "prompt_style": prompt_style, "chat_template": chat_template}
+    kwargs = {"data_dir": data_dir, "chat_template": chat_template}
+    if prompt_style is not None:
+        kwargs["prompt_style"] = prompt_style
+    if task == "cnn_dm":
+        kwargs["judge"] = load_factuality_judge(judge)
     if task in ("triviaqa", "nq_open"):
         kwargs["label_rule"] = label_rule
     return get_task(task, **kwargs)
@@ -65,7 +84,14 @@ def capture(
     data_dir: Path = typer.Option(
         None, help="Folder of local dataset files (default ../shared/data)."
     ),
-    prompt_style: str = typer.Option("few_shot", help="few_shot | zero_shot (dataset tasks)."),
+    prompt_style: str = typer.Option(
+        None, help="few_shot | zero_shot (default: the task's; few_shot for QA and GSM8K)."
+    ),
+    judge: str = typer.Option(
+        None,
+        help="CNN/DM factuality judge: a causal LM (e.g. a .gguf path of Qwen2.5-Coder-1.5B) "
+        "or 'minicheck:<path>'. Without one, summaries are stored unlabelled.",
+    ),
     label_rule: str = typer.Option("paper", help="QA label rule: paper | contains."),
     builtin_questions: int = typer.Option(400, help="Questions the built-in task generates."),
     chat_template: bool = typer.Option(
@@ -85,7 +111,14 @@ def capture(
         from actmap.store import MapStore
 
         the_task = load_task(
-            task, prompts, data_dir, prompt_style, label_rule, chat_template, builtin_questions
+            task,
+            prompts,
+            data_dir,
+            prompt_style,
+            label_rule,
+            chat_template,
+            builtin_questions,
+            judge,
         )
         wanted = [s.strip() for s in splits.split(",") if s.strip()]
         examples = [e for split in wanted for e in the_task.load(split, limit)]
