@@ -19,3 +19,9 @@ if [ -n "$GEMMA" ]; then
   $ACTMAP capture --task builtin --builtin-questions 400 --model "$GEMMA" --out "$OUT/gemma3-builtin" \
     --attention-keys 10 --keep-dense
 fi
+# CNN/DM summaries (384 new tokens) labelled by the offline LLM judge: CNN_DM=1 to run.
+if [ -n "${CNN_DM:-}" ]; then
+  JUDGE=$(../shared/models/get-model qwen2.5-coder-1.5b-instruct)
+  $ACTMAP capture --task cnn_dm --limit "$LIMIT" --judge "$JUDGE" --out "$OUT/smollm2-cnn_dm" \
+    --attention-keys 10
+fi
