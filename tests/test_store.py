@@ -112,3 +112,13 @@ def test_side_tables_and_replace(tmp_path):
     with pytest.raises(StoreError, match="'id'"):
         store.write_table("t", pa.table({"v": [1]}))
     assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_manifest_updates_from_two_handles_merge(tmp_path):
+    first = MapStore.create(tmp_path, {"c": 1})
+    second = MapStore.open(tmp_path)  # another process's view, opened before the first writes
+    first.update_manifest(results={"ppl": {"rows": 3}})
+    second.update_manifest(results={"actvit": {"rows": 5}}, note="x")
+    merged = MapStore.open(tmp_path).manifest
+    assert merged["results"] == {"ppl": {"rows": 3}, "actvit": {"rows": 5}}
+    assert merged["note"] == "x" and merged["config"] == {"c": 1}

@@ -14,6 +14,7 @@ folder directly (``pd.read_parquet(store / "maps")``).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
@@ -156,9 +157,22 @@ class MapStore:
         os.replace(tmp, self.root / MANIFEST)
 
     def update_manifest(self, **entries) -> None:
-        """Record run facts (timings, counts, skipped ids) next to the config."""
-        self.manifest.update(entries)
-        self._write_manifest()
+        """Record run facts (timings, counts, results) next to the config.
+
+        Several processes may work on one store (a capture and a baseline run, two
+        baseline runs): under a file lock, the manifest on disk is re-read and merged
+        one level deep (a dict entry such as ``results`` gains keys, it is not replaced).
+        """
+        with open(self.root / ".manifest.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            current = json.loads((self.root / MANIFEST).read_text())
+            for key, value in entries.items():
+                old = current.get(key)
+                current[key] = (
+                    {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
+                )
+            self.manifest = current
+            self._write_manifest()
 
     # -- writing ----------------------------------------------------------------------------
     def _next_shard(self, table: str) -> Path:
