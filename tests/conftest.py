@@ -101,6 +101,32 @@ def make_tiny_llama(
     return model
 
 
+class ListTask:
+    """A task over a fixed list of examples: the prompt is the question itself, and the
+    label is ``meta["correct"]`` unless a subclass decides otherwise."""
+
+    name = "list"
+    max_new_tokens = 4
+
+    def __init__(self, examples) -> None:
+        self.examples = list(examples)
+
+    def load(self, split, limit=None):
+        return [e for e in self.examples if e.split == split][:limit]
+
+    def prompt(self, example, tokenizer):
+        return example.question
+
+    def postprocess(self, raw):
+        return raw
+
+    def label(self, answer, example):
+        return example.meta["correct"] == "1"
+
+    def describe(self):
+        return {"task": self.name}
+
+
 @pytest.fixture(scope="session")
 def word_tokenizer():
     return make_word_tokenizer()

@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import ListTask
 from sklearn.metrics import average_precision_score, roc_auc_score
 
 from actmap.baselines import runner
@@ -43,7 +44,7 @@ ALL = [
 ]
 
 
-class AlternatingTask:
+class AlternatingTask(ListTask):
     """Labels alternate by example, so every split holds both classes in equal numbers."""
 
     name = "alternating"
@@ -51,7 +52,7 @@ class AlternatingTask:
 
     def __init__(self):
         rng = np.random.default_rng(0)
-        self.examples = []
+        super().__init__([])
         for split, n in SPLIT_SIZES.items():
             for i in range(n):
                 words = rng.choice(WORDS, size=int(rng.integers(2, 7)))
@@ -65,18 +66,6 @@ class AlternatingTask:
                         meta={"correct": str(i % 2)},
                     )
                 )
-
-    def load(self, split, limit=None):
-        return [e for e in self.examples if e.split == split][:limit]
-
-    def prompt(self, example, tokenizer):
-        return example.question
-
-    def label(self, answer, example):
-        return example.meta["correct"] == "1"
-
-    def describe(self):
-        return {"task": self.name}
 
 
 class ExactMatchJudge:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from conftest import ListTask
 
 from actmap.capture import CaptureConfig, generate_with_capture
 from actmap.capture.run import read_generations, run_capture, store_config
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORDS = "what is the capital of the river red blue green one two three four five".split()
 
 
-class WordTask:
+class WordTask(ListTask):
     """Tiny task: the answer is 'correct' when its first word is in the question."""
 
     name = "words"
@@ -29,7 +30,7 @@ class WordTask:
 
     def __init__(self, n: int = 24):
         rng = np.random.default_rng(0)
-        self.examples = [
+        super().__init__(
             Example(
                 source_key=f"q{i}",
                 dataset="words",
@@ -38,20 +39,11 @@ class WordTask:
                 references=(),
             )
             for i in range(n)
-        ]
-
-    def load(self, split, limit=None):
-        return [e for e in self.examples if e.split == split][:limit]
-
-    def prompt(self, example, tokenizer):
-        return example.question
+        )
 
     def label(self, answer, example):
         words = answer.split()
         return bool(words) and words[0] in example.question.split()
-
-    def describe(self):
-        return {"task": self.name}
 
 
 SOURCE = ModelSource("tiny", "tiny", None, "0")

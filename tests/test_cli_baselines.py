@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import ListTask
 from sklearn.metrics import roc_auc_score
 from typer.testing import CliRunner
 
@@ -23,7 +24,7 @@ SOURCE = ModelSource("tiny", "tiny", None, "0")
 WORDS = "what is the capital of the river red blue green one two three".split()
 
 
-class HalfTask:
+class HalfTask(ListTask):
     """12 examples per split; every other one is labelled correct."""
 
     name = "half"
@@ -31,7 +32,7 @@ class HalfTask:
 
     def __init__(self):
         rng = np.random.default_rng(1)
-        self.examples = [
+        super().__init__(
             Example(
                 source_key=f"{split}{i}",
                 dataset="half",
@@ -42,19 +43,7 @@ class HalfTask:
             )
             for split in ("train", "validation", "test")
             for i in range(12)
-        ]
-
-    def load(self, split, limit=None):
-        return [e for e in self.examples if e.split == split][:limit]
-
-    def prompt(self, example, tokenizer):
-        return example.question
-
-    def label(self, answer, example):
-        return example.meta["correct"] == "1"
-
-    def describe(self):
-        return {"task": self.name}
+        )
 
 
 @pytest.fixture(scope="module")

@@ -525,6 +525,7 @@ def test_registry(gsm8k_dir):
 
 def test_registry_builtin_is_lazy():
     import actmap.data.builtin  # noqa: F401
+
     assert get_task("builtin").name == "builtin"
 
 

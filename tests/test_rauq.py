@@ -121,6 +121,7 @@ def test_capture_indexing_matches_teacher_forced_attention():
     k = 1 is the diagonal: the query at token t-1 attending to its own key.
     """
     import actmap.capture as capture
+
     transformers = pytest.importorskip("transformers")
     from actmap.capture.records import CaptureConfig
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import ListTask
 
 from actmap.capture import CaptureConfig
 from actmap.capture.run import run_capture
@@ -17,13 +18,13 @@ from actmap.store import MapStore, StoreError
 SOURCE = ModelSource("tiny", "tiny", None, "0")
 
 
-class AliasTask:
+class AliasTask(ListTask):
     name = "aliases"
     max_new_tokens = 4
 
     def __init__(self):
         words = "red blue green one two three the river".split()
-        self.examples = [
+        super().__init__(
             Example(
                 f"k{i}",
                 "aliases",
@@ -32,13 +33,7 @@ class AliasTask:
                 (words[(i * 5) % 8], "the " + words[i % 8]),
             )
             for i in range(18)
-        ]
-
-    def prompt(self, example, tokenizer):
-        return example.question
-
-    def postprocess(self, raw):
-        return raw
+        )
 
     def label(self, answer, example):
         return qa_correct(answer, example.references)
