@@ -20,10 +20,7 @@ def load_factuality_judge(spec: str | None):
 
     if spec.startswith("minicheck:"):
         return MiniCheckJudge.from_pretrained(spec.split(":", 1)[1])
-    from actmap.models import load_model
-
-    model, tokenizer, source = load_model(spec)
-    return LLMFactualityJudge(model, tokenizer, name=f"llm:{Path(source.name).stem}")
+    return LLMFactualityJudge.from_pretrained(spec)
 
 
 def load_task(

@@ -24,6 +24,7 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -301,17 +302,12 @@ class LLMFactualityJudge:
         self._cache: dict[tuple[str, str], float] = {}
 
     @classmethod
-    def from_pretrained(
-        cls, name_or_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, **kw
-    ) -> LLMFactualityJudge:
-        """Load a causal LM judge (local path or hub name); no remote code."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def from_pretrained(cls, name_or_path: str, *, device: str = "cpu", **kw) -> LLMFactualityJudge:
+        """Any causal LM actmap can load (.gguf path, folder, hub id; no remote code)."""
+        from actmap.models import load_model
 
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype, trust_remote_code=False
-        ).to(device)
-        kw.setdefault("name", f"llm:{name_or_path}")
+        model, tokenizer, source = load_model(name_or_path, device=device)
+        kw.setdefault("name", f"llm:{Path(source.name).stem}")
         return cls(model, tokenizer, **kw)
 
     def prompt(self, document: str, claim: str) -> str:
