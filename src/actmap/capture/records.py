@@ -26,16 +26,14 @@ class CaptureConfig:
     """How one generation pass is run and what it keeps."""
 
     max_new_tokens: int = 32  # paper: 32 for short answers and GSM8K, 384 for summaries
-    do_sample: bool = (
-        False  # paper: greedy answers; sampling only for Semantic Entropy / EigenScore
-    )
+    # paper: greedy answers; sampling only for Semantic Entropy / EigenScore
+    do_sample: bool = False
     temperature: float = 1.0  # used only when do_sample
     top_p: float = 1.0  # used only when do_sample
     pooled_dim: int = 128  # D' of the online D -> 128 pooling
     max_context: int = 4096  # prompt + answer tokens; longer prompts are left-truncated
-    attention_keys: int = (
-        0  # K previous generated keys kept per head (TAD uses 10, RAUQ 1); 0 = none
-    )
+    # K previous generated keys kept per head (TAD uses 10, RAUQ 1); 0 = none
+    attention_keys: int = 0
     keep_dense: bool = False  # keep full (unpooled) hidden states for ACT-ViT
     dense_max_tokens: int = 100  # ACT-ViT's N_max: dense states kept for the first tokens only
     batch_size: int = 32

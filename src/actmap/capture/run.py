@@ -69,14 +69,14 @@ def _label_text(task: Task, raw: str) -> str:
 
 
 def _side_tables(
-    ids: list[str], examples: list[Example], records: list[Generation], task: Task
+    ids: list[str], examples: list[Example], records: list[Generation], label_texts: list[str]
 ) -> pa.Table:
     return pa.table(
         {
             "id": ids,
             "question": [e.question for e in examples],
             "references": [list(e.references) for e in examples],
-            "label_text": [_label_text(task, r.answer) for r in records],
+            "label_text": label_texts,
             "token_ids": pa.array([r.token_ids for r in records], pa.list_(pa.int32())),
             "logprobs": pa.array([r.logprobs.tolist() for r in records], pa.list_(pa.float32())),
             "entropies": pa.array([r.entropies.tolist() for r in records], pa.list_(pa.float32())),
@@ -128,10 +128,9 @@ def commit_batch(
     records = [records[i] for i in keep]
     ids = [example_id(e) for e in examples]
     maps = build_maps_from_list([r.trajectory for r in records], map_config)  # (B, 12, 32, 128)
-    labels = [
-        task.label(_label_text(task, r.answer), e) for e, r in zip(examples, records, strict=True)
-    ]
-    store.write_table("generations", _side_tables(ids, examples, records, task))
+    label_texts = [_label_text(task, r.answer) for r in records]
+    labels = [task.label(t, e) for t, e in zip(label_texts, examples, strict=True)]
+    store.write_table("generations", _side_tables(ids, examples, records, label_texts))
     if keep_trajectories:
         store.write_table(
             "trajectories", _array_table(ids, [r.trajectory for r in records], "trajectory")
@@ -140,9 +139,8 @@ def commit_batch(
         store.write_table(
             "attention", _array_table(ids, [r.attention for r in records], "attention")
         )
-    if (
-        records[0].dense is not None
-    ):  # ACT-ViT's layer max-pooling to 8 groups, done once here (L/8 smaller)
+    if records[0].dense is not None:
+        # ACT-ViT's layer max-pooling to 8 groups, done once here (L/8 smaller)
         dense = [pool_layers(r.dense.float()) for r in records]  # (8, N, D)
         store.write_table("dense", _array_table(ids, dense, "dense"))
     store.write_maps(  # last: the commit of this batch

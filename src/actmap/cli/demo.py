@@ -36,12 +36,12 @@ def demo(
         from actmap.capture.overhead import measure_overhead
         from actmap.capture.run import natural_accuracy, run_capture, store_config
         from actmap.cli.common import parse_ints
-        from actmap.cli.train import print_summary, train_on_store
+        from actmap.cli.train import print_summary, recipe_config, train_on_store
         from actmap.data.builtin import BuiltinArithmeticTask
+        from actmap.detectors.base import CorrectnessDetector
         from actmap.maps import MapConfig
         from actmap.metrics import compute_metrics
         from actmap.models import load_model
-        from actmap.rows import balanced_splits
         from actmap.store import MAP_BYTES, MapStore
 
         started = time.perf_counter()
@@ -68,35 +68,35 @@ def demo(
                 progress=lambda n: bar.advance(job, n),
             )
         del model
-        splits = balanced_splits(store)
-        runs = train_on_store(
+        runs, splits = train_on_store(
             out / "store", detector, parse_ints(seeds), out / f"run-{detector}", max_epochs, None
         )
 
         # controls on the identical balanced rows
         meta = store.metadata().set_index("id")
-        rows = {s: list(meta.loc[ids].itertuples()) for s, ids in splits.items()}  # .n_tokens
-        labels = {s: meta.loc[ids, "label"].to_numpy().astype(int) for s, ids in splits.items()}
-        length_model = AnswerLengthPredictor().fit(rows["train"], labels["train"])
+        rows = {s: list(meta.loc[v.ids].itertuples()) for s, v in splits.items()}  # .n_tokens
+        length_model = AnswerLengthPredictor().fit(rows["train"], splits["train"].labels)
         length_metrics = compute_metrics(
-            length_model.score(rows["test"]).confidence, labels["test"]
+            length_model.score(rows["test"]).confidence, splits["test"].labels
         )
-        from actmap.detectors.base import CorrectnessDetector
-
-        maps_train, _ = store.load_maps(splits["train"])
-        maps_val, _ = store.load_maps(splits["validation"])
-        maps_test, _ = store.load_maps(splits["test"])
         permuted = PermutedLabelControl(
-            CorrectnessDetector(detector, seed=42, config=_epochs(max_epochs)), seed=0
-        ).fit(maps_train, labels["train"], maps_val, labels["validation"])
-        permuted_metrics = compute_metrics(permuted.score(maps_test).confidence, labels["test"])
+            CorrectnessDetector(detector, seed=42, config=recipe_config(max_epochs)), seed=0
+        ).fit(
+            splits["train"].maps,
+            splits["train"].labels,
+            splits["validation"].maps,
+            splits["validation"].labels,
+        )
+        permuted_metrics = compute_metrics(
+            permuted.score(splits["test"].maps).confidence, splits["test"].labels
+        )
 
         accuracy = natural_accuracy(store)
         result = {
             "rows": summary.written + summary.skipped_existing,
             "empty_answers": summary.skipped_empty,
             "natural_accuracy": accuracy,
-            "balanced_rows": {s: len(v) for s, v in splits.items()},
+            "balanced_rows": {s: len(v.ids) for s, v in splits.items()},
             "bytes_per_map": MAP_BYTES,
             "store_bytes_per_row": _store_bytes(out / "store") / max(1, len(meta)),
             "capture_overhead": {
@@ -128,14 +128,6 @@ def demo(
             f"permuted labels AUROC {permuted_metrics.auroc:.3f}\n"
             f"summary: {out / 'demo-summary.json'} ({result['wall_time_s']:.0f} s)"
         )
-
-
-def _epochs(max_epochs: int):
-    from dataclasses import replace
-
-    from actmap.training import TrainConfig
-
-    return replace(TrainConfig(), max_epochs=max_epochs)
 
 
 def _store_bytes(root: Path) -> int:

@@ -30,6 +30,15 @@ def load_balanced(store_path: Path):
     return out, store
 
 
+def recipe_config(max_epochs: int | None = None):
+    """The paper's training recipe, with an optional epoch cap (tests, quick looks, CPU)."""
+    from dataclasses import replace
+
+    from actmap.training import TrainConfig
+
+    return TrainConfig() if max_epochs is None else replace(TrainConfig(), max_epochs=max_epochs)
+
+
 def train_on_store(
     store_path: Path,
     detector: str,
@@ -38,13 +47,14 @@ def train_on_store(
     max_epochs: int | None,
     device: str | None,
 ):
-    """The paper's recipe on a store's balanced rows, with a progress bar per seed."""
-    from dataclasses import replace
+    """The paper's recipe on a store's balanced rows, with a progress bar per seed.
 
-    from actmap.training import TrainConfig, run_seeds
+    Returns the seed runs and the balanced splits they were trained and tested on.
+    """
+    from actmap.training import run_seeds
 
     splits, store = load_balanced(store_path)
-    config = TrainConfig() if max_epochs is None else replace(TrainConfig(), max_epochs=max_epochs)
+    config = recipe_config(max_epochs)
     sizes = {s: len(v.ids) for s, v in splits.items()}
     console.print(f"balanced rows: {sizes}; detector {detector}; seeds {seeds}")
     with progress_bar() as bar:
@@ -74,7 +84,7 @@ def train_on_store(
         )
         for job in jobs.values():  # early-stopped seeds end before max_epochs
             bar.update(job, completed=config.max_epochs)
-    return runs
+    return runs, splits
 
 
 @app.command()
@@ -90,7 +100,7 @@ def train(
 ) -> None:
     """Train a detector with the paper's recipe, one run per seed, and test each selected checkpoint once."""
     with user_errors():
-        runs = train_on_store(store, detector, parse_ints(seeds), out, max_epochs, device)
+        runs, _ = train_on_store(store, detector, parse_ints(seeds), out, max_epochs, device)
         print_summary(runs.summary)
         console.print(f"run written to {out}")
 
