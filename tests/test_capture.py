@@ -96,6 +96,44 @@ def test_stop_token_is_not_part_of_the_answer(tiny_llama, word_tokenizer):
     assert record.extras["eos_logprob"] == pytest.approx(float(logp[p - 1 + first, stop]), abs=1e-4)
 
 
+def test_stop_string_ends_the_answer_like_a_stop_token(tiny_llama, word_tokenizer):
+    config = CaptureConfig(max_new_tokens=10, batch_size=4)
+    plain = generate_plain(tiny_llama, word_tokenizer, PROMPTS, config)
+    full = generate_with_capture(tiny_llama, word_tokenizer, PROMPTS, config)
+    generated = plain[0, -config.max_new_tokens :].tolist()
+    stop = " " + word_tokenizer.decode([generated[4]])  # a word boundary, then the 5th word
+    stopped_config = CaptureConfig(max_new_tokens=10, batch_size=4, stop_strings=(stop,))
+    records = generate_with_capture(tiny_llama, word_tokenizer, PROMPTS, stopped_config)
+    for record, reference in zip(records, full, strict=True):
+        text = word_tokenizer.decode(reference.token_ids)
+        cut = text.find(stop)
+        # independent reference: the words before the stop string are the kept tokens
+        k = len(text[:cut].split()) if cut >= 0 else reference.n_tokens
+        assert record.token_ids == reference.token_ids[:k]
+        assert record.answer == (text[:cut] if cut >= 0 else text)
+        assert record.stopped == (cut >= 0)
+        torch.testing.assert_close(record.trajectory, reference.trajectory[:, :k])
+        torch.testing.assert_close(record.logprobs, reference.logprobs[:k])
+        if cut >= 0:  # the stop string's first token plays the end-of-sequence token's part
+            assert record.extras["eos_logprob"] == pytest.approx(float(reference.logprobs[k]))
+    assert records[0].n_tokens <= 4
+    # the stop ends generation: one prompt alone stops right after its stop string
+    (alone,) = generate_plain(tiny_llama, word_tokenizer, PROMPTS[:1], stopped_config)[:, None]
+    prompt_len = len(word_tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"])
+    assert alone.shape[1] - prompt_len == records[0].n_tokens + 1
+
+
+def test_stop_position_skips_leading_whitespace():
+    from actmap.capture.stopping import stop_position
+
+    assert stop_position("\n\nParis\nQuestion", ("\n",)) == 0
+    assert stop_position("\n\nParis\nQuestion", ("\n",), skip_leading_whitespace=True) == 7
+    assert stop_position(" Paris Question:", ("\n", "Question:"), True) == 7
+    assert stop_position("  \n ", ("\n",), True) is None  # only whitespace: not yet an answer
+    with pytest.raises(ValueError, match="stop_strings"):
+        CaptureConfig(stop_strings=("",))
+
+
 def test_attention_entries_match_teacher_forced_eager_attention(word_tokenizer):
     from conftest import make_tiny_llama
 
@@ -195,3 +233,19 @@ def test_real_smollm2_capture_is_exact_and_free_of_side_effects(smollm2):
         assert record.trajectory.shape == (30, record.n_tokens, 128)
         assert torch.isfinite(record.trajectory).all()
         assert record.token_ids == plain[row, prompt_len : prompt_len + record.n_tokens].tolist()
+
+
+def test_real_smollm2_few_shot_answer_stops_at_the_newline(smollm2):
+    model, tokenizer, _ = smollm2
+    prompt = (
+        "Answer the question.\n\nQuestion: What is the capital of France?\nAnswer: Paris\n\n"
+        "Question: What is the capital of Italy?\nAnswer: Rome\n\n"
+        "Question: What is the capital of Germany?\nAnswer:"
+    )
+    free = generate_with_capture(model, tokenizer, [prompt], CaptureConfig(max_new_tokens=16))[0]
+    assert "\n" in free.answer  # without a stop string the model runs on past its answer
+    config = CaptureConfig(max_new_tokens=16, stop_strings=("\n",))
+    (record,) = generate_with_capture(model, tokenizer, [prompt], config)
+    assert record.answer == free.answer.split("\n", 1)[0]
+    assert record.stopped and "\n" not in tokenizer.decode(record.token_ids)
+    torch.testing.assert_close(record.trajectory, free.trajectory[:, : record.n_tokens])

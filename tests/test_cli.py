@@ -71,6 +71,30 @@ def test_capture_from_prompts_file_and_rebuild_maps(tmp_path, tiny_model_dir):
     assert load_file(out)["maps"].shape == (2, 12, 16, 64)
 
 
+def test_stop_strings_come_from_the_task_or_the_command_line(tmp_path, tiny_model_dir):
+    from actmap.cli.capture import stop_strings
+    from actmap.data.datasets import NQOpenTask
+    from actmap.data.builtin import BuiltinArithmeticTask
+
+    assert stop_strings(NQOpenTask(), None, False) == ("\n",)
+    assert stop_strings(BuiltinArithmeticTask(), None, False) == ()
+    assert stop_strings(NQOpenTask(), ["\\n", "Question:"], False) == ("\n", "Question:")
+    assert stop_strings(NQOpenTask(), None, True) == ()
+    with pytest.raises(ValueError, match="--no-stop"):
+        stop_strings(NQOpenTask(), ["x"], True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "what is the capital", "id": "a"}) + "\n")
+    store = tmp_path / "store"
+    args = ["capture", "--prompts", str(prompts), "--model", str(tiny_model_dir)]
+    args += ["--out", str(store), "--splits", "test", "--max-new-tokens", "6", "--stop", " "]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    opened = MapStore.open(store)
+    assert opened.manifest["config"]["capture"]["stop_strings"] == [" "]
+    # the word tokenizer puts a space between words, so every answer is one word long
+    assert opened.metadata()["n_tokens"].tolist() == [1]
+
+
 def test_capture_reports_bad_input_clearly(tmp_path, tiny_model_dir):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')

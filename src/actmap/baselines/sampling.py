@@ -37,6 +37,7 @@ from torch import nn
 from actmap.capture.generate import stop_ids, tokenize_prompts
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig
+from actmap.capture.stopping import check_stop_strings, cut_at_stop, stop_criteria
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,7 @@ class SamplingConfig:
             raise ValueError(
                 f"logprob_source must be one of {LOGPROB_SOURCES}, got {self.logprob_source!r}"
             )
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        check_stop_strings(self.stop_strings)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
@@ -120,36 +120,12 @@ def check_same_sampling(rows: Sequence[SampleSet]) -> None:
 def cut_answer(
     token_ids: Sequence[int], tokenizer, stop_strings: Sequence[str]
 ) -> tuple[int, str, bool]:
-    """(answer tokens kept, answer text, cut) for tokens that end before any end-of-sequence.
+    """(answer tokens kept, answer text stripped, cut) under `actmap.capture.stopping`'s rule.
 
-    The text is cut before the first stop string; token ``k`` stays when its
-    text starts before the cut, i.e. ``len(decode(tokens[:k])) < cut``.
+    The Nature code's convention: a stop string at the very start gives an empty answer.
     """
-    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
-    hits = [text.find(s) for s in stop_strings if s in text]
-    if not hits:
-        return len(token_ids), text.strip(), False
-    cut = min(hits)
-    kept = sum(
-        1
-        for k in range(len(token_ids))
-        if len(tokenizer.decode(list(token_ids[:k]), skip_special_tokens=True)) < cut
-    )
-    return kept, text[:cut].strip(), True
-
-
-def _stop_criteria(tokenizer, stop_strings: Sequence[str], prompt_len: int):
-    """Ends a row once its generated text holds a stop string; cheaper than transformers'
-    ``stop_strings``, which rebuilds a table over the whole vocabulary on every call."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    class StopOnStrings(StoppingCriteria):
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-            texts = tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
-            done = [any(s in text for s in stop_strings) for text in texts]
-            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-    return StoppingCriteriaList([StopOnStrings()]) if stop_strings else None
+    kept, text, cut = cut_at_stop(token_ids, tokenizer, stop_strings)
+    return kept, text.strip(), cut
 
 
 def resolve_embedding_layer(n_layers: int, embedding_layer: int | None) -> int:
@@ -193,7 +169,7 @@ def _generate(
             return_dict_in_generate=True,
             output_scores=processed,
             output_logits=not processed,
-            stopping_criteria=_stop_criteria(tokenizer, config.stop_strings, prompt_len),
+            stopping_criteria=stop_criteria(tokenizer, config.stop_strings, prompt_len),
         )
     finally:
         handle.remove()

@@ -12,6 +12,7 @@ from torch import nn
 from actmap.capture.hooks import StepRecorder, recording
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig, Generation
+from actmap.capture.stopping import cut_at_stop, stop_criteria
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,16 @@ def generate_plain(
 ) -> torch.Tensor:
     """The same generation without hooks: (B, P + T') token ids; the reference for overhead."""
     encoded = tokenize_prompts(tokenizer, prompts, config, _device(model))
-    return model.generate(**encoded, **_generate_kwargs(model, tokenizer, config))
+    return model.generate(
+        **encoded,
+        **_generate_kwargs(model, tokenizer, config),
+        stopping_criteria=stop_criteria(
+            tokenizer,
+            config.stop_strings,
+            encoded["input_ids"].shape[1],
+            skip_leading_whitespace=True,
+        ),
+    )
 
 
 @torch.inference_mode()
@@ -135,15 +145,24 @@ def generate_batch(
         dense_steps=min(config.dense_max_tokens, config.max_new_tokens) if config.keep_dense else 0,
         hidden_size=getattr(text_config, "hidden_size", 0),
     )
+    prompt_len = encoded["input_ids"].shape[1]
     with (
         _eager_attention(model, config.attention_keys > 0),
         recording(model, recorder, layers_path),
     ):
-        sequences = model.generate(**encoded, **_generate_kwargs(model, tokenizer, config))
-        prompt_len = encoded["input_ids"].shape[1]
+        sequences = model.generate(
+            **encoded,
+            **_generate_kwargs(model, tokenizer, config),
+            stopping_criteria=stop_criteria(
+                tokenizer, config.stop_strings, prompt_len, skip_leading_whitespace=True
+            ),
+        )
         generated = sequences[:, prompt_len:]  # (B, steps)
         recorder.finish(generated[:, -1])
-    return _split_rows(recorder, generated, encoded, prompts, tokenizer, stop_ids(model, tokenizer))
+    ends = stop_ids(model, tokenizer)
+    if config.stop_strings:  # a row ended by a stop string is padded from then on
+        ends.add(_generate_kwargs(model, tokenizer, config)["pad_token_id"])
+    return _split_rows(recorder, generated, encoded, prompts, tokenizer, ends, config.stop_strings)
 
 
 def _split_rows(
@@ -153,8 +172,10 @@ def _split_rows(
     prompts: Sequence[str],
     tokenizer,
     stop_ids: set[int],
+    stop_strings: tuple[str, ...] = (),
 ) -> list[Generation]:
-    """Cut each row at its first stop token; padding and post-stop steps never leave the batch."""
+    """Cut each row at its first stop token or stop string; padding and post-stop steps never
+    leave the batch."""
     steps = generated.shape[1]
     is_stop = torch.zeros_like(generated, dtype=torch.bool)
     for stop in stop_ids:
@@ -174,10 +195,22 @@ def _split_rows(
     records = []
     for row, prompt in enumerate(prompts):
         n = int(first_stop[row])
-        stopped = n < steps
+        stopped = n < steps  # here: row n is the end-of-sequence token's step
         token_ids = generated[row, :n].tolist()
+        answer = tokenizer.decode(token_ids, skip_special_tokens=True)
+        if stop_strings:
+            kept, answer, cut = cut_at_stop(
+                token_ids, tokenizer, stop_strings, skip_leading_whitespace=True
+            )
+            # row `kept` is the stop string's first token, unless the last answer token
+            # carries the stop string too (then no step produced a stop token)
+            stopped = stopped or cut
+            has_stop_step = kept < n or (not cut and stopped)
+            n, token_ids = kept, token_ids[:kept]
+        else:
+            has_stop_step = stopped
         extras = {}
-        if stopped:
+        if has_stop_step:
             extras = {
                 "eos_logprob": float(host["logprobs"][row, n]),
                 "eos_entropy": float(host["entropies"][row, n]),
@@ -185,7 +218,7 @@ def _split_rows(
         records.append(
             Generation(
                 prompt=prompt,
-                answer=tokenizer.decode(token_ids, skip_special_tokens=True),
+                answer=answer,
                 token_ids=token_ids,
                 logprobs=host["logprobs"][row, :n].clone(),
                 entropies=host["entropies"][row, :n].clone(),

@@ -11,7 +11,9 @@ forward position whose output distribution produced generated token ``t``.
 Row 0 is the last prompt position of the prefill pass; row ``t > 0`` is the
 decode step that fed token ``t - 1``. The end-of-sequence token is *not* part
 of the returned answer and never counts as a generated token, so ``T`` is the
-number of answer tokens.
+number of answer tokens. A stop string (``CaptureConfig.stop_strings``) ends an
+answer the same way: the answer text stops before it and its tokens are dropped
+(see `actmap.capture.stopping`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ class CaptureConfig:
     # tokenizer special tokens (e.g. BOS) for plain prompts; None = only when the tokenizer
     # has no chat template (templated text already carries them)
     add_special_tokens: bool | None = None
+    # end each answer at the first of these texts (e.g. "\n" after a few-shot answer);
+    # leading whitespace never ends an answer. Rule in `actmap.capture.stopping`.
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from actmap.capture.stopping import check_stop_strings
+
+        object.__setattr__(self, "stop_strings", check_stop_strings(self.stop_strings))
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,7 @@ class Generation:
     logprobs: torch.Tensor  # (T,) float32, log p(chosen token) from raw logits, natural log
     entropies: torch.Tensor  # (T,) float32, entropy of the full next-token distribution (nats)
     trajectory: torch.Tensor  # (L, T, 128) float32, pooled hidden states
-    stopped: bool  # True when generation ended on an end-of-sequence token
+    stopped: bool  # True when generation ended on an end-of-sequence token or a stop string
     prompt_tokens: int  # prompt length after truncation
     # (T, L, H, K) float32: attention at step t to generated token t-k (k = 1..K),
     # zero where t - k < 0; None unless CaptureConfig.attention_keys > 0.

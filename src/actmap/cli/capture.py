@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 
 import typer
@@ -98,6 +99,15 @@ def capture(
     layers_path: str = typer.Option(
         None, help="Dotted path to the decoder-layer list for unknown layouts."
     ),
+    stop: list[str] = typer.Option(
+        None,
+        "--stop",
+        help="Text that ends an answer, Python escapes allowed (repeatable). Default: the "
+        "task's ('\\n' for short answers and GSM8K, none for summaries and the built-in task).",
+    ),
+    no_stop: bool = typer.Option(
+        False, "--no-stop", help="No stop strings: answers end at end-of-sequence only."
+    ),
 ) -> None:
     """Generate answers with capture on, label them, and store one 12x32x128 map per answer."""
     with user_errors():
@@ -126,6 +136,7 @@ def capture(
             batch_size=batch_size,
             attention_keys=attention_keys,
             keep_dense=keep_dense,
+            stop_strings=stop_strings(the_task, stop, no_stop),
         )
         console.print(f"loading [bold]{model}[/bold] ...")
         lm, tokenizer, source = load_model(model, revision=revision, device=device)
@@ -159,6 +170,17 @@ def capture(
             "natural accuracy in the store: "
             + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
         )
+
+
+def stop_strings(task, stop: list[str] | None, no_stop: bool) -> tuple[str, ...]:
+    """The stop strings a capture uses: ``--stop`` values (escapes decoded), else the task's."""
+    if no_stop and stop:
+        raise ValueError("--stop and --no-stop contradict each other; give one")
+    if no_stop:
+        return ()
+    if stop:
+        return tuple(codecs.decode(s, "unicode_escape") for s in stop)
+    return tuple(getattr(task, "stop_strings", ()))
 
 
 @app.command("build-maps")

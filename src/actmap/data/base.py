@@ -27,6 +27,7 @@ class Task(Protocol):
 
     name: str
     max_new_tokens: int  # paper: 32 short-form and GSM8K, 384 summaries
+    stop_strings: tuple[str, ...]  # texts that end an answer during capture; () = none
 
     def load(self, split: str, limit: int | None = None) -> list[Example]: ...
 

@@ -80,6 +80,7 @@ class BuiltinArithmeticTask:
     seed: int = 0
     name: str = "builtin"
     max_new_tokens: int = 24
+    stop_strings: tuple[str, ...] = ()  # answers end at end-of-sequence or max_new_tokens
 
     def load(self, split: str, limit: int | None = None) -> list[Example]:
         if split not in SPLITS:

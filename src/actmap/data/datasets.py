@@ -343,10 +343,17 @@ class SourceTask:
     results are on the same rows. ``pooled=True`` ignores the dataset's own splits and splits all
     keys by ``fractions`` (the paper's Table 1 sizes, e.g. GSM8K 879 test rows of 8,792,
     match a pooled 10% test split).
+
+    ``stop_strings``: the texts that end an answer during capture (`CaptureConfig`). The
+    short-answer tasks stop at the first newline after the answer starts: the label reads
+    the first line only (``postprocess``), and a model that learned the few-shot format
+    goes on with an invented next question that would otherwise fill the map. The greedy
+    tokens before the stop are the same either way; only the trajectory gets shorter.
     """
 
     name: str = ""
     max_new_tokens: int = SHORT_MAX_NEW_TOKENS
+    stop_strings: tuple[str, ...] = ("\n",)
     # (source key, demonstration answer or None for the row's gold) of the local files
     DEMONSTRATION_KEYS: tuple[tuple[str, str | None], ...] = ()
 
@@ -578,6 +585,7 @@ class CNNDMTask(SourceTask):
 
     name = "cnn_dm"
     max_new_tokens = SUMMARY_MAX_NEW_TOKENS
+    stop_strings = ()  # summaries span lines; they end at end-of-sequence or 384 tokens
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ class PromptFileTask:
 
     path: Path
     max_new_tokens: int = 32
+    stop_strings: tuple[str, ...] = ()
     name: str = "prompts"
 
     def load(self, split: str = "test", limit: int | None = None) -> list[Example]:
