@@ -73,8 +73,8 @@ def test_capture_from_prompts_file_and_rebuild_maps(tmp_path, tiny_model_dir):
 
 def test_stop_strings_come_from_the_task_or_the_command_line(tmp_path, tiny_model_dir):
     from actmap.cli.capture import stop_strings
-    from actmap.data.datasets import NQOpenTask
     from actmap.data.builtin import BuiltinArithmeticTask
+    from actmap.data.datasets import NQOpenTask
 
     assert stop_strings(NQOpenTask(), None, False) == ("\n",)
     assert stop_strings(BuiltinArithmeticTask(), None, False) == ()

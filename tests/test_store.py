@@ -78,8 +78,9 @@ def test_bad_maps_and_bad_stores_are_refused(tmp_path):
     with pytest.raises(StoreError, match="non-finite"):
         store.write_maps([MapRecord(**{**bad.__dict__, "map": nan_map})])
     assert not store.has_table("maps")  # nothing half-written
-    with pytest.raises(StoreError, match="another config"):
+    with pytest.raises(StoreError, match="another config") as refused:
         MapStore.create(tmp_path / "s", {"x": 2})
+    assert "x: 1 -> 2" in str(refused.value)  # the message names what changed
     with pytest.raises(StoreError, match="manifest.json is missing"):
         MapStore.open(tmp_path / "nothing")
     (tmp_path / "s" / "manifest.json").write_text("{not json")
@@ -122,3 +123,15 @@ def test_manifest_updates_from_two_handles_merge(tmp_path):
     merged = MapStore.open(tmp_path).manifest
     assert merged["results"] == {"ppl": {"rows": 3}, "actvit": {"rows": 5}}
     assert merged["note"] == "x" and merged["config"] == {"c": 1}
+
+
+def test_config_differences_name_nested_keys():
+    from actmap.store import config_differences
+
+    old = {"capture": {"max_new_tokens": 32, "batch_size": 32}, "task": "a"}
+    new = {"capture": {"max_new_tokens": 32, "batch_size": 8, "stop_strings": ["\n"]}, "task": "a"}
+    assert config_differences(old, new) == [
+        ("capture.batch_size", 32, 8),
+        ("capture.stop_strings", None, ["\n"]),
+    ]
+    assert config_differences(new, new) == []

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -97,6 +98,19 @@ def _write_atomically(table: pa.Table, target: Path) -> None:
         raise
 
 
+def config_differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every leaf that differs; missing = None."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key), new.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(config_differences(a, b, name + "."))
+        elif a != b:
+            out.append((name, a, b))
+    return out
+
+
 class MapStore:
     """A folder of Parquet tables sharing the ``id`` key, described by ``manifest.json``."""
 
@@ -113,10 +127,14 @@ class MapStore:
             store = cls.open(root)
             if not resume:
                 raise StoreError(f"{root} already holds a store; pass resume=True to continue it")
-            if store.manifest.get("config") != json.loads(json.dumps(config)):
+            stored, wanted = store.manifest.get("config"), json.loads(json.dumps(config))
+            if stored != wanted:
+                changed = config_differences(stored or {}, wanted)
                 raise StoreError(
                     f"{root} holds a store made with another config; use a new folder. "
-                    f"stored={store.manifest.get('config')} new={config}"
+                    "Differences (stored -> new): "
+                    + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8])
+                    + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
                 )
             return store
         manifest = {
