@@ -555,3 +555,30 @@ def test_real_gsm8k_and_nq_open_files():
     assert 0.08 < len(keys["test"]) / 7179 < 0.12
     for e in nq.load("validation", 200):
         assert qa_correct(e.references[0], e.references)
+
+
+@pytest.mark.skipif(
+    not (REAL_DATA / "triviaqa").is_dir() or not (REAL_DATA / "cnn_dm").is_dir(),
+    reason="../shared/data/triviaqa or cnn_dm not present",
+)
+def test_real_triviaqa_and_cnn_dm_files():
+    # TriviaQA: one validation file in the local layout (normalized_aliases null), pooled
+    trivia = TriviaQATask(REAL_DATA)
+    keys = {s: {e.source_key for e in trivia.load(s)} for s in SPLITS}
+    assert sum(len(k) for k in keys.values()) == 9313 - 5  # the README's count, minus demos
+    assert not (keys["train"] & keys["test"]) and not (keys["validation"] & keys["test"])
+    assert 0.08 < len(keys["test"]) / 9313 < 0.12
+    rows = {e.source_key: e for s in SPLITS for e in trivia.load(s)}
+    # the README's third line: a Lloyd Webber musical with five aliases
+    sunset = rows["tqa-unfiltered-dev-00002"]
+    assert "Sunset Boulevard" in sunset.references and len(sunset.references) == 5
+    assert qa_correct("sunset blvd", sunset.references)
+    demos = [d.source_key for d in trivia.demonstrations()]
+    assert "tqa-unfiltered-dev-00001" in demos and not set(demos) & set(rows)
+    # CNN/DM: test file -> test; train and validation carved out of the validation file
+    cnn = CNNDMTask(REAL_DATA)
+    sizes = {s: len(cnn.load(s)) for s in SPLITS}
+    assert sizes["test"] == 500 and sizes["train"] + sizes["validation"] == 1000
+    test_keys = {e.source_key for e in cnn.load("test")}
+    assert "f001ec5c4704938247d27a44948eebb37ae98d01" in test_keys  # README's first test id
+    assert not test_keys & {e.source_key for e in cnn.load("train")}
