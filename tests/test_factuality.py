@@ -285,3 +285,33 @@ def test_judges_load_from_a_local_path(tmp_path, tiny_t5, tiny_llama):
     assert llm.support_probability("w1 w2.", "w3.") == pytest.approx(
         LLMFactualityJudge(tiny_llama, tok).support_probability("w1 w2.", "w3."), abs=1e-6
     )
+
+
+@pytest.mark.parametrize("template", [None, CHAT_TEMPLATE])
+def test_llm_judge_reuses_the_document_prefix_exactly(tiny_llama, template):
+    tok = word_tokenizer(template)
+    judge = LLMFactualityJudge(tiny_llama, tok)
+    special = template is None
+    pairs = [
+        ("w1 w2 w3 w4 w5.", "w6."),
+        ("w1 w2 w3 w4 w5.", "w7 w8 w9."),
+        ("w1 w2 w3 w4 w5.", "w2 w3."),
+        ("w9 w8.", "w1."),  # another document: a new prefix
+        ("w1 w2 w3 w4 w5.", "w4."),
+    ]
+    # reference: one full forward over each whole prompt
+    expected = [_llm_reference(tiny_llama, tok, judge.prompt(d, c), special) for d, c in pairs]
+    lengths = []  # tokens fed per forward while the judge works
+    handle = tiny_llama.register_forward_pre_hook(
+        lambda m, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        got = [judge.support_probability(d, c) for d, c in pairs]
+    finally:
+        handle.remove()
+    assert got == pytest.approx(expected, abs=1e-5)
+    # three prefixes (document changes twice) and five short passes, each shorter than a prompt
+    shortest = min(
+        len(tok(judge.prompt(d, c), add_special_tokens=special)["input_ids"]) for d, c in pairs
+    )
+    assert len(lengths) == 3 + 5 and max(lengths) < shortest

@@ -25,7 +25,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -265,6 +265,7 @@ class MiniCheckJudge:
         return max(self.chunk_probabilities(document, claim))
 
 
+_CLAIM_SLOT = "\x00claim\x00"  # marks where the claim goes when splitting the prompt
 JUDGE_PROMPT = (
     "Document:\n{document}\n\n"
     "Claim:\n{claim}\n\n"
@@ -281,6 +282,12 @@ class LLMFactualityJudge:
     tokens of "Yes"/" Yes" and of "No"/" No" are summed per side, and the support
     probability is P(yes) / (P(yes) + P(no)). Documents longer than
     ``max_document_tokens`` keep their beginning. Results are cached per (document, claim).
+
+    Every claim of one document shares the prompt up to the claim, so that prefix is run
+    once and its key/value cache reused (the cache of the latest document is kept): a
+    summary of k sentences costs one pass over the article plus k short passes, not k
+    passes over the article. Where the tokens of prefix + rest are not the prefix's tokens
+    followed by more (a merge across the boundary), the whole prompt is run instead.
     """
 
     def __init__(
@@ -300,6 +307,7 @@ class LLMFactualityJudge:
         if set(self.yes_ids) & set(self.no_ids):
             raise ValueError("the tokenizer gives 'Yes' and 'No' a shared first token")
         self._cache: dict[tuple[str, str], float] = {}
+        self._prefix: tuple[str, list[int], Any] | None = None  # (text, ids, KV cache)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, device: str = "cpu", **kw) -> LLMFactualityJudge:
@@ -325,13 +333,34 @@ class LLMFactualityJudge:
             self._cache[key] = self._score(document, claim)
         return self._cache[key]
 
+    def _prefix_state(self, head: str, special: bool) -> tuple[list[int], Any]:
+        """Token ids and key/value cache of the shared prompt prefix, computed once per text."""
+        if self._prefix is None or self._prefix[0] != head:
+            ids = self.tokenizer(head, add_special_tokens=special)["input_ids"]
+            tensor = torch.tensor([ids], device=_device_of(self.model))
+            with torch.no_grad():
+                cache = self.model(input_ids=tensor, use_cache=True).past_key_values
+            self._prefix = (head, ids, cache)
+        return self._prefix[1], self._prefix[2]
+
     def _score(self, document: str, claim: str) -> float:
-        text = self.prompt(document, claim)
+        head, tail = self.prompt(document, _CLAIM_SLOT).split(_CLAIM_SLOT)
         special = not has_chat_template(self.tokenizer)  # a rendered template has its own
-        batch = self.tokenizer(text, add_special_tokens=special, return_tensors="pt")
-        batch = batch.to(_device_of(self.model))
+        ids = self.tokenizer(head + claim + tail, add_special_tokens=special)["input_ids"]
+        prefix, cache = self._prefix_state(head, special)
+        device = _device_of(self.model)
         with torch.no_grad():
-            logits = self.model(**batch).logits[0, -1].float()  # (V,)
+            if len(ids) > len(prefix) and ids[: len(prefix)] == prefix:
+                rest = ids[len(prefix) :]
+                out = self.model(
+                    input_ids=torch.tensor([rest], device=device),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                cache.crop(-len(rest))  # back to the prefix for the next claim
+            else:
+                out = self.model(input_ids=torch.tensor([ids], device=device))
+            logits = out.logits[0, -1].float()  # (V,)
         probs = torch.softmax(logits, dim=-1)
         p_yes = probs[self.yes_ids].sum()
         p_no = probs[self.no_ids].sum()
