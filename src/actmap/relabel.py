@@ -47,15 +47,29 @@ def relabel_store(source: MapStore, target: str | Path, rule: str) -> MapStore:
         raise StoreError(f"{source.root} stores no gold aliases; only QA stores can be relabelled")
     config = {**source.manifest["config"], "relabel": {"source": str(source.root), "rule": rule}}
     store = MapStore.create(target, config, resume=False)
+    write_labelled_copy(source, store, labels)
+    return store
+
+
+def write_labelled_copy(source: MapStore, store: MapStore, labels: dict[str, int | None]) -> None:
+    """Give ``store`` the maps of ``source`` with ``labels`` (absent ids: None) and its tables.
+
+    Side tables are linked (or copied) once; ``splits`` and ``results`` are left out since
+    they depend on the labels. Maps already in ``store`` are replaced, new shards first, so
+    an interrupted call never leaves the store without maps.
+    """
+    older = sorted((store.root / "maps").glob("part-*.parquet"))
     for shard in sorted((source.root / "maps").glob("part-*.parquet")):
         table = pq.read_table(shard)
         new = pa.array([labels.get(key) for key in table.column("id").to_pylist()], pa.int8())
         store.write_table(
             "maps", table.set_column(table.schema.get_field_index("label"), "label", new)
         )
+    for shard in older:
+        shard.unlink()
     for name in source.tables():
         if name in ("maps", "splits") or name.startswith("results"):
             continue  # labels changed: balanced rows and scores are made anew
         for shard in sorted((source.root / name).glob("part-*.parquet")):
-            _link_or_copy(shard, store.root / name / shard.name)
-    return store
+            if not (store.root / name / shard.name).exists():
+                _link_or_copy(shard, store.root / name / shard.name)

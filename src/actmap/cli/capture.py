@@ -261,3 +261,44 @@ def relabel(
             f"relabelled under rule '{rule}' into {out}; natural accuracy "
             + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
         )
+
+
+@app.command("judge")
+def judge_command(
+    store: Path = typer.Option(..., help="A CNN/DM store captured without a judge."),
+    judge: str = typer.Option(
+        ..., help="A causal LM (e.g. a .gguf path of Qwen2.5-Coder-1.5B) or 'minicheck:<path>'."
+    ),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Judged store folder (created, or resumed when it exists)."
+    ),
+    threshold: float = typer.Option(0.5, help="Support a sentence needs (MiniCheck: 0.5)."),
+    batch_size: int = typer.Option(8, help="Summaries per committed batch."),
+    limit: int = typer.Option(None, help="Judge at most this many summaries in this call."),
+) -> None:
+    """Label the summaries of a store with a factuality judge (resumable, separate pass)."""
+    with user_errors():
+        from actmap.capture.run import natural_accuracy
+        from actmap.judging import judge_store, judged_labels
+        from actmap.store import MapStore
+
+        source = MapStore.open(store)
+        console.print(f"loading judge [bold]{judge}[/bold] ...")
+        the_judge = load_factuality_judge(judge)
+        total = len(source.ids("maps"))
+        with progress_bar() as bar:
+            job = bar.add_task("judge summaries", total=total, info="")
+            judged = judge_store(
+                source,
+                out,
+                the_judge,
+                threshold=threshold,
+                batch_size=batch_size,
+                limit=limit,
+                progress=lambda n: bar.advance(job, n),
+            )
+        accuracy = natural_accuracy(judged)
+        console.print(
+            f"{len(judged_labels(judged))} of {total} summaries judged into {out}; "
+            "factual fraction " + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
+        )

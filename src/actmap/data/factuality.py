@@ -135,7 +135,7 @@ class FactualityLabel:
     judge: str  # the judge's name; never mix judges in one table
     threshold: float
     sentences: tuple[str, ...]
-    support: tuple[float, ...]  # one probability per sentence
+    support: tuple[float, ...]  # one probability per sentence scored (all, unless early stop)
 
 
 def judge_summary(
@@ -143,12 +143,21 @@ def judge_summary(
     article: str,
     summary: str,
     threshold: float = SUPPORT_THRESHOLD,
+    early_stop: bool = False,
 ) -> FactualityLabel:
-    """Score every sentence of ``summary`` against ``article`` and apply the MiniCheck rule."""
+    """Score the sentences of ``summary`` against ``article`` and apply the MiniCheck rule.
+
+    ``early_stop`` stops at the first sentence below the threshold (the label is known
+    then); ``support`` then holds the sentences scored so far.
+    """
     sentences = tuple(split_sentences(summary))
-    support = tuple(float(judge.support_probability(article, s)) for s in sentences)
+    support: list[float] = []
+    for sentence in sentences:
+        support.append(float(judge.support_probability(article, sentence)))
+        if early_stop and support[-1] < threshold:
+            break
     factual = bool(sentences) and all(p >= threshold for p in support)
-    return FactualityLabel(factual, judge.name, threshold, sentences, support)
+    return FactualityLabel(factual, judge.name, threshold, sentences, tuple(support))
 
 
 def summary_is_factual(
@@ -158,10 +167,7 @@ def summary_is_factual(
     threshold: float = SUPPORT_THRESHOLD,
 ) -> bool:
     """True iff every sentence is supported at >= threshold; stops at the first that is not."""
-    sentences = split_sentences(summary)
-    if not sentences:
-        return False
-    return all(judge.support_probability(article, s) >= threshold for s in sentences)
+    return judge_summary(judge, article, summary, threshold, early_stop=True).factual
 
 
 def chunk_document(document: str, max_words: int) -> list[str]:
