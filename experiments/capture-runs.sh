@@ -30,10 +30,13 @@ if [ -n "$GEMMA" ]; then
   $ACTMAP capture --task triviaqa $(limit "${GEMMA_LIMIT:-1000}") --model "$GEMMA" \
     --out "$OUT/gemma3-triviaqa" "${BASELINE_KEEP[@]}"
 fi
-# CNN/DM summaries (384 new tokens) labelled by the offline LLM judge: CNN_DM=1 to run.
+# CNN/DM summaries (384 new tokens), captured without a judge, then labelled by the offline
+# LLM judge in a separate resumable pass: CNN_DM=1 to run (CNN_DM_LIMIT caps each split).
 if [ -n "${CNN_DM:-}" ]; then
   JUDGE=$(../shared/models/get-model qwen2.5-coder-1.5b-instruct)
-  $ACTMAP capture --task cnn_dm $(limit "${CNN_DM_LIMIT:-}") --judge "$JUDGE" \
-    --out "$OUT/smollm2-cnn_dm" --attention-keys 10
+  $ACTMAP capture --task cnn_dm $(limit "${CNN_DM_LIMIT:-}") \
+    --out "$OUT/smollm2-cnn_dm-unjudged" --attention-keys 10
+  $ACTMAP judge --store "$OUT/smollm2-cnn_dm-unjudged" --judge "$JUDGE" \
+    --out "$OUT/smollm2-cnn_dm"
 fi
 }
