@@ -134,6 +134,39 @@ def test_stop_position_skips_leading_whitespace():
         CaptureConfig(stop_strings=("",))
 
 
+def test_shared_prefix_runs_once_and_changes_nothing(tiny_llama, word_tokenizer):
+    from actmap.capture.generate import shared_prefix_length, tokenize_prompts
+
+    head = "what is the capital of the river and the city of paris what is "
+    prompts = [head + q for q in ("red blue", "one", "how many minutes in two hours", "who")]
+    config = CaptureConfig(max_new_tokens=8, batch_size=4, attention_keys=3)
+    encoded = tokenize_prompts(word_tokenizer, prompts, config, "cpu")
+    n_head = len(word_tokenizer(head.strip(), add_special_tokens=False)["input_ids"])
+    assert shared_prefix_length(encoded) == n_head  # the word tokenizer splits at spaces
+    reference = generate_with_capture(tiny_llama, word_tokenizer, prompts, config)
+    fed = []  # tokens per forward call: the prefix once, then the batch without it
+    handle = tiny_llama.register_forward_pre_hook(
+        lambda m, args, kwargs: fed.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        shared = CaptureConfig(max_new_tokens=8, batch_size=4, attention_keys=3, share_prefix=4)
+        records = generate_with_capture(tiny_llama, word_tokenizer, prompts, shared)
+    finally:
+        handle.remove()
+    assert fed[0] == (1, n_head) and fed[1][1] == max(r.prompt_tokens for r in records) - n_head
+    for record, ref in zip(records, reference, strict=True):
+        assert record.token_ids == ref.token_ids and record.prompt_tokens == ref.prompt_tokens
+        torch.testing.assert_close(record.trajectory, ref.trajectory, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(record.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(record.attention, ref.attention, atol=1e-5, rtol=1e-5)
+    # no prefix long enough: the ordinary path
+    short = CaptureConfig(max_new_tokens=8, batch_size=4, share_prefix=n_head + 1)
+    fed.clear()
+    generate_plain(tiny_llama, word_tokenizer, prompts, short)
+    with pytest.raises(ValueError, match="share_prefix"):
+        CaptureConfig(share_prefix=-1)
+
+
 def test_attention_entries_match_teacher_forced_eager_attention(word_tokenizer):
     from conftest import make_tiny_llama
 

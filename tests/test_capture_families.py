@@ -66,3 +66,22 @@ def test_every_known_layout_captures_all_layers_without_changing_tokens(family, 
         p, hidden, _, _ = teacher_forced(model, word_tokenizer, record.prompt, record.token_ids)
         expected = F.adaptive_avg_pool1d(hidden[:, p - 1 : p - 1 + record.n_tokens], 128)
         torch.testing.assert_close(record.trajectory, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prefix_cache_works_for_every_layout(family, word_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = _configs(len(word_tokenizer))[family]()
+    config.pad_token_id, config.eos_token_id = 0, 1
+    model = AutoModelForCausalLM.from_config(config).eval()
+    head = "what is the capital of the river and the city "
+    prompts = [head + "red blue", head + "one two three four", head + "who"]
+    plain = generate_with_capture(model, word_tokenizer, prompts, CaptureConfig(max_new_tokens=4))
+    shared = generate_with_capture(
+        model, word_tokenizer, prompts, CaptureConfig(max_new_tokens=4, share_prefix=4)
+    )
+    for a, b in zip(plain, shared, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.trajectory, b.trajectory, atol=1e-4, rtol=1e-4)

@@ -160,3 +160,11 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, word_tokenizer)
     assert len(ids) == len(set(ids)) == 40
     generations = read_generations(store, ids)
     assert len(generations) == 40
+
+
+def test_store_config_records_the_prefix_cache_only_when_on():
+    task = WordTask(3)
+    off = store_config(task, SOURCE, CaptureConfig(), MapConfig(), keep={})
+    on = store_config(task, SOURCE, CaptureConfig(share_prefix=32), MapConfig(), keep={})
+    assert "share_prefix" not in off["capture"] and on["capture"]["share_prefix"] == 32
+    assert off["capture"]["stop_strings"] == ()

@@ -69,6 +69,59 @@ def tokenize_prompts(tokenizer, prompts: Sequence[str], config: CaptureConfig, d
     return {k: v.to(device) for k, v in encoded.items()}
 
 
+def _unpadded(encoded: dict) -> list[torch.Tensor]:
+    pairs = zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
+    return [ids[mask.bool()] for ids, mask in pairs]
+
+
+def shared_prefix_length(encoded: dict) -> int:
+    """Tokens every row of a left-padded batch starts with, leaving each row one of its own."""
+    rows = _unpadded(encoded)
+    shortest = min(len(r) for r in rows)
+    first = rows[0][: shortest - 1]
+    same = torch.ones_like(first, dtype=torch.bool)
+    for row in rows[1:]:
+        same &= row[: len(first)] == first
+    return int(same.int().cumprod(0).sum()) if len(first) else 0
+
+
+def with_shared_prefix(model: nn.Module, encoded: dict, n_shared: int) -> dict:
+    """Generate inputs whose first ``n_shared`` tokens are already in a key/value cache.
+
+    The batch becomes [shared prefix | left padding | each row's own tokens]: positions
+    follow the attention mask, so the padding in the middle takes no position and every
+    row sees exactly its own prompt. The prefix runs once, with no capture hooks on.
+    """
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    rows = _unpadded(encoded)
+    prefix = rows[0][:n_shared]
+    own = [row[n_shared:] for row in rows]
+    width = max(len(o) for o in own)
+    pad = int(ids[mask == 0][0]) if (mask == 0).any() else 0
+    tail = torch.full((len(rows), width), pad, dtype=ids.dtype, device=ids.device)
+    tail_mask = torch.zeros((len(rows), width), dtype=mask.dtype, device=mask.device)
+    for i, o in enumerate(own):
+        tail[i, width - len(o) :] = o
+        tail_mask[i, width - len(o) :] = 1
+    cache = model(input_ids=prefix[None], use_cache=True).past_key_values
+    cache.batch_repeat_interleave(len(rows))
+    return {
+        "input_ids": torch.cat([prefix.expand(len(rows), -1), tail], dim=1),
+        "attention_mask": torch.cat([mask.new_ones((len(rows), n_shared)), tail_mask], dim=1),
+        "past_key_values": cache,
+    }
+
+
+def _model_inputs(model: nn.Module, tokenizer, prompts, config: CaptureConfig) -> dict:
+    """The batch ``generate`` is called with: tokenized prompts, plus a prefix cache when asked."""
+    encoded = tokenize_prompts(tokenizer, prompts, config, _device(model))
+    if config.share_prefix and len(prompts) > 1:
+        n_shared = shared_prefix_length(encoded)
+        if n_shared >= config.share_prefix:
+            return with_shared_prefix(model, encoded, n_shared)
+    return encoded
+
+
 def _generate_kwargs(model: nn.Module, tokenizer, config: CaptureConfig) -> dict:
     kwargs = dict(
         max_new_tokens=config.max_new_tokens,
@@ -108,7 +161,7 @@ def generate_plain(
     model: nn.Module, tokenizer, prompts: Sequence[str], config: CaptureConfig
 ) -> torch.Tensor:
     """The same generation without hooks: (B, P + T') token ids; the reference for overhead."""
-    encoded = tokenize_prompts(tokenizer, prompts, config, _device(model))
+    encoded = _model_inputs(model, tokenizer, prompts, config)
     return model.generate(
         **encoded,
         **_generate_kwargs(model, tokenizer, config),
@@ -132,7 +185,7 @@ def generate_batch(
     """One batch of prompts -> one `Generation` each, captured in the single generation pass."""
     device = _device(model)
     layers = find_decoder_layers(model, layers_path)
-    encoded = tokenize_prompts(tokenizer, prompts, config, device)
+    encoded = _model_inputs(model, tokenizer, prompts, config)  # before any hook is on
     text_config = getattr(model.config, "text_config", model.config)
     recorder = StepRecorder(
         batch=len(prompts),

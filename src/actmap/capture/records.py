@@ -45,11 +45,17 @@ class CaptureConfig:
     # end each answer at the first of these texts (e.g. "\n" after a few-shot answer);
     # leading whitespace never ends an answer. Rule in `actmap.capture.stopping`.
     stop_strings: tuple[str, ...] = ()
+    # run the token prefix every prompt of a batch shares (a few-shot block) once and reuse
+    # its key/value cache; only when it is at least this many tokens long. 0 = never.
+    # Same tokens; states agree with the plain pass to float rounding (tested per family).
+    share_prefix: int = 0
 
     def __post_init__(self) -> None:
         from actmap.capture.stopping import check_stop_strings
 
         object.__setattr__(self, "stop_strings", check_stop_strings(self.stop_strings))
+        if self.share_prefix < 0:
+            raise ValueError(f"share_prefix must be >= 0, got {self.share_prefix}")
 
 
 @dataclass(frozen=True)

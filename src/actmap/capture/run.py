@@ -54,10 +54,13 @@ def store_config(
 ) -> dict:
     """The config a store is created with; a resumed run must match it exactly."""
     describe = getattr(task, "describe", None)
+    settings = asdict(capture)
+    if not settings["share_prefix"]:  # recorded only when on: older stores resume unchanged
+        del settings["share_prefix"]
     return {
         "task": describe() if describe else {"task": task.name},
         "model": {"name": source.name, "revision": source.revision, "gguf_file": source.gguf_file},
-        "capture": asdict(capture),
+        "capture": settings,
         "map": asdict(maps),
         "keep": keep,
     }

@@ -108,6 +108,11 @@ def capture(
     no_stop: bool = typer.Option(
         False, "--no-stop", help="No stop strings: answers end at end-of-sequence only."
     ),
+    share_prefix: int = typer.Option(
+        0,
+        help="Run the token prefix all prompts of a batch share (the few-shot block) once "
+        "when it has at least this many tokens; 0 = off. Same tokens, recorded in the store.",
+    ),
 ) -> None:
     """Generate answers with capture on, label them, and store one 12x32x128 map per answer."""
     with user_errors():
@@ -137,6 +142,7 @@ def capture(
             attention_keys=attention_keys,
             keep_dense=keep_dense,
             stop_strings=stop_strings(the_task, stop, no_stop),
+            share_prefix=share_prefix,
         )
         console.print(f"loading [bold]{model}[/bold] ...")
         lm, tokenizer, source = load_model(model, revision=revision, device=device)
