@@ -43,14 +43,19 @@ def _configs(vocab: int):
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "gpt_neox"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_known_layout_captures_all_layers_without_changing_tokens(family, word_tokenizer):
+def tiny_model(family: str, tokenizer):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = _configs(len(word_tokenizer))[family]()
+    config = _configs(len(tokenizer))[family]()
     config.pad_token_id, config.eos_token_id = 0, 1
-    model = AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_known_layout_captures_all_layers_without_changing_tokens(family, word_tokenizer):
+    model = tiny_model(family, word_tokenizer)
+    config = model.config
     prompts = ["what is the capital of the river", "red blue"]
     settings = CaptureConfig(max_new_tokens=4, batch_size=2)
     plain = generate_plain(model, word_tokenizer, prompts, settings)
@@ -70,12 +75,7 @@ def test_every_known_layout_captures_all_layers_without_changing_tokens(family, 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_shared_prefix_cache_works_for_every_layout(family, word_tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = _configs(len(word_tokenizer))[family]()
-    config.pad_token_id, config.eos_token_id = 0, 1
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_model(family, word_tokenizer)
     head = "what is the capital of the river and the city "
     prompts = [head + "red blue", head + "one two three four", head + "who"]
     plain = generate_with_capture(model, word_tokenizer, prompts, CaptureConfig(max_new_tokens=4))
