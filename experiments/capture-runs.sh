@@ -2,7 +2,7 @@
 # The real capture runs behind the issue notes. Resumable: rerun to continue.
 # Short-answer tasks use the plain 5-shot prompt and stop at the first newline after the
 # answer (the task's default stop string). The runs in the issue notes used
-# NQ_LIMIT unset, TRIVIAQA_LIMIT=3000, GSM8K_LIMIT=1400. Per-split caps (every row when unset):
+# TRIVIAQA_LIMIT=3000 GEMMA_LIMIT=400, NQ-Open and GSM8K uncapped. Per-split caps (every row when unset):
 #   NQ_LIMIT, GSM8K_LIMIT, TRIVIAQA_LIMIT, GEMMA_LIMIT (Gemma-3 x TriviaQA, default 1000).
 # Measured wall times on 2 CPU cores are in docs/data.md.
 set -euo pipefail
