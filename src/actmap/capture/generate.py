@@ -122,9 +122,13 @@ def _model_inputs(model: nn.Module, tokenizer, prompts, config: CaptureConfig) -
     return encoded
 
 
-def _generate_kwargs(model: nn.Module, tokenizer, config: CaptureConfig) -> dict:
+def _generate_kwargs(model: nn.Module, tokenizer, config: CaptureConfig, prompt_len: int) -> dict:
+    """``generate`` settings for a batch of ``prompt_len`` tokens, stop strings included."""
     kwargs = dict(
         max_new_tokens=config.max_new_tokens,
+        stopping_criteria=stop_criteria(
+            tokenizer, config.stop_strings, prompt_len, skip_leading_whitespace=True
+        ),
         do_sample=config.do_sample,
         pad_token_id=tokenizer.pad_token_id
         if tokenizer.pad_token_id is not None
@@ -162,16 +166,8 @@ def generate_plain(
 ) -> torch.Tensor:
     """The same generation without hooks: (B, P + T') token ids; the reference for overhead."""
     encoded = _model_inputs(model, tokenizer, prompts, config)
-    return model.generate(
-        **encoded,
-        **_generate_kwargs(model, tokenizer, config),
-        stopping_criteria=stop_criteria(
-            tokenizer,
-            config.stop_strings,
-            encoded["input_ids"].shape[1],
-            skip_leading_whitespace=True,
-        ),
-    )
+    prompt_len = encoded["input_ids"].shape[1]
+    return model.generate(**encoded, **_generate_kwargs(model, tokenizer, config, prompt_len))
 
 
 @torch.inference_mode()
@@ -199,22 +195,17 @@ def generate_batch(
         hidden_size=getattr(text_config, "hidden_size", 0),
     )
     prompt_len = encoded["input_ids"].shape[1]
+    kwargs = _generate_kwargs(model, tokenizer, config, prompt_len)
     with (
         _eager_attention(model, config.attention_keys > 0),
         recording(model, recorder, layers_path),
     ):
-        sequences = model.generate(
-            **encoded,
-            **_generate_kwargs(model, tokenizer, config),
-            stopping_criteria=stop_criteria(
-                tokenizer, config.stop_strings, prompt_len, skip_leading_whitespace=True
-            ),
-        )
+        sequences = model.generate(**encoded, **kwargs)
         generated = sequences[:, prompt_len:]  # (B, steps)
         recorder.finish(generated[:, -1])
     ends = stop_ids(model, tokenizer)
     if config.stop_strings:  # a row ended by a stop string is padded from then on
-        ends.add(_generate_kwargs(model, tokenizer, config)["pad_token_id"])
+        ends.add(kwargs["pad_token_id"])
     return _split_rows(recorder, generated, encoded, prompts, tokenizer, ends, config.stop_strings)
 
 
@@ -250,7 +241,6 @@ def _split_rows(
         n = int(first_stop[row])
         stopped = n < steps  # here: row n is the end-of-sequence token's step
         token_ids = generated[row, :n].tolist()
-        answer = tokenizer.decode(token_ids, skip_special_tokens=True)
         if stop_strings:
             kept, answer, cut = cut_at_stop(
                 token_ids, tokenizer, stop_strings, skip_leading_whitespace=True
@@ -261,6 +251,7 @@ def _split_rows(
             has_stop_step = kept < n or (not cut and stopped)
             n, token_ids = kept, token_ids[:kept]
         else:
+            answer = tokenizer.decode(token_ids, skip_special_tokens=True)
             has_stop_step = stopped
         extras = {}
         if has_stop_step:
