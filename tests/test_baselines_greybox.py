@@ -24,9 +24,6 @@ from actmap.baselines.registry import (
 )
 from actmap.capture.records import Generation
 
-GGUF_DIR = "/root/.cache/actmap-models"
-GGUF_FILE = "smollm2-135m-instruct.gguf"
-
 
 def make_gen(logprobs, entropies, stopped=False, extras=None) -> Generation:
     t = len(logprobs)
@@ -128,9 +125,9 @@ def test_time_per_answer_is_per_row():
 
 
 @pytest.fixture(scope="module")
-def tiny_model_and_tokenizer():
+def tiny_model_and_tokenizer(embedded_tokenizer):
     transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE)
+    tok = embedded_tokenizer
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=len(tok),
@@ -171,3 +168,15 @@ def test_teacher_forced_logprobs_and_entropies_match_capture(tiny_model_and_toke
         np.testing.assert_allclose(g.entropies.numpy(), entropy.numpy(), atol=1e-4)
         assert ppl.raw[i] == pytest.approx(-chosen.double().mean().item(), abs=1e-4)
         assert mte.raw[i] == pytest.approx(entropy.double().mean().item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_every_registered_class_declares_its_inputs(name):
+    from actmap.scoring import INPUTS, row_input
+
+    cls = baseline_class(name)
+    if name == "permuted_label":  # reads what its inner scorer reads
+        assert cls.requires == ()
+        return
+    assert set(cls.requires) <= set(INPUTS) and row_input(cls.requires) in INPUTS
+    assert isinstance(cls.probability, bool) or isinstance(cls.probability, property)

@@ -13,18 +13,13 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 from actmap.baselines import runner
 from actmap.baselines.actvit import ACTViTConfig
 from actmap.baselines.judges import ENTAILMENT, NEUTRAL
-from actmap.baselines.runner import (
-    BaselineOptions,
-    compare_methods,
-    format_table,
-    resolve_methods,
-    run_baselines,
-)
+from actmap.baselines.runner import BaselineOptions, resolve_methods, run_baselines
 from actmap.capture import CaptureConfig
 from actmap.capture.run import run_capture, store_config
 from actmap.data.base import Example
 from actmap.maps import MapConfig
 from actmap.models import ModelSource
+from actmap.report.compare import compare_methods, format_table
 from actmap.rows import balanced_splits
 from actmap.store import MapStore, decode_array
 
@@ -330,3 +325,81 @@ def test_permuted_label_control_refits_its_inner_scorer(captured, tmp_path):
     bad = BaselineOptions(**{**OPTIONS.__dict__, "permuted_inner": "perplexity", "force": True})
     failed = run_baselines(store, ["permuted_label"], options=bad)["permuted_label"]
     assert failed.status == "failed" and "supervised inner scorer" in failed.reason
+
+
+def test_a_toy_baseline_runs_by_one_registration(captured, tmp_path, monkeypatch):
+    """A new method needs its class and one registration; the runner provides, fits, scores
+    and writes it like the built-in ones."""
+    from actmap.baselines import registry
+    from actmap.scoring import ScoreResult
+
+    monkeypatch.setattr(registry, "BASELINES", dict(registry.BASELINES))
+
+    @registry.register_baseline
+    class FirstTokenThreshold:
+        """Supervised toy: p(correct) = the train rows' accuracy above/below the median
+        first-token log-probability."""
+
+        name = "first_token"
+        supervised = True
+        requires = ("generations",)
+        probability = True
+
+        def fit(self, train, y_train, val=None, y_val=None):
+            first = np.array([float(g.logprobs[0]) for g in train])
+            self.cut_ = float(np.median(first))
+            high = first > self.cut_
+            self.p_ = (float(y_train[~high].mean()), float(y_train[high].mean()))
+            return self
+
+        def score(self, rows):
+            first = np.array([float(g.logprobs[0]) for g in rows])
+            p = np.where(first > self.cut_, self.p_[1], self.p_[0])
+            return ScoreResult(p, first, "first_logprob", {"cut": self.cut_})
+
+    root = tmp_path / "store"
+    shutil.copytree(captured, root)
+    store = MapStore.open(root)
+    (result,) = run_baselines(store, "first_token", options=OPTIONS).values()
+    assert result.status == "done", result.reason
+    # independent reference: the stored generations and labels, read with pandas
+    gens = pd.read_parquet(root / "generations").drop_duplicates("id", keep="last")
+    first = {k: float(lp[0]) for k, lp in zip(gens["id"], gens["logprobs"], strict=True)}
+    meta = store.metadata().set_index("id")
+    splits = balanced_splits(store)
+    train_first = np.array([first[k] for k in splits["train"]])
+    cut = float(np.median(train_first))
+    y_train = meta.loc[splits["train"], "label"].to_numpy()
+    p_low, p_high = y_train[train_first <= cut].mean(), y_train[train_first > cut].mean()
+    frame = results_frame(store, "first_token")
+    assert set(frame.index) == set(splits["test"]) and (frame["split"] == "test").all()
+    for key in splits["test"]:
+        expected = p_high if first[key] > cut else p_low
+        assert frame.at[key, "confidence"] == pytest.approx(expected)
+        assert frame.at[key, "raw"] == pytest.approx(first[key])
+    record = store.manifest["results"]["first_token"]
+    assert record["requires"] == ["generations"] and record["probability"] is True
+    assert record["details"]["cut"] == pytest.approx(cut) and record["fit_rows"]["train"] == 16
+    row = {r["method"]: r for r in compare_methods(store)}["first_token"]
+    labels = meta.loc[splits["test"], "label"].to_numpy()
+    expected_auroc = roc_auc_score(labels, frame.loc[splits["test"], "confidence"])
+    assert row["auroc"] == pytest.approx(expected_auroc) and row["ece"] is not None
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_baseline(FirstTokenThreshold)
+
+
+def test_register_baseline_rejects_an_undeclared_contract(monkeypatch):
+    from actmap.baselines import registry
+
+    monkeypatch.setattr(registry, "BASELINES", dict(registry.BASELINES))
+
+    class NoRequires:
+        name, supervised, probability = "x", False, False
+
+    class UnknownInput:
+        name, supervised, probability, requires = "y", False, False, ("telepathy",)
+
+    with pytest.raises(TypeError, match="does not declare requires"):
+        registry.register_baseline(NoRequires)
+    with pytest.raises(ValueError, match="unknown inputs"):
+        registry.register_baseline(UnknownInput)

@@ -10,8 +10,8 @@ import pytest
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
-from actmap.baselines.base import ScoreResult
 from actmap.baselines.controls import AnswerLengthPredictor, PermutedLabelControl, length_features
+from actmap.scoring import ScoreResult
 
 
 @dataclass

@@ -59,12 +59,8 @@ def test_entailment_prompt_shape():
 
 # -- LLM judge ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smol_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        "/root/.cache/actmap-models", gguf_file="smollm2-135m-instruct.gguf"
-    )
+def smol_tokenizer(embedded_tokenizer):
+    return embedded_tokenizer
 
 
 def forced_llama(tokenizer, prompt_last_id: int, response_ids: list[int]):

@@ -16,13 +16,10 @@ from actmap.baselines.ptrue import (
 
 transformers = pytest.importorskip("transformers")
 
-GGUF_DIR = "/root/.cache/actmap-models"
-GGUF_FILE = "smollm2-135m-instruct.gguf"
-
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE)
+def tokenizer(embedded_tokenizer):
+    return embedded_tokenizer
 
 
 @pytest.fixture(scope="module")

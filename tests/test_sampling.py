@@ -19,12 +19,8 @@ EOS_RANGE = range(
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        "/root/.cache/actmap-models", gguf_file="smollm2-135m-instruct.gguf"
-    )
+def tokenizer(embedded_tokenizer):
+    return embedded_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 One module per family (``greybox``, ``ptrue``, ``rauq``, ``tad``, ``semantic_entropy``,
 ``eigenscore``, ``actvit``, ``controls``); `registry` names them all, and
-`actmap.baselines.runner` runs them on a map store and compares them.
+`actmap.baselines.runner` runs them on a map store; `actmap.report.compare` compares them.
+Every scorer honours `actmap.scoring`'s contract and declares what it reads.
 """
 
 from actmap.baselines.registry import (
@@ -10,7 +11,15 @@ from actmap.baselines.registry import (
     baseline_class,
     create_baseline,
     list_baselines,
+    register_baseline,
     time_per_answer,
 )
 
-__all__ = ["BASELINES", "baseline_class", "create_baseline", "list_baselines", "time_per_answer"]
+__all__ = [
+    "BASELINES",
+    "baseline_class",
+    "create_baseline",
+    "list_baselines",
+    "register_baseline",
+    "time_per_answer",
+]

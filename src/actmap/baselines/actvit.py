@@ -39,7 +39,8 @@ from safetensors.torch import load_file, save_file
 from sklearn.metrics import roc_auc_score
 from torch import nn
 
-from actmap.baselines.base import BaselineUnavailable, ScoreResult
+from actmap.baselines.base import BaselineUnavailable
+from actmap.scoring import ScoreResult
 from actmap.training import deterministic_torch, resolve_device, seed_everything
 
 logger = logging.getLogger(__name__)
@@ -681,6 +682,28 @@ class ACTViTScorer:
     name: ClassVar[str] = "actvit"
     supervised: ClassVar[bool] = True
     requires: ClassVar[tuple[str, ...]] = ("dense",)
+    probability: ClassVar[bool] = True
+
+    @classmethod
+    def from_inputs(cls, inputs) -> ACTViTScorer:
+        """The grid, epochs, seeds and device of the run's options."""
+        inputs.require_table("dense", cls.name)
+        grid = inputs.options.actvit_grid
+        if grid == "full":
+            grid = SWEEP_GRID
+        elif grid == "small":  # the paper's selected width and depth; every decay and patch shape
+            grid = tuple(c for c in SWEEP_GRID if c.dim == 128 and c.depth == 1)
+        return cls(
+            grid=tuple(grid),
+            epochs=inputs.options.actvit_epochs,
+            seeds=inputs.options.actvit_seeds,
+            device=inputs.options.device,
+        )
+
+    @property
+    def models_per_answer(self) -> int:
+        """score() runs the checkpoint of every seed."""
+        return len(self.seeds)
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from actmap.baselines.base import Scorer, ScoreResult
+from actmap.scoring import Scorer, ScoreResult
 
 
 def answer_length(row: Any) -> int:
@@ -43,6 +43,7 @@ class AnswerLengthPredictor:
     name: ClassVar[str] = "answer_length"
     supervised: ClassVar[bool] = True
     requires: ClassVar[tuple[str, ...]] = ("generations",)
+    probability: ClassVar[bool] = True
 
     def __init__(self, features: str = "n_log", C: float = 1.0) -> None:
         self.features = features  # "n" or "n_log" ([n, log(1 + n)] lets the fit bend)
@@ -87,11 +88,29 @@ class PermutedLabelControl:
 
     name: ClassVar[str] = "permuted_label"
     supervised: ClassVar[bool] = True
-    requires: ClassVar[tuple[str, ...]] = ()
+    requires: tuple[str, ...] = ()  # per instance: what the inner scorer reads
 
     def __init__(self, inner: Scorer | Callable[[], Scorer], seed: int = 0) -> None:
         self.inner = inner
         self.seed = seed  # permutation seed, recorded with the scores
+        self.requires = tuple(getattr(inner, "requires", ()))  # what the inner scorer reads
+
+    @property
+    def probability(self) -> bool:
+        return bool(getattr(getattr(self, "scorer_", self.inner), "probability", False))
+
+    @classmethod
+    def from_inputs(cls, inputs) -> PermutedLabelControl:
+        """Refits the supervised scorer ``options.permuted_inner`` on shuffled labels."""
+        from actmap.baselines.registry import baseline_class
+
+        inner = inputs.options.permuted_inner
+        if inner == cls.name or not baseline_class(inner).supervised:
+            raise ValueError(f"permuted_label needs a supervised inner scorer, got {inner!r}")
+        first = inputs.make_scorer(inner)  # fails early (e.g. missing attention), not inside fit
+        control = cls(lambda: inputs.make_scorer(inner))
+        control.requires = tuple(first.requires)
+        return control
 
     def _make(self) -> Scorer:
         is_instance = not isinstance(self.inner, type) and hasattr(self.inner, "fit")

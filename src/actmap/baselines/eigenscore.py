@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from actmap.baselines.base import ScoreResult, negate
 from actmap.baselines.sampling import check_same_sampling
+from actmap.scoring import ScoreResult, negate
 
 COV_SCALES = ("unscaled", "d_minus_1")
 EIGEN_FLOOR = 1e-10  # LM-Polygraph's floor before the log
@@ -56,6 +56,7 @@ class EigenScore:
     name: ClassVar[str] = "eigenscore"
     supervised: ClassVar[bool] = False
     requires: ClassVar[tuple[str, ...]] = ("samples",)
+    probability: ClassVar[bool] = False
 
     def __init__(self, alpha: float = 1e-3, cov_scale: str = "unscaled") -> None:
         if cov_scale not in COV_SCALES:

@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from actmap.baselines.base import ScoreResult, negate
 from actmap.capture.records import Generation
+from actmap.scoring import ScoreResult, negate
 
 EOS_LOGPROB = "eos_logprob"  # Generation.extras key: log p(EOS) at the stopping step
 EOS_ENTROPY = "eos_entropy"  # Generation.extras key: entropy at the stopping step
@@ -66,6 +66,7 @@ class Perplexity:
     name: ClassVar[str] = "perplexity"
     supervised: ClassVar[bool] = False
     requires: ClassVar[tuple[str, ...]] = ("generations",)
+    probability: ClassVar[bool] = False
 
     def __init__(self, include_eos: bool = False) -> None:
         self.include_eos = include_eos  # True = count the EOS step too, as LM-Polygraph does
@@ -91,6 +92,7 @@ class MeanTokenEntropy:
     name: ClassVar[str] = "mean_token_entropy"
     supervised: ClassVar[bool] = False
     requires: ClassVar[tuple[str, ...]] = ("generations",)
+    probability: ClassVar[bool] = False
 
     def __init__(self, include_eos: bool = False) -> None:
         self.include_eos = include_eos  # True = count the EOS step too, as LM-Polygraph does

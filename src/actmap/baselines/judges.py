@@ -31,8 +31,12 @@ log = logging.getLogger(__name__)
 
 CONTRADICTION, NEUTRAL, ENTAILMENT = 0, 1, 2
 DEFAULT_NLI_MODEL = "microsoft/deberta-large-mnli"  # Kuhn 2023 and LM-Polygraph's choice
-# The strongest model available offline (see /work/shared/models/README.md).
-DEFAULT_LLM_JUDGE = "~/.cache/actmap-models/qwen2.5-coder-1.5b-instruct.gguf"
+# Judges by short name: GGUF files in the folder the `get-model` fetcher fills by default.
+# Qwen2.5-Coder-1.5B-Instruct is the strongest instruction-tuned LLM that runs offline here.
+LLM_JUDGES = {
+    "qwen2.5-coder-1.5b-instruct": "~/.cache/actmap-models/qwen2.5-coder-1.5b-instruct.gguf",
+}
+DEFAULT_LLM_JUDGE = LLM_JUDGES["qwen2.5-coder-1.5b-instruct"]
 
 
 class EntailmentJudge(Protocol):
@@ -228,12 +232,15 @@ def load_llm_judge(name: str = DEFAULT_LLM_JUDGE, device: str = "cpu") -> LLMEnt
     """The LLM judge from a short name, a ``.gguf`` path, a local folder or a hub id."""
     from actmap.models import load_model
 
+    name = LLM_JUDGES.get(name, name)
+
     try:
         model, tokenizer, source = load_model(name, device=device)
     except (FileNotFoundError, OSError) as err:
         raise BaselineUnavailable(
             f"LLM judge '{name}' cannot be loaded ({err}); "
-            "run /work/shared/models/get-model qwen2.5-coder-1.5b-instruct"
+            "fetch it with `get-model qwen2.5-coder-1.5b-instruct` or pass --judge with a local "
+            "folder or .gguf file of an instruction-tuned LLM"
         ) from err
     label = Path(source.gguf_file).stem if source.gguf_file else Path(source.name).name
     return LLMEntailmentJudge(model, tokenizer, label)

@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from actmap.baselines.base import ScoreResult
 from actmap.capture.records import Generation
+from actmap.scoring import ScoreResult
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,13 @@ class PTrue:
 
     name: ClassVar[str] = "p_true"
     supervised: ClassVar[bool] = False
-    requires: ClassVar[tuple[str, ...]] = ("generations", "questions", "model")
+    requires: ClassVar[tuple[str, ...]] = ("verification", "model")
+    probability: ClassVar[bool] = True  # P(True) is read as p(correct)
+
+    @classmethod
+    def from_inputs(cls, inputs) -> PTrue:
+        model, tokenizer = inputs.generator()
+        return cls(model, tokenizer, batch_size=inputs.options.ptrue_batch_size)
 
     def __init__(
         self,

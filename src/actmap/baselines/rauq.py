@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from actmap.baselines.base import ScoreResult, negate
 from actmap.baselines.greybox import answer_steps
 from actmap.capture.records import Generation
+from actmap.scoring import ScoreResult, negate
 
 
 def rauq_layers(n_layers: int) -> list[int]:
@@ -93,6 +93,11 @@ class RAUQ:
     name: ClassVar[str] = "rauq"
     supervised: ClassVar[bool] = False
     requires: ClassVar[tuple[str, ...]] = ("generations", "attention")
+    probability: ClassVar[bool] = False
+
+    @classmethod
+    def from_inputs(cls, inputs) -> RAUQ:
+        return cls(instruct=inputs.options.instruct)
 
     def __init__(
         self,

@@ -9,10 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from actmap.baselines.base import Scorer
+from actmap.scoring import Scorer, row_input
 
-# name -> "module:Class"; the name equals the class's ``name`` attribute.
-BASELINES: dict[str, str] = {
+# name -> "module:Class" (imported on first use) or the class itself; the name equals the
+# class's ``name`` attribute. Adding a baseline: its module, and one entry here (or
+# `register_baseline`).
+BASELINES: dict[str, str | type] = {
     "perplexity": "actmap.baselines.greybox:Perplexity",
     "mean_token_entropy": "actmap.baselines.greybox:MeanTokenEntropy",
     "p_true": "actmap.baselines.ptrue:PTrue",
@@ -31,11 +33,26 @@ def list_baselines() -> list[str]:
     return sorted(BASELINES)
 
 
+def register_baseline(cls: type) -> type:
+    """Class decorator: register a scorer under its ``name`` (it must declare the contract)."""
+    missing = [a for a in ("name", "supervised", "requires", "probability") if not hasattr(cls, a)]
+    if missing:
+        raise TypeError(f"{cls.__name__} does not declare {', '.join(missing)}")
+    row_input(cls.requires)  # names a row input, and only known inputs
+    if cls.name in BASELINES:
+        raise ValueError(f"baseline {cls.name!r} is already registered")
+    BASELINES[cls.name] = cls
+    return cls
+
+
 def baseline_class(name: str) -> type:
     """The scorer class registered under ``name`` (imports its module)."""
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; known: {', '.join(list_baselines())}")
-    module, _, cls = BASELINES[name].partition(":")
+    target = BASELINES[name]
+    if isinstance(target, type):
+        return target
+    module, _, cls = target.partition(":")
     return getattr(importlib.import_module(module), cls)
 
 

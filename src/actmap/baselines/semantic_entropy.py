@@ -23,9 +23,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from actmap.baselines.base import BaselineUnavailable, ScoreResult, negate
+from actmap.baselines.base import BaselineUnavailable
 from actmap.baselines.judges import CONTRADICTION, ENTAILMENT, NEUTRAL, EntailmentJudge
 from actmap.baselines.sampling import check_same_sampling
+from actmap.scoring import ScoreResult, negate
 
 CLUSTERING_MODES = ("nature_code", "paper")
 
@@ -126,7 +127,12 @@ class SemanticEntropy:
 
     name: ClassVar[str] = "semantic_entropy"
     supervised: ClassVar[bool] = False
-    requires: ClassVar[tuple[str, ...]] = ("samples",)
+    requires: ClassVar[tuple[str, ...]] = ("samples", "judge")
+    probability: ClassVar[bool] = False
+
+    @classmethod
+    def from_inputs(cls, inputs) -> SemanticEntropy:
+        return cls(judge=inputs.entailment_judge())
 
     def __init__(
         self,

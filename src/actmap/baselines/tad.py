@@ -28,10 +28,10 @@ import numpy as np
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
-from actmap.baselines.base import ScoreResult, negate
 from actmap.baselines.greybox import answer_steps
 from actmap.capture.records import Generation
 from actmap.metrics import auroc
+from actmap.scoring import ScoreResult, negate
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,22 @@ class TAD:
     name: ClassVar[str] = "tad"
     supervised: ClassVar[bool] = True
     requires: ClassVar[tuple[str, ...]] = ("generations", "attention")
+
+    @property
+    def probability(self) -> bool:
+        """Only the mean of per-token confidences (each in [0, 1]) estimates p(correct)."""
+        return getattr(self, "aggregation_", self.aggregation) == "mean"
+
+    @classmethod
+    def from_inputs(cls, inputs) -> TAD:
+        """K = ``options.tad_previous``, else min(10, attention keys the store keeps)."""
+        keys = inputs.attention_keys("tad")
+        k = inputs.options.tad_previous or min(10, keys)
+        if k < 10:
+            log.warning(
+                "TAD reads K=%d previous tokens (the store keeps %d; upstream uses 10)", k, keys
+            )
+        return cls(n_previous=k)
 
     def __init__(
         self,

@@ -112,7 +112,8 @@ def compare_command(
     with user_errors():
         from rich.markdown import Markdown
 
-        from actmap.baselines.runner import compare_methods, format_table, json_safe
+        from actmap.artifacts import json_safe
+        from actmap.report.compare import compare_methods, format_table
         from actmap.store import MapStore
 
         rows = compare_methods(MapStore.open(store), run or [])

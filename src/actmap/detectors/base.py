@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from sklearn.exceptions import NotFittedError
 
 from actmap.detectors.registry import create_detector
+from actmap.scoring import ScoreResult, sigmoid
 from actmap.training import (
     EpochRecord,
     ProgressCallback,
@@ -78,11 +79,19 @@ def as_labels(labels: Any, n_rows: int, name: str = "labels") -> torch.Tensor:
 class CorrectnessDetector:
     """p(correct) from activation maps, with the paper's training recipe.
 
+    Honours the scoring contract of `actmap.scoring` (reads ``maps``; its
+    confidence is a probability).
+
     Learned state (after `fit` or `load`): `model_`, `detector_kwargs_` (resolved
     constructor arguments), `config_`, `history_`, `best_epoch_`, `best_val_auroc_`,
     `wall_time_s_`, `trained_on_` (device name), `device_` (where it scores now),
     `metadata_`.
     """
+
+    name: ClassVar[str] = "actmap"
+    supervised: ClassVar[bool] = True
+    requires: ClassVar[tuple[str, ...]] = ("maps",)
+    probability: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -165,13 +174,11 @@ class CorrectnessDetector:
 
     # --- persistence ---------------------------------------------------------
 
-    def score(self, maps: Any):
-        """The baselines' scorer contract: confidence = p(correct), raw = the logit."""
-        from actmap.baselines.base import ScoreResult
-
+    def score(self, maps: Any) -> ScoreResult:
+        """The scorer contract (`actmap.scoring`): confidence = p(correct), raw = the logit."""
         logits = self.decision_function(maps).astype(np.float64)
         return ScoreResult(
-            confidence=1.0 / (1.0 + np.exp(-logits)),
+            confidence=sigmoid(logits),
             raw=logits,
             raw_name="logit",
             details={"detector": self.detector, "seed": self.seed},

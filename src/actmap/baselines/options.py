@@ -1,0 +1,37 @@
+"""The settings of one baseline run; scorers read theirs in ``from_inputs``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BaselineOptions:
+    """Settings of one `run_baselines` call; the relevant ones are recorded with each result."""
+
+    force: bool = False  # recompute methods whose stored results already cover the rows
+    model: str | None = None  # generator for P(True) and sampling; None = the store's own model
+    device: str | None = None  # "cpu" | "cuda"; None = cuda when available
+    judge: str | None = "qwen2.5-coder-1.5b-instruct"  # SE's LLM judge (name or path); None = none
+    instruct: bool = True  # RAUQ's alpha rule; every generator in the paper is instruction-tuned
+    tad_previous: int | None = None  # TAD's K; None = min(10, attention keys in the store)
+    n_samples: int = 10  # SE and EigenScore: answers sampled per prompt
+    temperature: float = 1.0  # Nature SE sampling
+    top_p: float = 0.9  # Nature SE sampling
+    sample_max_new_tokens: int | None = None  # None = the store's capture max_new_tokens
+    sample_seed: int = 0  # each row's sampling seed derives from it and the row id
+    samples_commit_every: int = 16  # prompts per samples shard (what a killed run loses)
+    ptrue_batch_size: int = 8  # verification prompts per forward pass
+    actvit_grid: str | tuple = "full"  # "full" (24 configs), "small" (6), or ACTViTConfigs
+    actvit_epochs: int | None = 15  # ACT-ViT's published 15 epochs; None = each config's own
+    actvit_seeds: tuple[int, ...] = (42, 123, 456)  # selection seed first, then retrains
+    permuted_inner: str = "tad"  # the supervised scorer permuted_label refits on shuffled labels
+    score_chunk: int = 64  # rows per score() call: progress and judge-cache saves in between
+
+    def __post_init__(self) -> None:
+        if self.n_samples < 2:
+            raise ValueError(f"n_samples must be >= 2 (SE and EigenScore), got {self.n_samples}")
+        if self.score_chunk < 1 or self.samples_commit_every < 1:
+            raise ValueError("score_chunk and samples_commit_every must be >= 1")
+        if isinstance(self.actvit_grid, str) and self.actvit_grid not in ("full", "small"):
+            raise ValueError(f"actvit_grid must be 'full' or 'small', got {self.actvit_grid!r}")

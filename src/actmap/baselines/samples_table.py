@@ -1,0 +1,142 @@
+"""Sampled answers (Semantic Entropy, EigenScore) kept in the store's ``samples`` table.
+
+Drawn once per (request, id), committed a shard at a time, and reused by every
+later run whose sampling request is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from actmap.capture.run import latest_rows
+from actmap.store import MapStore, decode_array, encode_array
+
+SAMPLES_TABLE = "samples"
+
+
+def sampling_request(generator: str, options, capture: dict) -> dict:
+    """What decides a row's samples; rows sampled under another request are drawn again."""
+    from actmap.baselines.sampling import NATURE_STOP_STRINGS
+
+    return {
+        "model": generator,
+        "n_samples": options.n_samples,
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "top_k": 50,
+        "max_new_tokens": options.sample_max_new_tokens or capture.get("max_new_tokens", 32),
+        "stop_strings": list(NATURE_STOP_STRINGS),
+        "logprob_source": "processed",
+        "seed": options.sample_seed,
+    }
+
+
+def row_seed(seed: int, key: str) -> int:
+    """The sampling seed of one row: fixed by (seed, id), so resuming never changes a sample."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:4], "big") >> 1
+
+
+def draw_samples(
+    store: MapStore,
+    model,
+    tokenizer,
+    rows: list[tuple[str, str, str]],
+    request: dict,
+    commit_every: int,
+    done: Callable[[dict[str, tuple[Any, float]], int], None],
+) -> None:
+    """Sample (id, prompt, question) rows one prompt at a time; commit a shard every
+    ``commit_every`` rows. After each row ``done(committed now, rows so far)`` is called."""
+    from actmap.baselines.sampling import sample_answers
+
+    key = json.dumps(request, sort_keys=True)
+    kwargs = {k: v for k, v in request.items() if k not in ("model", "seed")}
+    pending: list[tuple[str, Any, float]] = []
+    for count, (row, prompt, question) in enumerate(rows, start=1):
+        start = time.perf_counter()
+        (sampled,) = sample_answers(
+            model,
+            tokenizer,
+            [prompt],
+            questions=[question],
+            seed=row_seed(request["seed"], row),
+            **kwargs,
+        )
+        sampled = dataclasses.replace(  # as stored: scores never depend on a resume
+            sampled,
+            embeddings=sampled.embeddings.half().float(),
+            config=dataclasses.replace(sampled.config, seed=request["seed"]),
+        )
+        pending.append((row, sampled, time.perf_counter() - start))
+        committed = {}
+        if len(pending) == commit_every or count == len(rows):
+            store.write_table(SAMPLES_TABLE, samples_table(pending, key))
+            committed, pending = {k: (s, t) for k, s, t in pending}, []
+        done(committed, count)
+
+
+def samples_table(rows: list[tuple[str, Any, float]], key: str) -> pa.Table:
+    sets = [s for _, s, _ in rows]
+    return pa.table(
+        {
+            "id": [k for k, _, _ in rows],
+            "request": [key] * len(rows),
+            "config": [json.dumps(dataclasses.asdict(s.config)) for s in sets],
+            "question": [s.question for s in sets],
+            "texts": [list(s.texts) for s in sets],
+            "token_ids": pa.array(
+                [[list(t) for t in s.token_ids] for s in sets], pa.list_(pa.list_(pa.int32()))
+            ),
+            "token_logprobs": pa.array(
+                [[lp.tolist() for lp in s.token_logprobs] for s in sets],
+                pa.list_(pa.list_(pa.float32())),
+            ),
+            "mean_logprobs": pa.array([s.mean_logprobs.tolist() for s in sets]),
+            "stopped": [list(s.stopped) for s in sets],
+            "shape": pa.array([list(s.embeddings.shape) for s in sets], pa.list_(pa.int32())),
+            "embeddings": [encode_array(s.embeddings.numpy()) for s in sets],
+            "sampling_s": pa.array([t for _, _, t in rows], pa.float64()),
+        }
+    )
+
+
+def read_samples(store: MapStore, request: dict, prompts) -> dict[str, tuple[Any, float]]:
+    """{id: (SampleSet, sampling seconds)} of the rows sampled under ``request``."""
+    import torch
+
+    from actmap.baselines.sampling import SampleSet, SamplingConfig
+
+    if not store.has_table(SAMPLES_TABLE):
+        return {}
+    key = json.dumps(request, sort_keys=True)
+    table = store.read_table(SAMPLES_TABLE)
+    table = latest_rows(table.filter(pc.equal(table.column("request"), key)))
+    out = {}
+    for row in table.to_pylist():
+        config = json.loads(row["config"])
+        config = SamplingConfig(**{**config, "stop_strings": tuple(config["stop_strings"])})
+        embeddings = decode_array(row["embeddings"], row["shape"]).astype(np.float32)
+        out[row["id"]] = (
+            SampleSet(
+                prompt=prompts.get(row["id"], ""),
+                question=row["question"],
+                texts=tuple(row["texts"]),
+                token_ids=tuple(tuple(t) for t in row["token_ids"]),
+                token_logprobs=tuple(torch.tensor(lp) for lp in row["token_logprobs"]),
+                mean_logprobs=torch.tensor(row["mean_logprobs"], dtype=torch.float64),
+                embeddings=torch.from_numpy(embeddings),
+                stopped=tuple(row["stopped"]),
+                config=config,
+            ),
+            row["sampling_s"],
+        )
+    return out

@@ -1,0 +1,1 @@
+"""Tables from stored results: nothing here recomputes a score."""
