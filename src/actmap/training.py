@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import logging
 import math
 import os
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actmap import metrics
+from actmap.artifacts import package_version, write_json
 
 log = logging.getLogger(__name__)
 
@@ -494,33 +494,6 @@ def environment_manifest(device: torch.device, inputs: dict[str, Any] | None) ->
         "actmap": package_version(),
         "inputs": inputs or {},
     }
-
-
-def package_version() -> str:
-    try:
-        from actmap import __version__
-    except ImportError:
-        return "0.1.0"
-    return __version__
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Strict JSON (NaN -> null), written to a temporary file then renamed into place."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_json_safe(obj), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return _json_safe(obj.item())
-    return obj
 
 
 def run_seeds(

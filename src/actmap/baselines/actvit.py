@@ -19,7 +19,6 @@ grid with seed 42 and retrains the selected configuration with 123 and 456.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import json
 import logging
@@ -39,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from sklearn.metrics import roc_auc_score
 from torch import nn
 
+from actmap.artifacts import package_version
 from actmap.baselines.base import BaselineUnavailable
 from actmap.scoring import ScoreResult
 from actmap.training import deterministic_torch, resolve_device, seed_everything
@@ -544,7 +544,7 @@ class SweepResult:
         meta = {
             "method": "actvit",
             "schema_version": RESULT_SCHEMA_VERSION,
-            "actmap_version": _actmap_version(),
+            "actmap_version": package_version(),
             "d_model": self.d_model,
             "selected": self.selected.to_dict(),
             "n_params": self.n_params,
@@ -606,10 +606,6 @@ class SweepResult:
             n_params=meta["n_params"],
             runs=tuple(runs),
         )
-
-
-def _actmap_version() -> str:
-    return str(getattr(importlib.import_module("actmap"), "__version__", "unknown"))
 
 
 def run_sweep(

@@ -17,18 +17,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from sklearn.exceptions import NotFittedError
 
+from actmap.artifacts import package_version, write_json
 from actmap.detectors.registry import create_detector
 from actmap.scoring import ScoreResult, sigmoid
 from actmap.training import (
     EpochRecord,
     ProgressCallback,
     TrainConfig,
-    package_version,
     predict_logits,
     resolve_device,
     seed_everything,
     train_detector,
-    write_json,
 )
 
 SCHEMA_VERSION = 1  # of config.json next to a saved detector

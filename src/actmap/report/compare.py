@@ -55,8 +55,7 @@ def is_probability(record: dict, confidence: np.ndarray) -> bool:
     if estimates_p is None:  # stored by an earlier actmap
         raw_name = str(record.get("raw_name", "")).removeprefix("permuted_")
         estimates_p = raw_name in PROBABILITY_RAW_NAMES or (
-            raw_name == "tad_uncertainty"
-            and record.get("details", {}).get("aggregation") == "mean"
+            raw_name == "tad_uncertainty" and record.get("details", {}).get("aggregation") == "mean"
         )
     return estimates_p and bool(np.all((confidence >= 0) & (confidence <= 1)))
 
