@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -170,6 +170,27 @@ def generate_plain(
     return model.generate(**encoded, **_generate_kwargs(model, tokenizer, config, prompt_len))
 
 
+# Called after every generated token with the recorder and the (B, t) tokens so far; rows
+# 0..t-1 of ``recorder.pooled`` then hold the trajectory of those t tokens. It returns a (B,)
+# bool tensor of rows to end now (or None); an ended row's later steps are padding.
+StepCallback = Callable[[StepRecorder, torch.Tensor], torch.Tensor | None]
+
+
+def _with_step_callback(kwargs: dict, on_step: StepCallback, recorder: StepRecorder, start: int):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class OnStep(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_) -> torch.Tensor:
+            end = on_step(recorder, input_ids[:, start:])
+            if end is None:
+                return torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
+            return end.to(input_ids.device)
+
+    criteria = StoppingCriteriaList(kwargs["stopping_criteria"] or [])
+    criteria.append(OnStep())
+    kwargs["stopping_criteria"] = criteria
+
+
 @torch.inference_mode()
 def generate_batch(
     model: nn.Module,
@@ -177,8 +198,13 @@ def generate_batch(
     prompts: Sequence[str],
     config: CaptureConfig = CaptureConfig(),
     layers_path: str | None = None,
+    on_step: StepCallback | None = None,
 ) -> list[Generation]:
-    """One batch of prompts -> one `Generation` each, captured in the single generation pass."""
+    """One batch of prompts -> one `Generation` each, captured in the single generation pass.
+
+    ``on_step`` (optional) sees every step while it happens: a server streams tokens and
+    running scores from it and may end rows early.
+    """
     device = _device(model)
     layers = find_decoder_layers(model, layers_path)
     encoded = _model_inputs(model, tokenizer, prompts, config)  # before any hook is on
@@ -196,6 +222,8 @@ def generate_batch(
     )
     prompt_len = encoded["input_ids"].shape[1]
     kwargs = _generate_kwargs(model, tokenizer, config, prompt_len)
+    if on_step is not None:
+        _with_step_callback(kwargs, on_step, recorder, prompt_len)
     with (
         _eager_attention(model, config.attention_keys > 0),
         recording(model, recorder, layers_path),

@@ -1,0 +1,583 @@
+"""The OpenAI-compatible HTTP server: every answer carries p(correct) and a decision.
+
+`create_app(settings)` builds a FastAPI app whose lifespan loads the generator,
+the detector, the policy and the audit trail once (`build_engine`). Requests are
+validated here (clear 4xx JSON errors in OpenAI's shape), rendered to prompts,
+and handed to the micro-batcher (`actmap.serve.batcher`), which runs
+`actmap.serve.engine.Engine.run` off the event loop. Endpoints:
+``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from actmap.serve.batcher import MicroBatcher, QueueFull
+from actmap.serve.engine import Answer, BatchTimings, Engine, Job
+from actmap.serve.metrics import ServeMetrics
+from actmap.serve.protocol import (
+    ActmapInfo,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    RunningScore,
+    UsageInfo,
+    random_id,
+)
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "ACTMAP_API_KEY"
+MAX_STOP_STRINGS = 4  # as OpenAI
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything `actmap serve` is started with."""
+
+    model: str = "smollm2-135m-instruct"
+    detector: Path | None = None  # run folder from `actmap train` (or one seed-<s>/ folder)
+    seed: int | None = None  # which seed of the run; None = best validation AUROC
+    policy: Path | None = None  # policy TOML; None = accept at p >= 0.5, else abstain
+    audit: Path | None = None  # audit store folder; None = no audit trail
+    audit_text: bool = False  # keep prompt and answer text in the audit store (off: hash only)
+    audit_max_rows: int | None = None
+    audit_max_age_days: float | None = None
+    served_model_name: str | None = None  # the name clients send as "model"; default: model
+    api_key: str | None = None  # bearer token; None = no auth
+    default_max_tokens: int = 64
+    max_tokens_cap: int = 512
+    max_body_bytes: int = 1 << 20
+    max_context: int | None = None  # prompt + answer tokens; None = the model's own limit
+    max_batch: int = 16
+    batch_window_ms: float = 10.0
+    max_queue: int = 256
+    timeout_s: float = 120.0
+    stream_scores: bool = False  # running p(correct) in every streamed chunk by default
+    score_every: int = 1  # tokens between running scores
+    device: str = "cpu"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        body = ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+
+
+def build_engine(settings: ServeSettings) -> Engine:
+    """Load generator, detector, policy and audit trail (the server's lifespan calls this once)."""
+    from actmap.models import load_model
+    from actmap.serve.audit import AuditTrail
+    from actmap.serve.policy import Policy, load_policy
+    from actmap.serve.scoring import load_detector_run
+
+    if settings.detector is None:
+        raise ValueError("a detector run folder is required (--detector RUN)")
+    policy = load_policy(settings.policy) if settings.policy else Policy()
+    detector = load_detector_run(settings.detector, settings.seed, settings.device)
+    model, tokenizer, source = load_model(settings.model, device=settings.device)  # no remote code
+    limit = getattr(
+        getattr(model.config, "text_config", model.config), "max_position_embeddings", 2048
+    )
+    audit = None
+    if settings.audit is not None:
+        audit = AuditTrail(
+            settings.audit,
+            detector.map_config,
+            keep_text=settings.audit_text,
+            max_rows=settings.audit_max_rows,
+            max_age_days=settings.audit_max_age_days,
+        )
+    return Engine(
+        model,
+        tokenizer,
+        source,
+        detector,
+        policy,
+        max_context=settings.max_context or int(limit),
+        score_every=settings.score_every,
+        audit=audit,
+    )
+
+
+# -- request checks ---------------------------------------------------------------------------
+
+
+def _check_common(request, settings: ServeSettings, max_tokens: int | None) -> int:
+    if request.model != settings.model_name:
+        raise APIError(
+            404,
+            f"The model '{request.model}' does not exist; this server serves '{settings.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+    if request.n not in (None, 1):
+        raise APIError(400, f"n must be 1, got {request.n}", param="n")
+    if request.temperature not in (None, 0, 0.0):
+        raise APIError(
+            400,
+            f"temperature must be 0 or omitted, got {request.temperature}: actmap serves greedy "
+            "answers, the decoding its detectors are trained on",
+            param="temperature",
+        )
+    if request.top_p not in (None, 1, 1.0):
+        raise APIError(400, f"top_p must be 1 or omitted, got {request.top_p}", param="top_p")
+    if max_tokens is None:
+        max_tokens = min(settings.default_max_tokens, settings.max_tokens_cap)
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens > settings.max_tokens_cap:
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens} exceeds this server's cap of {settings.max_tokens_cap}",
+            param="max_tokens",
+        )
+    stops = request.stop_strings()
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise APIError(
+            400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop"
+        )
+    return max_tokens
+
+
+def _check_length(engine: Engine, prompt: str, max_tokens: int, param: str) -> int:
+    n = engine.count_tokens(prompt)
+    if n + max_tokens > engine.max_context:
+        raise APIError(
+            400,
+            f"the prompt has {n} tokens; with max_tokens={max_tokens} that exceeds this "
+            f"model's context of {engine.max_context} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return n
+
+
+def _chat_job(request: ChatCompletionRequest, state: ServerState) -> Job:
+    max_tokens = _check_common(
+        request, state.settings, request.max_completion_tokens or request.max_tokens
+    )
+    if not request.messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    if not any(m["content"].strip() for m in messages):
+        raise APIError(400, "messages hold no text", param="messages")
+    try:
+        prompt = state.engine.render_chat(messages)
+    except ValueError as error:
+        raise APIError(400, str(error), param="messages") from None
+    except Exception as error:  # a template that rejects the conversation (roles, order)
+        raise APIError(
+            400, f"the chat template rejected the messages: {error}", param="messages"
+        ) from None
+    n = _check_length(state.engine, prompt, max_tokens, "messages")
+    audit_text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return _job(request, state, prompt, n, max_tokens, "chat", audit_text)
+
+
+def _completion_job(request: CompletionRequest, state: ServerState) -> Job:
+    max_tokens = _check_common(request, state.settings, request.max_tokens)
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise APIError(400, f"one prompt per request, got {len(prompt)}", param="prompt")
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if request.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    n = _check_length(state.engine, prompt, max_tokens, "prompt")
+    return _job(request, state, prompt, n, max_tokens, "completion", prompt)
+
+
+def _job(request, state, prompt, n, max_tokens, endpoint, audit_text) -> Job:
+    options = request.actmap
+    stream_scores = state.settings.stream_scores
+    if options is not None and options.stream_scores is not None:
+        stream_scores = options.stream_scores
+    return Job(
+        prompt=prompt,
+        prompt_tokens=n,
+        max_tokens=max_tokens,
+        stop=request.stop_strings(),
+        stream_scores=bool(request.stream) and stream_scores,
+        abort_below=options.abort_below if options is not None else None,
+        prompt_for_audit=audit_text,
+        endpoint=endpoint,
+    )
+
+
+# -- the server state -------------------------------------------------------------------------
+
+
+class ServerState:
+    def __init__(self, settings: ServeSettings, engine: Engine) -> None:
+        self.settings, self.engine = settings, engine
+        self.metrics = ServeMetrics()
+        self.batcher = MicroBatcher(
+            engine.run,
+            max_batch=settings.max_batch,
+            window_s=settings.batch_window_ms / 1000,
+            max_queue=settings.max_queue,
+            on_batch=self._on_batch,
+        )
+        self.started_at = time.time()
+
+    def _on_batch(self, jobs: list[Job], timings: BatchTimings) -> None:
+        self.metrics.observe_batch(timings)
+
+    def submit(self, job: Job) -> asyncio.Future:
+        try:
+            future = self.batcher.submit(job)
+        except QueueFull as error:
+            self.metrics.rejected.inc()
+            raise APIError(503, f"server busy: {error}; retry later", type="server_busy") from None
+        self.metrics.queue_depth.set(self.batcher.depth)
+        return future
+
+    def info(self, answer: Answer) -> ActmapInfo:
+        return ActmapInfo(
+            p_correct=answer.p_correct,
+            p_correct_raw=answer.p_correct_raw,
+            decision=answer.decision,
+            detector=self.engine.detector.id,
+            map_id=answer.map_id,
+            prevalence=answer.prevalence,
+        )
+
+
+# -- middleware: auth and body size -----------------------------------------------------------
+
+
+class Guard:
+    """Bearer-token check and request body limit, before anything is parsed."""
+
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"] not in self.OPEN_PATHS:
+            given = headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+                error = APIError(
+                    401,
+                    "missing or wrong API key (Authorization: Bearer ...)",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+                return await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return await self._too_large()(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:  # a chunked body without Content-Length
+                    raise HTTPException(413, f"request body exceeds {self.max_body} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self) -> JSONResponse:
+        return APIError(
+            413, f"request body exceeds {self.max_body} bytes", code="body_too_large"
+        ).response()
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+def create_app(
+    settings: ServeSettings, engine_factory: Callable[[], Engine] | None = None
+) -> FastAPI:
+    """The server app; ``engine_factory`` replaces `build_engine` (tests with tiny models)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = engine_factory() if engine_factory else build_engine(settings)
+        state = ServerState(settings, engine)
+        await state.batcher.start()
+        app.state.actmap = state
+        try:
+            yield
+        finally:
+            await state.batcher.stop()
+            if engine.audit is not None:
+                engine.audit.close()
+
+    app = FastAPI(title="actmap", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response({"Retry-After": "1"} if error.status == 503 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = (
+            f"invalid request: {where}: {first.get('msg', 'invalid value')}"
+            if where
+            else (f"invalid request: {first.get('msg', 'invalid body')}")
+        )
+        return APIError(400, message, param=where or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return APIError(
+            error.status_code,
+            str(error.detail),
+            type="not_found_error" if error.status_code == 404 else "invalid_request_error",
+        ).response()
+
+    @app.get("/health")
+    async def health(request: Request) -> dict:
+        state: ServerState = request.app.state.actmap
+        return {
+            "status": "ok",
+            "model": state.settings.model_name,
+            "detector": state.engine.detector.id,
+            "queue": state.batcher.depth,
+        }
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state: ServerState = request.app.state.actmap
+        state.metrics.queue_depth.set(state.batcher.depth)
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        state: ServerState = request.app.state.actmap
+        source = state.engine.source
+        card = ModelCard(
+            id=state.settings.model_name,
+            created=int(state.started_at),
+            root=f"{source.name}@{source.revision}",
+            actmap_detector=state.engine.detector.id,
+        )
+        return ModelList(data=[card])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        state: ServerState = request.app.state.actmap
+        return await _serve(state, body, _chat_job(body, state), "chat")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        state: ServerState = request.app.state.actmap
+        return await _serve(state, body, _completion_job(body, state), "completion")
+
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+# -- answering --------------------------------------------------------------------------------
+
+
+async def _serve(state: ServerState, body, job: Job, endpoint: str):
+    started = time.perf_counter()
+    if body.stream:
+        return await _stream(state, body, job, endpoint, started)
+    future = state.submit(job)
+    try:
+        answer: Answer = await asyncio.wait_for(asyncio.shield(future), state.settings.timeout_s)
+    except TimeoutError:
+        job.cancelled = True
+        state.metrics.requests.labels(endpoint, "504").inc()
+        raise APIError(
+            504, f"request timed out after {state.settings.timeout_s:g} s", type="timeout"
+        ) from None
+    state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
+    usage = UsageInfo(
+        prompt_tokens=answer.prompt_tokens,
+        completion_tokens=answer.n_tokens,
+        total_tokens=answer.prompt_tokens + answer.n_tokens,
+    )
+    if endpoint == "chat":
+        return ChatCompletionResponse(
+            model=state.settings.model_name,
+            choices=[
+                ChatCompletionChoice(
+                    message=ChatMessageOut(content=answer.text), finish_reason=answer.finish_reason
+                )
+            ],
+            usage=usage,
+            actmap=state.info(answer),
+        )
+    return CompletionResponse(
+        model=state.settings.model_name,
+        choices=[CompletionChoice(text=answer.text, finish_reason=answer.finish_reason)],
+        usage=usage,
+        actmap=state.info(answer),
+    )
+
+
+def _sse(chunk) -> str:
+    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+
+class _Chunks:
+    """OpenAI stream chunks of one answer, chat or completion shaped."""
+
+    def __init__(self, endpoint: str, model: str) -> None:
+        self.chat = endpoint == "chat"
+        self.id = random_id("chatcmpl" if self.chat else "cmpl")
+        self.created, self.model = int(time.time()), model
+
+    def make(self, text: str | None, finish=None, actmap=None, role=None, usage=None, empty=False):
+        if self.chat:
+            choices = (
+                []
+                if empty
+                else [
+                    ChatStreamChoice(
+                        delta=DeltaMessage(role=role, content=text), finish_reason=finish
+                    )
+                ]
+            )
+            return ChatCompletionChunk(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=usage,
+                actmap=actmap,
+            )
+        choices = [] if empty else [CompletionStreamChoice(text=text or "", finish_reason=finish)]
+        return CompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            actmap=actmap,
+        )
+
+
+async def _stream(state: ServerState, body, job: Job, endpoint: str, started: float):
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    job.sink = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+    future = state.submit(job)  # a full queue is a 503 before the stream starts
+    future.add_done_callback(lambda _: events.put_nowait(None))
+    chunks = _Chunks(endpoint, state.settings.model_name)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    deadline = loop.time() + state.settings.timeout_s
+
+    async def generate() -> AsyncIterator[str]:
+        sent = ""
+        try:
+            if chunks.chat:
+                yield _sse(chunks.make("", role="assistant"))
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), deadline - loop.time())
+                except TimeoutError:
+                    job.cancelled = True
+                    state.metrics.requests.labels(endpoint, "504").inc()
+                    message = f"request timed out after {state.settings.timeout_s:g} s"
+                    error = ErrorResponse(error=ErrorInfo(message=message, type="timeout"))
+                    yield f"data: {error.model_dump_json()}\n\n"
+                    return
+                if event is None:
+                    break
+                sent += event["text"]
+                running = None
+                if event["p_correct"] is not None:
+                    running = RunningScore(p_correct=event["p_correct"], n_tokens=event["n_tokens"])
+                yield _sse(chunks.make(event["text"], actmap=running))
+            error = future.exception()
+            if error is not None:
+                message = ErrorResponse(
+                    error=ErrorInfo(message=f"generation failed: {error}", type="server_error")
+                )
+                yield f"data: {message.model_dump_json()}\n\n"
+                return
+            answer: Answer = future.result()
+            rest = answer.text[len(sent) :] if answer.text.startswith(sent) else ""
+            if rest:
+                yield _sse(chunks.make(rest))
+            yield _sse(
+                chunks.make(
+                    None if chunks.chat else "",
+                    finish=answer.finish_reason,
+                    actmap=state.info(answer),
+                )
+            )
+            if include_usage:
+                usage = UsageInfo(
+                    prompt_tokens=answer.prompt_tokens,
+                    completion_tokens=answer.n_tokens,
+                    total_tokens=answer.prompt_tokens + answer.n_tokens,
+                )
+                yield _sse(chunks.make(None, usage=usage, empty=True))
+            yield "data: [DONE]\n\n"
+            state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
+        finally:
+            if not future.done():  # the client went away: stop generating this row
+                job.cancelled = True
+
+    return StreamingResponse(
+        generate(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )

@@ -1,0 +1,317 @@
+"""The audit trail: every served answer's map, score and decision, in a map store.
+
+An audit store is an ordinary `actmap.store.MapStore` (same Parquet layout, so
+every store tool reads it) whose manifest config says ``kind = "audit"``. Each
+served answer with a map becomes one row of ``maps`` (label unknown; the prompt
+and answer text only when ``keep_text``; ``source_key`` is the prompt's SHA-256)
+and one row of the side table ``audit`` (scores, decision, detector id, timing).
+
+Writes are batched: answers are buffered and a writer thread flushes them every
+``flush_rows`` answers or ``flush_interval_s`` seconds. A flush writes the
+``audit`` shard first and the ``maps`` shard last, each atomically (temporary
+file + rename), so a row is committed exactly when its map is in ``maps``: a
+crash at any moment leaves committed rows whole and loses only the answers not
+yet flushed. Readers join ``audit`` onto the committed ids.
+
+Retention (`AuditTrail.apply_retention`) drops whole flushed shards that are older
+than ``max_age_days`` or beyond the newest ``max_rows`` rows, maps shard first.
+Shard granularity keeps it atomic and cheap: a store keeps at least ``max_rows``
+rows and at most one flush more.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import threading
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from actmap.maps import MapConfig
+from actmap.store import MapRecord, MapStore, StoreError
+
+log = logging.getLogger(__name__)
+
+AUDIT_TABLE = "audit"
+AUDIT_KIND = "audit"
+AUDIT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("served_at", pa.timestamp("us", tz="UTC")),
+        ("endpoint", pa.string()),
+        ("prompt_sha256", pa.string()),
+        ("prompt_tokens", pa.int32()),
+        ("n_tokens", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("p_correct", pa.float64()),
+        ("p_correct_raw", pa.float64()),
+        ("prevalence", pa.float64()),
+        ("decision", pa.string()),
+        ("detector", pa.string()),
+    ]
+)
+
+
+def prompt_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One served answer, as it will be written."""
+
+    record: MapRecord
+    served_at: datetime
+    endpoint: str
+    prompt_tokens: int
+    finish_reason: str
+    p_correct: float
+    p_correct_raw: float
+    prevalence: float | None
+    decision: str
+    detector: str
+
+
+def audit_config(map_config: MapConfig = MapConfig()) -> dict:
+    return {"kind": AUDIT_KIND, "map": asdict(map_config)}
+
+
+def open_audit_store(root: str | Path) -> MapStore:
+    """An existing audit store; a clear error for a folder that is another kind of store."""
+    store = MapStore.open(root)
+    kind = (store.manifest.get("config") or {}).get("kind")
+    if kind != AUDIT_KIND:
+        raise StoreError(f"{root} is a map store but not an audit store (config.kind = {kind!r})")
+    return store
+
+
+class AuditTrail:
+    """Buffered, atomic appends of served answers to an audit store (one writer per store)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        map_config: MapConfig = MapConfig(),
+        keep_text: bool = False,
+        max_rows: int | None = None,
+        max_age_days: float | None = None,
+        flush_rows: int = 64,
+        flush_interval_s: float = 1.0,
+        background: bool = True,
+    ) -> None:
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"audit max_rows must be >= 1, got {max_rows}")
+        if max_age_days is not None and max_age_days <= 0:
+            raise ValueError(f"audit max_age_days must be > 0, got {max_age_days}")
+        self.store = MapStore.create(root, audit_config(map_config), resume=True)
+        self._lock_file = open(self.store.root / ".audit-writer.lock", "w")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise StoreError(f"another process is writing the audit store {root}") from None
+        self.keep_text = keep_text
+        self.max_rows, self.max_age_days = max_rows, max_age_days
+        self.flush_rows, self.flush_interval_s = flush_rows, flush_interval_s
+        self.committed = 0  # rows this trail has committed
+        self._buffer: list[AuditEntry] = []
+        self._cond = threading.Condition()
+        self._write_lock = threading.Lock()
+        self._closed = False
+        self._thread = None
+        self.apply_retention()
+        if background:
+            self._thread = threading.Thread(target=self._writer, name="actmap-audit", daemon=True)
+            self._thread.start()
+
+    # -- building entries ------------------------------------------------------------------
+    def entry(self, job, answer, source, detector_id: str) -> AuditEntry:
+        """An `AuditEntry` from an engine job and its answer."""
+        record = MapRecord(
+            id=answer.map_id,
+            source_key=prompt_digest(job.prompt_for_audit or job.prompt),
+            dataset="served",
+            split=job.endpoint or "served",
+            model_name=source.name,
+            model_revision=source.revision,
+            prompt=(job.prompt_for_audit or job.prompt) if self.keep_text else "",
+            answer=answer.text if self.keep_text else "",
+            n_tokens=answer.n_tokens,
+            label=None,
+            map=answer.map,
+        )
+        return AuditEntry(
+            record=record,
+            served_at=datetime.now(UTC),
+            endpoint=job.endpoint,
+            prompt_tokens=answer.prompt_tokens,
+            finish_reason=answer.finish_reason,
+            p_correct=answer.p_correct,
+            p_correct_raw=answer.p_correct_raw,
+            prevalence=answer.prevalence,
+            decision=answer.decision,
+            detector=detector_id,
+        )
+
+    # -- writing ---------------------------------------------------------------------------
+    def append(self, entries: list[AuditEntry]) -> None:
+        """Buffer entries; the writer thread (or `flush`) commits them."""
+        with self._cond:
+            if self._closed:
+                raise StoreError("the audit trail is closed")
+            self._buffer.extend(entries)
+            if len(self._buffer) >= self.flush_rows:
+                self._cond.notify()
+
+    def flush(self) -> int:
+        """Commit every buffered entry now; returns the number of rows committed."""
+        with self._cond:
+            entries, self._buffer = self._buffer, []
+        if not entries:
+            return 0
+        with self._write_lock:
+            side = pa.table(
+                {
+                    "id": [e.record.id for e in entries],
+                    "served_at": [e.served_at for e in entries],
+                    "endpoint": [e.endpoint for e in entries],
+                    "prompt_sha256": [e.record.source_key for e in entries],
+                    "prompt_tokens": [e.prompt_tokens for e in entries],
+                    "n_tokens": [e.record.n_tokens for e in entries],
+                    "finish_reason": [e.finish_reason for e in entries],
+                    "p_correct": [e.p_correct for e in entries],
+                    "p_correct_raw": [e.p_correct_raw for e in entries],
+                    "prevalence": [e.prevalence for e in entries],
+                    "decision": [e.decision for e in entries],
+                    "detector": [e.detector for e in entries],
+                },
+                schema=AUDIT_SCHEMA,
+            )
+            self.store.write_table(AUDIT_TABLE, side)
+            self.store.write_maps([e.record for e in entries])  # last: the commit
+            self.committed += len(entries)
+        return len(entries)
+
+    def _writer(self) -> None:
+        flushes = 0
+        while True:
+            with self._cond:
+                if not self._closed and len(self._buffer) < self.flush_rows:
+                    self._cond.wait(self.flush_interval_s)
+                closing = self._closed
+            try:
+                if self.flush():
+                    flushes += 1
+                    if flushes % 16 == 0:
+                        self.apply_retention()
+            except Exception:  # a failed flush must not kill the writer; the error is logged
+                log.exception("audit flush to %s failed", self.store.root)
+            if closing:
+                return
+
+    def close(self) -> None:
+        """Flush what is buffered, apply retention and release the store."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self.flush()
+        self.apply_retention()
+        self._lock_file.close()
+
+    # -- retention -------------------------------------------------------------------------
+    def apply_retention(self, now: datetime | None = None) -> int:
+        """Drop whole shards past the age or count limit; returns the rows dropped."""
+        if (self.max_rows is None and self.max_age_days is None) or not self.store.has_table(
+            "maps"
+        ):
+            return 0
+        now = now or datetime.now(UTC)
+        with self._write_lock:
+            shards = []  # (path, ids, newest created_at), oldest shard first
+            for path in sorted(self.store.dataset("maps").files):
+                table = pq.read_table(path, columns=["id", "created_at"])
+                newest = pc.max(table.column("created_at")).as_py()
+                shards.append((Path(path), table.column("id").to_pylist(), newest))
+            kept_rows = sum(len(ids) for _, ids, _ in shards)
+            dropped: set[str] = set()
+            for path, ids, newest in shards[:-1]:  # the newest shard always stays
+                too_old = self.max_age_days is not None and newest < now - timedelta(
+                    days=self.max_age_days
+                )
+                too_many = self.max_rows is not None and kept_rows - len(ids) >= self.max_rows
+                if not (too_old or too_many):
+                    break
+                path.unlink()
+                kept_rows -= len(ids)
+                dropped.update(ids)
+            if dropped and self.store.has_table(AUDIT_TABLE):
+                for path in self.store.dataset(AUDIT_TABLE).files:
+                    ids = set(pq.read_table(path, columns=["id"]).column("id").to_pylist())
+                    if ids <= dropped:
+                        Path(path).unlink()
+        if dropped:
+            log.info("audit retention dropped %d rows from %s", len(dropped), self.store.root)
+        return len(dropped)
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+def read_audit(store: MapStore) -> pd.DataFrame:
+    """Committed rows: the maps metadata joined with their ``audit`` side rows, oldest first."""
+    if not store.has_table("maps"):
+        return pd.DataFrame(columns=["id", *AUDIT_SCHEMA.names[1:]])
+    maps = store.metadata().drop_duplicates("id", keep="last")
+    side = store.read_table(AUDIT_TABLE).to_pandas().drop_duplicates("id", keep="last")
+    side = side.drop(columns=["n_tokens"])
+    frame = maps.merge(side, on="id", how="inner", validate="one_to_one")
+    return frame.sort_values("served_at", kind="stable").reset_index(drop=True)
+
+
+def rescore(store: MapStore, detector, batch_size: int = 256) -> pd.DataFrame:
+    """Every committed map scored by ``detector`` (a `LoadedDetector`), without the LLM.
+
+    Columns: id, served_at, detector (the one that served), p_correct_raw (served),
+    p_correct_raw_new, decision (served).
+    """
+    ids, scores = [], []
+    for maps, meta in store.iter_maps(batch_size=batch_size, columns=("id",)):
+        ids.extend(meta.column("id").to_pylist())
+        scores.append(detector.predict_proba(maps))
+    new = pd.DataFrame(
+        {"id": ids, "p_correct_raw_new": np.concatenate(scores) if scores else np.zeros(0)}
+    ).drop_duplicates("id", keep="last")
+    served = read_audit(store)[["id", "served_at", "detector", "p_correct_raw", "decision"]]
+    return served.merge(new, on="id", how="inner")
+
+
+def summarize(frame: pd.DataFrame, every: str = "1h") -> pd.DataFrame:
+    """Per period of ``every`` (a pandas frequency): answers, decisions and p(correct) quantiles."""
+    from actmap.serve.policy import DECISIONS
+
+    if frame.empty:
+        return pd.DataFrame(columns=["n", *DECISIONS, "p_mean", "p10", "p50", "p90"])
+    period = frame["served_at"].dt.floor(every)
+    grouped = frame.groupby(period)
+    out = pd.DataFrame({"n": grouped.size()})
+    counts = pd.crosstab(period, frame["decision"])
+    for decision in DECISIONS:
+        out[decision] = counts[decision] if decision in counts else 0
+    p = grouped["p_correct"]
+    out["p_mean"] = p.mean()
+    for q in (10, 50, 90):
+        out[f"p{q}"] = p.quantile(q / 100)
+    out.index.name = "period"
+    return out

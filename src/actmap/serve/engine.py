@@ -1,0 +1,301 @@
+"""One batch of requests -> answers with p(correct) and a decision, in one generation pass.
+
+`Engine.run` is what the server's micro-batcher calls off the event loop: the
+prompts of a batch go through `actmap.capture.generate_batch` together; each
+answer's trajectory becomes a map (`actmap.maps`), rounded to the store's
+float16 form, scored by the detector, shifted to the deployment prevalence and
+decided by the policy (`actmap.serve.policy`). While generating, a step watch
+streams text and running scores to requests that asked for them and ends rows
+whose running score falls below their ``abort_below``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from actmap.capture.generate import generate_batch, stop_ids
+from actmap.capture.records import CaptureConfig, Generation
+from actmap.capture.stopping import stop_position
+from actmap.maps import build_maps
+from actmap.models import ModelSource
+from actmap.prior import em_prevalence
+from actmap.serve.policy import Policy, PriorSetting, correct_prior, decide
+from actmap.serve.scoring import LoadedDetector, answer_maps, stored_form
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as the generation thread sees it."""
+
+    prompt: str  # fully rendered (chat template applied)
+    prompt_tokens: int
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    stream_scores: bool = False
+    abort_below: float | None = None
+    # streamed events {"text", "n_tokens", "p_correct"}; called from the generation thread
+    sink: Callable[[dict], None] | None = None
+    prompt_for_audit: str = ""  # the request's prompt text (hashed; kept only when asked)
+    endpoint: str = ""
+    cancelled: bool = False  # set by the server on timeout or client disconnect
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    future: object = None  # the asyncio future the batcher resolves with the Answer
+
+    @property
+    def key(self) -> tuple:
+        """Jobs with equal keys can share one generation call."""
+        return (self.max_tokens, self.stop)
+
+    @property
+    def watched(self) -> bool:
+        return self.sink is not None or self.stream_scores or self.abort_below is not None
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    n_tokens: int
+    prompt_tokens: int
+    finish_reason: str  # "stop" | "length"
+    p_correct_raw: float | None  # None for an empty answer (no map exists)
+    p_correct: float | None
+    decision: str
+    prevalence: float | None  # the prevalence p_correct was shifted to (None: raw or known)
+    map_id: str | None
+    map: np.ndarray | None  # (C, H, W) float16, the stored form
+    queued_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class BatchTimings:
+    size: int
+    generation_s: float  # generate_batch: generation with capture hooks
+    scoring_s: float  # maps + detector + prior + policy
+
+
+class PrevalenceTracker:
+    """The EM prevalence estimate over the most recent raw scores (policy ``prior.method = em``)."""
+
+    def __init__(self, setting: PriorSetting) -> None:
+        self.setting = setting
+        self.window: deque[float] = deque(maxlen=setting.em_window)
+        self.prevalence: float | None = None
+        self._lock = threading.Lock()
+
+    def update(self, raw: Sequence[float]) -> float | None:
+        if self.setting.method != "em":
+            return None
+        with self._lock:
+            self.window.extend(float(p) for p in raw)
+            if len(self.window) >= self.setting.em_min_scores:
+                estimate = em_prevalence(
+                    np.fromiter(self.window, float), self.setting.train_prevalence
+                )
+                self.prevalence = estimate.prevalence
+            return self.prevalence
+
+
+class _StepWatch:
+    """The ``on_step`` callback of one batch: streams deltas and running scores, ends rows."""
+
+    def __init__(self, engine: Engine, jobs: list[Job]) -> None:
+        self.engine, self.jobs = engine, jobs
+        self.ends = stop_ids(engine.model, engine.tokenizer)
+        self.length: list[int | None] = [None] * len(jobs)  # answer tokens when a row ended
+        self.aborted = [False] * len(jobs)
+        self.sent = [""] * len(jobs)
+        self.holdback = max((len(s) for s in jobs[0].stop), default=1) - 1
+
+    def __call__(self, recorder, generated: torch.Tensor) -> torch.Tensor:
+        t = generated.shape[1]  # tokens so far; trajectory rows 0..t-1 are filled
+        last = generated[:, -1].tolist()
+        end = torch.zeros(len(self.jobs), dtype=torch.bool)
+        live = []
+        for i, job in enumerate(self.jobs):
+            if self.length[i] is not None:
+                continue
+            if last[i] in self.ends:
+                self.length[i] = t - 1
+            elif job.cancelled:
+                self.length[i] = t
+                end[i] = True
+            else:
+                live.append(i)
+        scored = [
+            i
+            for i in live
+            if (self.jobs[i].stream_scores or self.jobs[i].abort_below is not None)
+            and (t % self.engine.score_every == 0 or t == self.jobs[i].max_tokens)
+        ]
+        running = {}
+        if scored:
+            maps = stored_form(
+                build_maps(
+                    recorder.pooled[scored, :, :t], [t] * len(scored), self.engine.map_config
+                )
+            )
+            raw = self.engine.detector.predict_proba(maps)
+            p = correct_prior(raw, self.engine.policy.prior, self.engine.prevalence.prevalence)
+            running = dict(zip(scored, p.tolist(), strict=True))
+        for i in live:
+            job = self.jobs[i]
+            p = running.get(i)
+            if p is not None and job.abort_below is not None and p < job.abort_below:
+                self.length[i], self.aborted[i] = t, True
+                end[i] = True
+            if job.sink is not None:
+                self._emit(i, generated[i], p, t)
+        return end
+
+    def _emit(self, i: int, tokens: torch.Tensor, p: float | None, t: int) -> None:
+        job = self.jobs[i]
+        text = self.engine.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+        cut = stop_position(text, job.stop, skip_leading_whitespace=True) if job.stop else None
+        if cut is not None:
+            visible = text[:cut]
+        else:  # hold back what may be the start of a stop string or of a multi-byte character
+            visible = text[: len(text) - self.holdback] if self.holdback else text
+            visible = visible.rstrip("\ufffd")
+        delta = visible[len(self.sent[i]) :] if visible.startswith(self.sent[i]) else ""
+        self.sent[i] += delta
+        if delta or (p is not None and job.stream_scores):
+            job.sink({"text": delta, "n_tokens": t, "p_correct": p if job.stream_scores else None})
+
+    def trim(self, i: int, generation: Generation) -> Generation:
+        """An aborted or cancelled row ends where it was stopped (later steps are padding)."""
+        n = self.length[i]
+        if n is None or self.ends_naturally(i):
+            return generation
+        n = min(n, generation.n_tokens)
+        ids = generation.token_ids[:n]
+        return replace(
+            generation,
+            token_ids=ids,
+            answer=self.engine.tokenizer.decode(ids, skip_special_tokens=True),
+            logprobs=generation.logprobs[:n],
+            entropies=generation.entropies[:n],
+            trajectory=generation.trajectory[:, :n],
+            stopped=True,
+        )
+
+    def ends_naturally(self, i: int) -> bool:
+        return not self.aborted[i] and not self.jobs[i].cancelled
+
+
+class Engine:
+    """Generator + detector + policy; `run` is called from one worker thread at a time."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        source: ModelSource,
+        detector: LoadedDetector,
+        policy: Policy = Policy(),
+        max_context: int = 2048,
+        score_every: int = 1,
+        audit=None,
+        layers_path: str | None = None,
+    ) -> None:
+        self.model, self.tokenizer, self.source = model, tokenizer, source
+        self.detector = detector
+        self.map_config = detector.map_config
+        self.policy = policy
+        self.max_context = max_context
+        self.score_every = max(1, score_every)
+        self.audit = audit
+        self.layers_path = layers_path
+        self.prevalence = PrevalenceTracker(policy.prior)
+
+    # -- prompts ---------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict]) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "this model's tokenizer has no chat template; use /v1/completions with a prompt"
+            )
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+
+    def count_tokens(self, prompt: str) -> int:
+        add_special = not getattr(self.tokenizer, "chat_template", None)
+        return len(self.tokenizer(prompt, add_special_tokens=add_special)["input_ids"])
+
+    # -- one batch -------------------------------------------------------------------------
+    def run(self, jobs: list[Job]) -> tuple[list[Answer], BatchTimings]:
+        started = time.perf_counter()
+        config = CaptureConfig(
+            max_new_tokens=jobs[0].max_tokens,
+            stop_strings=jobs[0].stop,
+            max_context=self.max_context,
+            batch_size=len(jobs),
+        )
+        watch = _StepWatch(self, jobs) if any(j.watched for j in jobs) else None
+        generations = generate_batch(
+            self.model,
+            self.tokenizer,
+            [j.prompt for j in jobs],
+            config,
+            self.layers_path,
+            on_step=watch,
+        )
+        if watch is not None:
+            generations = [watch.trim(i, g) for i, g in enumerate(generations)]
+        generated = time.perf_counter()
+        answers = self._score(jobs, generations, watch, started)
+        timings = BatchTimings(len(jobs), generated - started, time.perf_counter() - generated)
+        return answers, timings
+
+    def _score(self, jobs, generations, watch, started) -> list[Answer]:
+        scored = [i for i, g in enumerate(generations) if g.n_tokens > 0]
+        raw = np.full(len(jobs), np.nan)
+        maps = None
+        if scored:
+            maps = answer_maps([generations[i].trajectory for i in scored], self.map_config)
+            raw[scored] = self.detector.predict_proba(maps)
+        prevalence = self.prevalence.update(raw[scored])
+        corrected = correct_prior(raw, self.policy.prior, prevalence)
+        answers, records = [], []
+        map_index = {row: k for k, row in enumerate(scored)}
+        for i, (job, g) in enumerate(zip(jobs, generations, strict=True)):
+            aborted = watch is not None and watch.aborted[i]
+            has_map = i in map_index
+            if aborted:
+                decision = "abstain_early"
+            elif has_map:
+                decision = decide(float(corrected[i]), self.policy)
+            else:
+                decision = "abstain"  # an empty answer has no map to score
+            map_id = uuid.uuid4().hex if has_map and self.audit is not None else None
+            answer = Answer(
+                text=g.answer,
+                n_tokens=g.n_tokens,
+                prompt_tokens=g.prompt_tokens,
+                finish_reason="stop" if g.stopped else "length",
+                p_correct_raw=float(raw[i]) if has_map else None,
+                p_correct=float(corrected[i]) if has_map else None,
+                decision=decision,
+                prevalence=prevalence if self.policy.prior.method == "em" else None,
+                map_id=map_id,
+                map=maps[map_index[i]] if has_map else None,
+                queued_s=started - job.enqueued_at,
+            )
+            answers.append(answer)
+            if map_id is not None:
+                records.append((job, answer))
+        if records:
+            self.audit.append(
+                [self.audit.entry(job, a, self.source, self.detector.id) for job, a in records]
+            )
+        return answers

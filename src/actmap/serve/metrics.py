@@ -1,0 +1,73 @@
+"""Prometheus metrics of the server, in a registry of its own (one per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+SCORE_BUCKETS = tuple(i / 10 for i in range(1, 11))
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "actmap_requests", "Answered requests", ["endpoint", "status"], registry=r
+        )
+        self.rejected = Counter("actmap_rejected_busy", "Requests refused: queue full", registry=r)
+        self.tokens = Counter("actmap_tokens", "Tokens processed", ["kind"], registry=r)
+        self.latency = Histogram(
+            "actmap_request_latency_seconds",
+            "Request latency, arrival to answer",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.generation = Histogram(
+            "actmap_batch_generation_seconds",
+            "Generation with capture, per batch",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.scoring = Histogram(
+            "actmap_batch_scoring_seconds",
+            "Maps + detector + policy, per batch",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2),
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "actmap_batch_size",
+            "Requests per generation call",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
+        self.decisions = Counter("actmap_decisions", "Decisions", ["decision"], registry=r)
+        self.scores = Histogram(
+            "actmap_p_correct", "p(correct) of answers", buckets=SCORE_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge("actmap_queue_depth", "Requests waiting", registry=r)
+
+    def observe_batch(self, timings) -> None:
+        self.generation.observe(timings.generation_s)
+        self.scoring.observe(timings.scoring_s)
+        self.batch_size.observe(timings.size)
+
+    def observe_answer(self, endpoint: str, answer, seconds: float) -> None:
+        self.requests.labels(endpoint, "200").inc()
+        self.latency.labels(endpoint).observe(seconds)
+        self.tokens.labels("prompt").inc(answer.prompt_tokens)
+        self.tokens.labels("completion").inc(answer.n_tokens)
+        self.decisions.labels(answer.decision).inc()
+        if answer.p_correct is not None:
+            self.scores.observe(answer.p_correct)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

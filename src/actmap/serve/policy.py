@@ -1,0 +1,249 @@
+"""The deployment policy: what to do with an answer given its p(correct).
+
+A policy is four bands of the (prior-corrected) p(correct)::
+
+    p >= accept           -> "accept"   hand the answer out
+    review <= p < accept  -> "review"   hand it out, flagged for a person
+    route <= p < review   -> "route"    send the question to a stronger model
+    p < route             -> "abstain"  say "I don't know"
+
+(`decide`, a pure function). The thresholds are set by hand in a TOML file or
+fitted on labelled validation answers for target risks (`fit_policy`): each
+threshold is the lowest score whose accepted set, read from the risk-coverage
+curve, keeps its error rate at or below the band's target. The file also says
+how p(correct) is corrected for the deployment's prevalence (`PriorSetting`,
+see `actmap.prior`). The server adds one more decision, "abstain_early", for a
+streamed answer stopped because its running score fell below the request's
+``abort_below``.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from actmap.metrics import risk_coverage_curve
+from actmap.prior import BALANCED, shift_to_prevalence
+
+DECISIONS = ("accept", "review", "route", "abstain", "abstain_early")
+PriorMethod = Literal["none", "known", "em"]
+
+
+@dataclass(frozen=True)
+class PriorSetting:
+    """How raw detector scores are shifted to the deployment prevalence."""
+
+    method: PriorMethod = "none"  # none | known (deployment_accuracy) | em (estimated online)
+    deployment_accuracy: float | None = None  # "known": the generator's accuracy in deployment
+    train_prevalence: float = BALANCED  # fraction correct among the detector's training rows
+    em_window: int = 1000  # "em": re-estimate from this many most recent raw scores
+    em_min_scores: int = 50  # "em": leave scores raw until this many were seen
+
+    def __post_init__(self) -> None:
+        if self.method not in ("none", "known", "em"):
+            raise ValueError(f"prior.method must be none, known or em, got {self.method!r}")
+        if self.method == "known":
+            if self.deployment_accuracy is None:
+                raise ValueError("prior.method = 'known' needs prior.deployment_accuracy")
+            if not 0.0 < self.deployment_accuracy < 1.0:
+                raise ValueError(
+                    f"prior.deployment_accuracy must lie in (0, 1), got {self.deployment_accuracy}"
+                )
+        if not 0.0 < self.train_prevalence < 1.0:
+            raise ValueError(
+                f"prior.train_prevalence must lie in (0, 1), got {self.train_prevalence}"
+            )
+        if self.em_window < 1 or self.em_min_scores < 1:
+            raise ValueError("prior.em_window and prior.em_min_scores must be >= 1")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Thresholds on p(correct) (0 <= route <= review <= accept; accept may be inf)."""
+
+    accept: float = 0.5
+    review: float = 0.5
+    route: float = 0.5
+    prior: PriorSetting = PriorSetting()
+    fitted: dict[str, Any] = field(default_factory=dict)  # how the thresholds were fitted
+
+    def __post_init__(self) -> None:
+        for name in ("accept", "review", "route"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or math.isnan(value) or value < 0:
+                raise ValueError(f"threshold {name} must be a number >= 0, got {value!r}")
+        if not self.route <= self.review <= self.accept:
+            raise ValueError(
+                "thresholds must satisfy route <= review <= accept, got "
+                f"route={self.route}, review={self.review}, accept={self.accept}"
+            )
+
+
+def decide(p_correct: float, policy: Policy) -> str:
+    """The decision for one answer's (corrected) p(correct)."""
+    if p_correct >= policy.accept:
+        return "accept"
+    if p_correct >= policy.review:
+        return "review"
+    if p_correct >= policy.route:
+        return "route"
+    return "abstain"
+
+
+def correct_prior(p_raw, setting: PriorSetting, prevalence: float | None = None) -> np.ndarray:
+    """Raw detector p(correct) -> p(correct) at the deployment prevalence.
+
+    ``prevalence`` is the current EM estimate for ``method = "em"`` (None: not enough
+    scores yet, so the scores stay raw).
+    """
+    p = np.asarray(p_raw, dtype=np.float64)
+    if setting.method == "known":
+        return shift_to_prevalence(p, setting.deployment_accuracy, setting.train_prevalence)
+    if setting.method == "em" and prevalence is not None:
+        return shift_to_prevalence(p, prevalence, setting.train_prevalence)
+    return p
+
+
+# -- fitting ------------------------------------------------------------------------------
+
+
+def threshold_for_risk(scores, labels, target_risk: float) -> tuple[float, float, float]:
+    """(threshold, coverage, risk) of the largest accepted set whose risk <= target_risk.
+
+    Accepting ``p >= threshold`` reproduces that set (tied scores go together). When no
+    threshold reaches the target, threshold is inf and coverage 0.
+    """
+    if not 0.0 <= target_risk <= 1.0:
+        raise ValueError(f"target risk must lie in [0, 1], got {target_risk}")
+    s = np.asarray(scores, dtype=np.float64)
+    coverage, risk = risk_coverage_curve(s, labels)
+    ok = np.flatnonzero(risk <= target_risk + 1e-12)
+    if not len(ok):
+        return math.inf, 0.0, 0.0
+    best = ok[np.argmax(coverage[ok])]
+    n_accepted = int(round(coverage[best] * len(s)))
+    threshold = float(np.sort(s)[::-1][n_accepted - 1])
+    return threshold, float(coverage[best]), float(risk[best])
+
+
+def fit_policy(
+    scores,
+    labels,
+    target_risk: float,
+    review_risk: float | None = None,
+    route_risk: float | None = None,
+    prior: PriorSetting = PriorSetting(),
+    about: dict[str, Any] | None = None,
+) -> Policy:
+    """Thresholds from labelled validation answers' (corrected) p(correct).
+
+    ``accept`` keeps the accepted answers' risk at ``target_risk``; ``review`` and
+    ``route`` extend the handed-out set to ``review_risk`` and ``route_risk`` (None: that
+    band is empty). The fitted coverage and risk of each band go into ``fitted``.
+    """
+    y = np.asarray(labels)
+    risks = {"accept": target_risk, "review": review_risk, "route": route_risk}
+    previous = None
+    thresholds: dict[str, float] = {}
+    fitted: dict[str, Any] = {"n": int(len(y)), "accuracy": float(np.mean(y)) if len(y) else 0.0}
+    for band in ("accept", "review", "route"):
+        wanted = risks[band]
+        if wanted is None:
+            thresholds[band] = thresholds[previous]  # an empty band
+            continue
+        if previous is not None and wanted < risks[previous]:
+            raise ValueError(f"{band} risk {wanted} is below the {previous} risk {risks[previous]}")
+        threshold, coverage, risk = threshold_for_risk(scores, y, wanted)
+        thresholds[band] = threshold
+        fitted[band] = {"target_risk": wanted, "coverage": coverage, "risk": risk}
+        previous = band
+    fitted.update(about or {})
+    return Policy(**thresholds, prior=prior, fitted=fitted)
+
+
+# -- files --------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return "inf" if value == math.inf else repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"cannot write {type(value).__name__} to a policy file")
+
+
+def _toml_table(name: str, values: dict[str, Any]) -> list[str]:
+    lines, nested = [f"[{name}]"], []
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            nested.append((f"{name}.{key}", value))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for sub, table in nested:
+        lines += ["", *_toml_table(sub, table)]
+    return lines
+
+
+def policy_to_toml(policy: Policy) -> str:
+    lines = [
+        "# actmap decision policy: p >= accept -> accept; >= review -> review;",
+        "# >= route -> route; below -> abstain. p is p(correct) after the [prior] correction.",
+        *_toml_table(
+            "thresholds", {"accept": policy.accept, "review": policy.review, "route": policy.route}
+        ),
+        "",
+        *_toml_table("prior", asdict(policy.prior)),
+    ]
+    if policy.fitted:
+        lines += ["", *_toml_table("fitted", policy.fitted)]
+    return "\n".join(lines) + "\n"
+
+
+def save_policy(policy: Policy, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(policy_to_toml(policy))
+    return path
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read a policy TOML file; unknown sections or keys are errors naming the file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"policy file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{path} is not valid TOML: {error}") from None
+    unknown = set(data) - {"thresholds", "prior", "fitted"}
+    if unknown:
+        raise ValueError(f"{path}: unknown section(s) {sorted(unknown)}")
+    thresholds = data.get("thresholds", {})
+    extra = set(thresholds) - {"accept", "review", "route"}
+    if extra:
+        raise ValueError(f"{path}: unknown key(s) in [thresholds]: {sorted(extra)}")
+    prior = data.get("prior", {})
+    extra = set(prior) - set(PriorSetting.__dataclass_fields__)
+    if extra:
+        raise ValueError(f"{path}: unknown key(s) in [prior]: {sorted(extra)}")
+    accept = thresholds.get("accept", 0.5)
+    try:
+        return Policy(
+            accept=accept,
+            review=thresholds.get("review", accept),
+            route=thresholds.get("route", thresholds.get("review", accept)),
+            prior=PriorSetting(**prior),
+            fitted=data.get("fitted", {}),
+        )
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None

@@ -1,0 +1,51 @@
+"""Shared pieces of the serving tests: a tiny generator with a chat template and a fitted detector."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from conftest import make_tiny_llama, make_word_tokenizer
+
+from actmap.detectors.base import CorrectnessDetector
+from actmap.models import ModelSource
+from actmap.serve.engine import Engine
+from actmap.serve.policy import Policy
+from actmap.serve.scoring import load_detector_run
+from actmap.training import TrainConfig
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+TINY_SOURCE = ModelSource("tiny-llama", "memory", None, "test")
+
+
+def save_tiny_detector(folder: Path, seed: int = 0) -> Path:
+    """A logreg detector fitted for two epochs on random maps: a real, deterministic scorer."""
+    rng = np.random.default_rng(seed)
+    maps = rng.normal(size=(24, 12, 32, 128)).astype(np.float16)
+    labels = np.arange(24) % 2
+    config = TrainConfig(max_epochs=2, warmup_epochs=1, patience=2, device="cpu", batch_size=8)
+    detector = CorrectnessDetector("logreg", config=config, seed=seed, device="cpu")
+    detector.fit(maps[:16], labels[:16], maps[16:], labels[16:])
+    return detector.save(folder / f"seed-{seed}")
+
+
+def tiny_generator():
+    """A fresh tiny Llama and word tokenizer with a chat template (the session fixtures stay
+    untouched: a chat template changes how capture tokenizes)."""
+    tokenizer = make_word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return make_tiny_llama(len(tokenizer)), tokenizer
+
+
+def tiny_engine(run: Path, policy: Policy = Policy(), audit=None, **kwargs) -> Engine:
+    model, tokenizer = tiny_generator()
+    return Engine(
+        model,
+        tokenizer,
+        TINY_SOURCE,
+        load_detector_run(run),
+        policy,
+        max_context=64,
+        audit=audit,
+        **kwargs,
+    )
