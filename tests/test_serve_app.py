@@ -320,3 +320,43 @@ def test_abort_below_stops_generation_early(client):
         == reference(client.app.state.actmap.engine, PROMPT)[0].n_tokens
     )
     np.testing.assert_equal(out["actmap"]["p_correct"] >= 0, True)
+
+
+def test_served_answers_land_in_the_audit_store_and_rescore_exactly(run, tmp_path):
+    import hashlib
+
+    from actmap.serve.audit import AuditTrail, open_audit_store, read_audit, rescore
+    from actmap.serve.scoring import load_detector_run
+
+    root = tmp_path / "audit"
+
+    def factory():
+        return tiny_engine(run, audit=AuditTrail(root, flush_interval_s=0.05))
+
+    prompts = ["what is the capital of rome", "how many days", "red blue green"]
+    with client_for(run, factory) as client:
+        bodies = [chat(client, p).json() for p in prompts]
+        first_word = reference(client.app.state.actmap.engine, PROMPT)[0].answer.split()[0]
+        empty = client.post(  # an answer of no tokens has no map: not audited, no score
+            "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "stop": [first_word]}
+        ).json()
+    store = open_audit_store(root)
+    frame = read_audit(store).set_index("id")
+    ids = [b["actmap"]["map_id"] for b in bodies]
+    assert all(ids) and set(ids) <= set(frame.index)
+    for prompt, body in zip(prompts, bodies, strict=True):
+        row = frame.loc[body["actmap"]["map_id"]]
+        assert row["p_correct_raw"] == body["actmap"]["p_correct_raw"]
+        assert row["decision"] == body["actmap"]["decision"] and row["endpoint"] == "chat"
+        assert row["prompt"] == "" and row["answer"] == ""  # text is off by default
+        assert row["source_key"] == hashlib.sha256(f"user: {prompt}".encode()).hexdigest()
+        assert row["n_tokens"] == body["usage"]["completion_tokens"]
+        assert row["model_name"] == "tiny-llama"
+    assert empty["usage"]["completion_tokens"] == 0 and empty["choices"][0]["text"] == ""
+    assert empty["actmap"]["p_correct"] is None and empty["actmap"]["map_id"] is None
+    assert empty["actmap"]["decision"] == "abstain" and len(frame) == 3
+    # re-scoring the stored maps with the serving detector reproduces the served scores
+    scores = rescore(store, load_detector_run(run)).set_index("id")
+    np.testing.assert_allclose(
+        scores.loc[ids, "p_correct_raw_new"], scores.loc[ids, "p_correct_raw"], atol=1e-6
+    )

@@ -1,0 +1,195 @@
+"""``actmap serve``, ``actmap policy fit``, ``actmap audit rescore`` and ``actmap audit summary``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from actmap.cli import app
+from actmap.cli.common import console, user_errors
+
+policy_app = typer.Typer(help="Decision policies: thresholds on p(correct).", no_args_is_help=True)
+audit_app = typer.Typer(
+    help="Audit stores written by `actmap serve --audit`.", no_args_is_help=True
+)
+app.add_typer(policy_app, name="policy")
+app.add_typer(audit_app, name="audit")
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@app.command()
+def serve(
+    detector: Path = typer.Option(..., help="Run folder from `actmap train` (or one seed-<s>/)."),
+    model: str = typer.Option(
+        "smollm2-135m-instruct", help="Generator: short name, .gguf, folder or hub id."
+    ),
+    seed: int = typer.Option(
+        None, help="Seed of the run to serve (default: best validation AUROC)."
+    ),
+    policy: Path = typer.Option(
+        None, help="Policy TOML (`actmap policy fit`); default accept p >= 0.5."
+    ),
+    audit: Path = typer.Option(
+        None, help="Append every answer's map and score to this audit store."
+    ),
+    audit_text: bool = typer.Option(
+        False, help="Keep prompt and answer text in the audit store (default: prompt hash only)."
+    ),
+    audit_max_rows: int = typer.Option(
+        None, help="Audit retention: keep about this many newest rows."
+    ),
+    audit_max_age_days: float = typer.Option(
+        None, help="Audit retention: drop rows older than this."
+    ),
+    host: str = typer.Option("127.0.0.1", help="Bind address (loopback by default)."),
+    port: int = typer.Option(8000),
+    api_key: str = typer.Option(
+        None,
+        envvar="ACTMAP_API_KEY",
+        show_default=False,
+        help="Require 'Authorization: Bearer KEY' (or set ACTMAP_API_KEY).",
+    ),
+    served_model_name: str = typer.Option(
+        None, help="The model name clients send (default: --model)."
+    ),
+    max_tokens: int = typer.Option(64, help="max_tokens when a request gives none."),
+    max_tokens_cap: int = typer.Option(512, help="Largest max_tokens a request may ask for."),
+    max_body_bytes: int = typer.Option(1 << 20, help="Largest request body."),
+    max_context: int = typer.Option(
+        None, help="Prompt + answer tokens (default: the model's limit)."
+    ),
+    batch_size: int = typer.Option(16, help="Most requests per generation call."),
+    batch_window_ms: float = typer.Option(
+        10.0, help="How long the first request of a batch waits for others."
+    ),
+    queue_size: int = typer.Option(256, help="Requests that may wait; beyond it: 503."),
+    timeout: float = typer.Option(120.0, help="Seconds before a request gets 504."),
+    stream_scores: bool = typer.Option(
+        False, help="Running p(correct) in every streamed chunk by default."
+    ),
+    score_every: int = typer.Option(1, help="Tokens between running scores while streaming."),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+) -> None:
+    """Serve an OpenAI-compatible API whose every answer carries p(correct) and a decision."""
+    with user_errors():
+        import uvicorn
+
+        from actmap.serve.app import ServeSettings, build_engine, create_app
+
+        settings = ServeSettings(
+            model=model, detector=detector, seed=seed, policy=policy, audit=audit,
+            audit_text=audit_text, audit_max_rows=audit_max_rows,
+            audit_max_age_days=audit_max_age_days, served_model_name=served_model_name,
+            api_key=api_key or None, default_max_tokens=max_tokens, max_tokens_cap=max_tokens_cap,
+            max_body_bytes=max_body_bytes, max_context=max_context, max_batch=batch_size,
+            batch_window_ms=batch_window_ms, max_queue=queue_size, timeout_s=timeout,
+            stream_scores=stream_scores, score_every=score_every, device=device,
+        )  # fmt: skip
+        if host not in LOOPBACK and not settings.api_key:
+            console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")
+        console.print(f"loading {model} and {detector} ...")
+        engine = build_engine(settings)  # bad paths fail here, as one line
+    console.print(
+        f"serving '{settings.model_name}' with detector {engine.detector.id} on http://{host}:{port}"
+    )
+    uvicorn.run(create_app(settings, lambda: engine), host=host, port=port, log_level="warning")
+
+
+@policy_app.command("fit")
+def policy_fit(
+    run: Path = typer.Option(..., help="Run folder from `actmap train`."),
+    store: Path = typer.Option(..., help="Map store with labelled rows (its natural prevalence)."),
+    target_risk: float = typer.Option(..., help="Error rate allowed among accepted answers."),
+    out: Path = typer.Option(..., "--out", "-o", help="Policy TOML to write."),
+    review_risk: float = typer.Option(
+        None, help="Error rate allowed once reviewed answers are added."
+    ),
+    route_risk: float = typer.Option(
+        None, help="Error rate allowed once routed answers are added."
+    ),
+    prior: str = typer.Option("known", help="known | em | none: prior correction of p(correct)."),
+    deployment_accuracy: float = typer.Option(
+        None, help="For --prior known (default: the split's accuracy)."
+    ),
+    split: str = typer.Option("validation", help="Store split to fit on (all its labelled rows)."),
+    seed: int = typer.Option(None, help="Seed of the run (default: best validation AUROC)."),
+) -> None:
+    """Fit accept / review / route thresholds for target risks on a validation risk-coverage curve."""
+    with user_errors():
+        from actmap.serve.fit import fit_policy_on_store, natural_scores
+        from actmap.serve.policy import save_policy
+        from actmap.serve.scoring import load_detector_run
+        from actmap.store import MapStore
+
+        detector = load_detector_run(run, seed)
+        scores = natural_scores(MapStore.open(store), detector, split)
+        about = {"run": str(run), "detector": detector.id, "store": str(store)}
+        policy = fit_policy_on_store(
+            scores, target_risk, review_risk, route_risk, prior, deployment_accuracy, about
+        )
+        save_policy(policy, out)
+    console.print(
+        f"{len(scores.labels)} {split} rows, accuracy {scores.accuracy:.3f}; "
+        f"accept p >= {policy.accept:.4f}, review >= {policy.review:.4f}, route >= {policy.route:.4f}"
+    )
+    for band in ("accept", "review", "route"):
+        if band in policy.fitted:
+            f = policy.fitted[band]
+            console.print(
+                f"  {band}: target risk {f['target_risk']:.3f} -> coverage {f['coverage']:.3f}, "
+                f"risk {f['risk']:.3f}"
+            )
+    console.print(f"policy written to {out}")
+
+
+@audit_app.command("rescore")
+def audit_rescore(
+    store: Path = typer.Option(..., help="Audit store written by `actmap serve --audit`."),
+    detector: Path = typer.Option(..., help="Run folder of the detector to score with."),
+    seed: int = typer.Option(None, help="Seed of the run (default: best validation AUROC)."),
+    out: Path = typer.Option(None, "--out", "-o", help="Parquet file for the per-answer scores."),
+) -> None:
+    """Re-score every stored map with another detector, without the LLM."""
+    with user_errors():
+        from actmap.serve.audit import open_audit_store, rescore
+        from actmap.serve.scoring import load_detector_run
+
+        loaded = load_detector_run(detector, seed)
+        frame = rescore(open_audit_store(store), loaded)
+        frame["detector_new"] = loaded.id
+        if out is not None:
+            frame.to_parquet(out, index=False)
+    if frame.empty:
+        console.print("the audit store holds no answers")
+        return
+    change = (frame["p_correct_raw_new"] - frame["p_correct_raw"]).abs()
+    console.print(
+        f"{len(frame)} answers re-scored with {loaded.id}: mean p_raw served "
+        f"{frame['p_correct_raw'].mean():.4f} -> new {frame['p_correct_raw_new'].mean():.4f}; "
+        f"max |change| {change.max():.4f}"
+    )
+    if out is not None:
+        console.print(f"scores written to {out}")
+
+
+@audit_app.command("summary")
+def audit_summary(
+    store: Path = typer.Option(..., help="Audit store written by `actmap serve --audit`."),
+    every: str = typer.Option("1h", help="Period of each row (pandas frequency: 15min, 1h, 1D)."),
+) -> None:
+    """Decisions and the p(correct) distribution over time."""
+    with user_errors():
+        from actmap.serve.audit import open_audit_store, read_audit, summarize
+
+        try:
+            summary = summarize(read_audit(open_audit_store(store)), every)
+        except ValueError as error:
+            raise ValueError(f"--every {every!r}: {error}") from None
+    if summary.empty:
+        console.print("the audit store holds no answers")
+        return
+    shown = summary.copy()
+    shown.index = shown.index.strftime("%Y-%m-%d %H:%M")
+    typer.echo(shown.to_string(float_format=lambda v: f"{v:.3f}"))  # data on stdout

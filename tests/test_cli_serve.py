@@ -1,0 +1,139 @@
+"""`actmap serve`, `actmap policy fit`, `actmap audit rescore` and `actmap audit summary`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from test_serve_audit import entries
+from typer.testing import CliRunner
+
+from actmap.cli import app
+from actmap.serve.audit import AuditTrail
+from actmap.serve.policy import load_policy, threshold_for_risk
+from actmap.serve.scoring import load_detector_run
+from actmap.store import MapRecord, MapStore
+
+runner = CliRunner()
+
+
+def flat(result) -> str:
+    """The output with rich's line wrapping undone."""
+    return " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(
+    "command", [["serve"], ["policy", "fit"], ["audit", "rescore"], ["audit", "summary"]]
+)
+def test_help(command):
+    result = runner.invoke(app, [*command, "--help"])
+    assert result.exit_code == 0 and "Usage" in result.output
+
+
+def imbalanced_store(path, n=200, seed=0):
+    """Channel 0 carries the label; about 30% of rows are correct, in every split."""
+    rng = np.random.default_rng(seed)
+    store = MapStore.create(path, {"synthetic": True})
+    records = []
+    for i in range(n):
+        label = int(i % 10 < 3)
+        grid = rng.standard_normal((12, 32, 128)).astype(np.float32)
+        grid[0] += 0.3 * label
+        split = ("train", "train", "validation", "test")[i % 4]
+        records.append(MapRecord(f"s:{i}", str(i), "s", split, "m", "r", "p", "a", 5, label, grid))
+    store.write_maps(records)
+    return store
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-serve")
+    imbalanced_store(root / "store")
+    run = root / "run"
+    args = ["train", "--store", str(root / "store"), "--out", str(run), "--detector", "logreg"]
+    result = runner.invoke(app, [*args, "--seeds", "0", "--max-epochs", "3"])
+    assert result.exit_code == 0, result.output
+    return root / "store", run
+
+
+def test_policy_fit_matches_the_risk_coverage_curve(trained, tmp_path):
+    store, run = trained
+    out = tmp_path / "policy.toml"
+    args = ["policy", "fit", "--run", str(run), "--store", str(store), "--out", str(out)]
+    result = runner.invoke(app, [*args, "--target-risk", "0.5", "--prior", "none"])
+    assert result.exit_code == 0, result.output
+    assert "policy written to" in result.output
+    policy = load_policy(out)
+    # the reference: every labelled validation row scored by the same detector
+    opened = MapStore.open(store)
+    meta = opened.metadata()
+    rows = meta[meta["split"] == "validation"]
+    maps, _ = opened.load_maps(rows["id"].tolist())
+    p = load_detector_run(run).predict_proba(maps)
+    threshold, coverage, risk = threshold_for_risk(p, rows["label"].to_numpy(), 0.5)
+    assert policy.accept == pytest.approx(threshold)
+    assert policy.fitted["accept"]["coverage"] == pytest.approx(coverage)
+    assert policy.fitted["accept"]["risk"] == pytest.approx(risk) and risk <= 0.5
+    assert policy.fitted["n"] == len(rows) and policy.prior.method == "none"
+    # with the known prior (default: the split's accuracy) the thresholds move, coverage not
+    known = runner.invoke(app, [*args, "--target-risk", "0.5"])
+    assert known.exit_code == 0, known.output
+    shifted = load_policy(out)
+    assert shifted.prior.method == "known"
+    assert shifted.prior.deployment_accuracy == pytest.approx(rows["label"].mean())
+    assert shifted.fitted["accept"]["coverage"] == pytest.approx(coverage)
+    assert shifted.accept < policy.accept  # 30% accuracy shifts p(correct) down
+
+
+def test_policy_fit_and_serve_errors(trained, tmp_path):
+    store, run = trained
+    missing = runner.invoke(
+        app,
+        ["policy", "fit", "--run", str(tmp_path / "nope"), "--store", str(store),
+         "--target-risk", "0.1", "--out", str(tmp_path / "p.toml")],
+    )  # fmt: skip
+    assert missing.exit_code == 2
+    assert f"error: detector run {tmp_path / 'nope'} does not exist" in flat(missing)
+    served = runner.invoke(app, ["serve", "--detector", str(tmp_path / "nope")])
+    assert served.exit_code == 2 and "does not exist" in flat(served)
+    bad_split = runner.invoke(
+        app,
+        ["policy", "fit", "--run", str(run), "--store", str(store), "--target-risk", "0.1",
+         "--out", str(tmp_path / "p.toml"), "--split", "dev"],
+    )  # fmt: skip
+    assert bad_split.exit_code == 2 and "no labelled rows in split 'dev'" in flat(bad_split)
+
+
+def test_audit_rescore_and_summary(trained, tmp_path):
+    _, run = trained
+    trail = AuditTrail(tmp_path / "audit", background=False)
+    trail.append(entries(0, p=0.9) + entries(1, p=0.3, decision="abstain"))
+    trail.flush()
+    trail.close()
+    out = tmp_path / "rescored.parquet"
+    result = runner.invoke(
+        app,
+        ["audit", "rescore", "--store", str(tmp_path / "audit"), "--detector", str(run),
+         "--out", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "16 answers re-scored" in flat(result)
+    frame = pd.read_parquet(out)
+    maps, meta = MapStore.open(tmp_path / "audit").load_maps(frame["id"].tolist())
+    direct = load_detector_run(run).predict_proba(maps)
+    np.testing.assert_allclose(frame["p_correct_raw_new"], direct, rtol=1e-6)
+    summary = runner.invoke(app, ["audit", "summary", "--store", str(tmp_path / "audit")])
+    assert summary.exit_code == 0, summary.output
+    header, line = summary.stdout.splitlines()[0], summary.stdout.splitlines()[-1]
+    assert header.split()[:7] == [
+        "n",
+        "accept",
+        "review",
+        "route",
+        "abstain",
+        "abstain_early",
+        "p_mean",
+    ]
+    assert line.split()[2:9] == ["16", "8", "0", "0", "8", "0", "0.600"]
+    not_audit = runner.invoke(app, ["audit", "summary", "--store", str(trained[0])])
+    assert not_audit.exit_code == 2 and "not an audit store" in flat(not_audit)
