@@ -1,0 +1,114 @@
+"""How early does the running p(correct) separate correct from incorrect answers?
+
+While streaming, the server scores the answer so far: the map of the first k
+tokens' trajectory (`actmap.serve.scoring.prefix_maps`), read by the same
+detector. `running_auroc` replays that on a store kept with trajectories
+(``actmap capture --keep-trajectories``): for each answer position k it scores
+every labelled answer of a split at ``min(k, T)`` tokens (an answer that has
+ended is scored whole, as a stream would have been) and reports the AUROC, plus
+the AUROC over the answers still running at k (``T >= k``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from actmap.capture.run import latest_rows
+from actmap.metrics import auroc
+from actmap.store import MapStore, decode_array
+
+
+@dataclass(frozen=True)
+class PositionAUROC:
+    position: int  # answer tokens the running score has seen (k)
+    auroc: float  # all answers, each at min(k, T) tokens
+    n: int
+    auroc_running: float | None  # answers with T >= k only (None: one class or none left)
+    n_running: int
+    n_running_correct: int
+
+
+@dataclass(frozen=True)
+class RunningAUROC:
+    split: str
+    n: int
+    n_correct: int
+    final_auroc: float  # every answer scored whole (its stored-map score, from the trajectory)
+    positions: list[PositionAUROC]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def default_positions(max_tokens: int) -> list[int]:
+    """1, 2, 4, 8, ... up to the longest answer."""
+    out, k = [], 1
+    while k < max_tokens:
+        out.append(k)
+        k *= 2
+    return [*out, max_tokens]
+
+
+def running_scores(
+    detector, trajectories: Sequence[torch.Tensor], positions: Sequence[int], map_config
+) -> np.ndarray:
+    """(N, P) running p(correct) of each trajectory at each position (clamped to its length)."""
+    from actmap.serve.scoring import prefix_maps
+
+    return np.stack(
+        [detector.predict_proba(prefix_maps(t, positions, map_config)) for t in trajectories]
+    )
+
+
+def running_auroc(
+    store: MapStore,
+    detector,
+    split: str = "test",
+    positions: Sequence[int] | None = None,
+) -> RunningAUROC:
+    """AUROC of the running score at each answer position, on a split's labelled answers."""
+    if not store.has_table("trajectories"):
+        raise ValueError(f"{store.root} keeps no trajectories; capture with --keep-trajectories")
+    meta = store.metadata()
+    rows = meta[(meta["split"] == split) & meta["label"].notna()].drop_duplicates("id")
+    if rows.empty:
+        raise ValueError(f"{store.root} has no labelled rows in split '{split}'")
+    table = latest_rows(store.read_table("trajectories"))
+    index = {key: i for i, key in enumerate(table.column("id").to_pylist())}
+    missing = [key for key in rows["id"] if key not in index]
+    if missing:
+        raise ValueError(f"{len(missing)} rows have no stored trajectory, e.g. {missing[:3]}")
+    trajectories = []
+    for key in rows["id"]:
+        i = index[key]
+        shape = table.column("shape")[i].as_py()
+        blob = table.column("trajectory")[i].as_py()
+        trajectories.append(torch.from_numpy(decode_array(blob, shape).astype(np.float32)))
+    lengths = np.array([t.shape[1] for t in trajectories])
+    labels = rows["label"].to_numpy().astype(np.int64)
+    positions = list(positions or default_positions(int(lengths.max())))
+    scores = running_scores(
+        detector, trajectories, [*positions, int(lengths.max())], detector.map_config
+    )
+    results = []
+    for j, k in enumerate(positions):
+        alive = lengths >= k
+        y_alive = labels[alive]
+        both = alive.any() and len(np.unique(y_alive)) == 2
+        results.append(
+            PositionAUROC(
+                position=int(k),
+                auroc=auroc(scores[:, j], labels),
+                n=len(labels),
+                auroc_running=auroc(scores[alive, j], y_alive) if both else None,
+                n_running=int(alive.sum()),
+                n_running_correct=int(y_alive.sum()),
+            )
+        )
+    return RunningAUROC(
+        split, len(labels), int(labels.sum()), auroc(scores[:, -1], labels), results
+    )

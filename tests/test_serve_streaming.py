@@ -1,0 +1,87 @@
+"""Running-score AUROC by answer position, against a naive per-answer loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from serve_helpers import save_tiny_detector
+from sklearn.metrics import roc_auc_score
+
+from actmap.maps import MapConfig, build_map, to_float16
+from actmap.serve.scoring import load_detector_run, prefix_maps
+from actmap.serve.streaming import default_positions, running_auroc
+from actmap.store import MapRecord, MapStore, encode_array
+
+
+def store_with_trajectories(path, n=16, seed=0):
+    rng = np.random.default_rng(seed)
+    store = MapStore.create(path, {"synthetic": True})
+    records, trajectories = [], []
+    for i in range(n):
+        label = i % 2
+        length = int(rng.integers(1, 9))
+        traj = rng.normal(0.4 * label, 1.0, size=(4, length, 128)).astype(np.float32)
+        trajectories.append(traj)
+        split = "test" if i < 12 else "train"
+        grid = to_float16(build_map(torch.from_numpy(traj))).numpy()
+        records.append(
+            MapRecord(f"r{i}", str(i), "s", split, "m", "r", "", "", length, label, grid)
+        )
+    store.write_table(
+        "trajectories",
+        pa.table(
+            {
+                "id": [r.id for r in records],
+                "shape": pa.array([list(t.shape) for t in trajectories], pa.list_(pa.int32())),
+                "trajectory": [encode_array(t) for t in trajectories],
+            }
+        ),
+    )
+    store.write_maps(records)
+    return store, trajectories, records
+
+
+def test_prefix_maps_equal_build_map_on_the_prefix():
+    traj = torch.randn(5, 6, 128)
+    maps = prefix_maps(traj, [1, 3, 6, 10], MapConfig())
+    for row, k in zip(maps, [1, 3, 6, 6], strict=True):
+        np.testing.assert_array_equal(row, to_float16(build_map(traj[:, :k])).numpy())
+
+
+def test_running_auroc_matches_a_naive_loop(tmp_path):
+    store, trajectories, records = store_with_trajectories(tmp_path / "s")
+    save_tiny_detector(tmp_path / "run")
+    detector = load_detector_run(tmp_path / "run")
+    result = running_auroc(store, detector, split="test", positions=[1, 2, 4])
+    test = [(t, r) for t, r in zip(trajectories, records, strict=True) if r.split == "test"]
+    labels = np.array([r.label for _, r in test])
+    assert result.n == 12 and result.n_correct == labels.sum()
+    for position in result.positions:
+        k = position.position
+        scores, alive = [], []
+        for traj, _ in test:
+            cut = torch.from_numpy(traj[:, : min(k, traj.shape[1])])
+            grid = to_float16(build_map(cut)).numpy()[None]
+            scores.append(detector.detector.predict_proba(grid)[0])
+            alive.append(traj.shape[1] >= k)
+        scores, alive = np.array(scores), np.array(alive)
+        assert position.auroc == pytest.approx(roc_auc_score(labels, scores), abs=1e-9)
+        assert position.n_running == alive.sum()
+        if len(np.unique(labels[alive])) == 2:
+            assert position.auroc_running == pytest.approx(
+                roc_auc_score(labels[alive], scores[alive]), abs=1e-9
+            )
+    # whole answers: the stored maps' scores
+    maps, meta = store.load_maps([r.id for _, r in test])
+    assert result.final_auroc == pytest.approx(
+        roc_auc_score(labels, detector.predict_proba(maps)), abs=1e-9
+    )
+    assert default_positions(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_running_auroc_needs_trajectories(tmp_path):
+    store = MapStore.create(tmp_path / "s", {"x": 1})
+    with pytest.raises(ValueError, match="keeps no trajectories; capture with --keep-trajectories"):
+        running_auroc(store, None)
