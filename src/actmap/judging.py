@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from actmap.capture.run import latest_rows
 from actmap.data.factuality import SUPPORT_THRESHOLD, SummaryFactualityJudge, judge_summary
 from actmap.relabel import write_labelled_copy
 from actmap.store import MapStore, StoreError
@@ -71,7 +70,7 @@ def judge_store(
         raise StoreError(f"{source.root} has no generations table to judge")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    generations = latest_rows(source.read_table("generations", ["id", "question", "label_text"]))
+    generations = source.read_latest("generations", ["question", "label_text"])
     committed = source.ids("maps")
     rows = [
         (key, article, summary)
@@ -113,5 +112,5 @@ def judged_labels(store: MapStore) -> dict[str, int]:
     """id -> label of every judgment in ``store`` (the latest one per id)."""
     if not store.has_table(JUDGMENTS):
         return {}
-    table = latest_rows(store.read_table(JUDGMENTS, ["id", "label"]))
+    table = store.read_latest(JUDGMENTS, ["label"])
     return dict(zip(table.column("id").to_pylist(), table.column("label").to_pylist(), strict=True))

@@ -8,24 +8,13 @@ manifest names the rule, so results made on it are reported with it.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from actmap.capture.run import latest_rows
 from actmap.data.labels import get_label_rule
 from actmap.store import MapStore, StoreError
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
 
 
 def relabel_store(source: MapStore, target: str | Path, rule: str) -> MapStore:
@@ -33,7 +22,7 @@ def relabel_store(source: MapStore, target: str | Path, rule: str) -> MapStore:
     labeler = get_label_rule(rule)
     if not source.has_table("generations"):
         raise StoreError(f"{source.root} has no generations table to relabel from")
-    generations = latest_rows(source.read_table("generations", ["id", "label_text", "references"]))
+    generations = source.read_latest("generations", ["label_text", "references"])
     labels = {
         key: int(labeler(text, refs))
         for key, text, refs in zip(
@@ -58,18 +47,15 @@ def write_labelled_copy(source: MapStore, store: MapStore, labels: dict[str, int
     they depend on the labels. Maps already in ``store`` are replaced, new shards first, so
     an interrupted call never leaves the store without maps.
     """
-    older = sorted((store.root / "maps").glob("part-*.parquet"))
-    for shard in sorted((source.root / "maps").glob("part-*.parquet")):
+    older = store.shards("maps")
+    for shard in source.shards("maps"):
         table = pq.read_table(shard)
         new = pa.array([labels.get(key) for key in table.column("id").to_pylist()], pa.int8())
         store.write_table(
             "maps", table.set_column(table.schema.get_field_index("label"), "label", new)
         )
-    for shard in older:
-        shard.unlink()
-    for name in source.tables():
-        if name in ("maps", "splits") or name.startswith("results"):
-            continue  # labels changed: balanced rows and scores are made anew
-        for shard in sorted((source.root / name).glob("part-*.parquet")):
-            if not (store.root / name / shard.name).exists():
-                _link_or_copy(shard, store.root / name / shard.name)
+    store.forget_shards("maps", older, unlink=True)
+    # labels changed: balanced rows and scores are made anew
+    store.link_tables(
+        source, skip=lambda name: name in ("maps", "splits") or name.startswith("results")
+    )

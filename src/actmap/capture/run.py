@@ -23,7 +23,8 @@ from actmap.capture.records import CaptureConfig, Generation
 from actmap.data.base import Example, Task
 from actmap.maps import MapConfig, build_maps_from_list, map_shape
 from actmap.models import ModelSource
-from actmap.store import MapRecord, MapStore, encode_array
+from actmap.store import MapRecord, MapStore, encode_array, latest_rows  # noqa: F401
+from actmap.store.generations import read_generations  # noqa: F401  (moved to the store)
 
 log = logging.getLogger(__name__)
 
@@ -229,64 +230,3 @@ def natural_accuracy(store: MapStore) -> dict[str, float]:
     result = {split: float(group["label"].mean()) for split, group in frame.groupby("split")}
     result["all"] = float(frame["label"].mean()) if len(frame) else float("nan")
     return result
-
-
-def latest_rows(table: pa.Table) -> pa.Table:
-    """Keep the last row per id (a rerun of an unfinished batch supersedes its earlier rows)."""
-    ids = table.column("id").to_pylist()
-    last = {key: i for i, key in enumerate(ids)}
-    return table.take(pa.array(sorted(last.values()), pa.int64()))
-
-
-def read_generations(
-    store: MapStore, ids: Sequence[str], with_trajectories: bool = False
-) -> list[Generation]:
-    """Rebuild `Generation` records (attention when stored; trajectories when asked) for scorers."""
-    import torch
-
-    from actmap.store import decode_array
-
-    maps_meta = store.metadata().set_index("id")
-    tables = {
-        name: latest_rows(store.read_table(name))
-        for name in ("generations", "attention") + (("trajectories",) if with_trajectories else ())
-        if store.has_table(name)
-    }
-    index = {
-        name: {k: i for i, k in enumerate(t.column("id").to_pylist())} for name, t in tables.items()
-    }
-
-    def tensor(name: str, column: str, key: str):
-        if name not in tables or key not in index[name]:
-            return None
-        row = index[name][key]
-        shape = tables[name].column("shape")[row].as_py()
-        return torch.from_numpy(
-            decode_array(tables[name].column(column)[row].as_py(), shape).astype(np.float32)
-        )
-
-    gens = tables["generations"]
-    out = []
-    for key in ids:
-        row = index["generations"][key]
-
-        def get(column: str, row: int = row):
-            return gens.column(column)[row].as_py()
-
-        extras = {k: v for k in ("eos_logprob", "eos_entropy") if (v := get(k)) is not None}
-        trajectory = tensor("trajectories", "trajectory", key)
-        out.append(
-            Generation(
-                prompt=maps_meta.at[key, "prompt"],
-                answer=maps_meta.at[key, "answer"],
-                token_ids=get("token_ids"),
-                logprobs=torch.tensor(get("logprobs"), dtype=torch.float32),
-                entropies=torch.tensor(get("entropies"), dtype=torch.float32),
-                trajectory=trajectory if trajectory is not None else torch.empty(0),
-                stopped=get("stopped"),
-                prompt_tokens=get("prompt_tokens"),
-                attention=tensor("attention", "attention", key),
-                extras=extras,
-            )
-        )
-    return out

@@ -33,6 +33,7 @@ from actmap.cli import baselines as _baselines  # noqa: E402,F401
 from actmap.cli import capture as _capture  # noqa: E402,F401  (registers commands)
 from actmap.cli import demo as _demo  # noqa: E402,F401
 from actmap.cli import serve as _serve  # noqa: E402,F401
+from actmap.cli import store as _store  # noqa: E402,F401
 from actmap.cli import train as _train  # noqa: E402,F401
 
 
