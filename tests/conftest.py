@@ -188,3 +188,12 @@ def smollm2(embedded_gguf):
     from actmap.models import load_model
 
     return load_model(str(embedded_gguf))
+
+
+@pytest.fixture()
+def tiny_model_dir(tmp_path, tiny_llama, word_tokenizer):
+    """The tiny model and tokenizer saved as a local model folder (for CLI runs)."""
+    folder = tmp_path / "tiny-model"
+    tiny_llama.save_pretrained(folder)
+    word_tokenizer.save_pretrained(folder)
+    return folder

@@ -23,14 +23,6 @@ def test_every_command_has_help(command):
     assert "Usage" in result.output
 
 
-@pytest.fixture()
-def tiny_model_dir(tmp_path, tiny_llama, word_tokenizer):
-    folder = tmp_path / "tiny-model"
-    tiny_llama.save_pretrained(folder)
-    word_tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_capture_from_prompts_file_and_rebuild_maps(tmp_path, tiny_model_dir):
     prompts = tmp_path / "prompts.jsonl"
     lines = [
@@ -61,14 +53,18 @@ def test_capture_from_prompts_file_and_rebuild_maps(tmp_path, tiny_model_dir):
     assert pd.isna(frame[frame["source_key"] != "a"]["label"]).all()  # no answers -> unknown
     again = runner.invoke(app, args)  # resume: nothing new
     assert again.exit_code == 0 and "0 rows" in again.output.replace("\n", " ")
-    out = tmp_path / "maps16.safetensors"
+    out = tmp_path / "maps16"
     built = runner.invoke(
         app, ["build-maps", "--store", str(store), "--out", str(out), "--resolution", "16x64"]
     )
     assert built.exit_code == 0, built.output
-    from safetensors.torch import load_file
+    from actmap.store import MapStore
 
-    assert load_file(out)["maps"].shape == (2, 12, 16, 64)
+    derived = MapStore.open(out)
+    assert derived.manifest["map_shape"] == [12, 16, 64]
+    maps, meta = derived.load_maps()
+    assert maps.shape == (2, 12, 16, 64)
+    assert sorted(meta["id"]) == sorted(frame["id"])  # same rows, same labels as the source
 
 
 def test_stop_strings_come_from_the_task_or_the_command_line(tmp_path, tiny_model_dir):

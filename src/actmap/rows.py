@@ -8,6 +8,9 @@ rows change, so ActMap detectors and every baseline read identical rows.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 import pyarrow as pa
 
@@ -20,7 +23,7 @@ BALANCE_SEED = 0
 def balanced_splits(store: MapStore, seed: int = BALANCE_SEED) -> dict[str, list[str]]:
     """{split: balanced ids}; reads the stored table when it matches the committed rows."""
     meta = store.metadata()
-    fingerprint = f"{seed}:{len(meta)}:{int(meta['label'].notna().sum())}"
+    fingerprint = rows_fingerprint(meta["id"], meta["label"], seed)
     if store.has_table("splits"):
         table = store.read_table("splits")
         if table.num_rows and table.column("fingerprint")[0].as_py() == fingerprint:
@@ -39,6 +42,17 @@ def balanced_splits(store: MapStore, seed: int = BALANCE_SEED) -> dict[str, list
     store.replace_table("splits", table)
     store.update_manifest(balanced={s: c.__dict__ for s, c in chosen.counts.items()})
     return {s: list(chosen.ids[s]) for s in SPLITS}
+
+
+def rows_fingerprint(ids, labels, seed: int = BALANCE_SEED) -> str:
+    """A hash of the committed (id, label) pairs and the seed: any added, removed or
+    relabelled row changes it, whatever the order of the rows."""
+    pairs = sorted(
+        (str(key), "none" if label is None or label != label else str(int(label)))
+        for key, label in zip(ids, labels, strict=True)
+    )
+    digest = hashlib.sha256(json.dumps([seed, pairs]).encode())
+    return digest.hexdigest()[:32]
 
 
 def split_labels(store: MapStore, ids: list[str]) -> np.ndarray:

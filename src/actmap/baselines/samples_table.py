@@ -17,8 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from actmap.capture.run import latest_rows
-from actmap.store import MapStore, decode_array, encode_array
+from actmap.store import MapStore, decode_array, encode_array, latest_rows
 
 SAMPLES_TABLE = "samples"
 

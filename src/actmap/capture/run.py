@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import pyarrow as pa
 
 from actmap.baselines.actvit import pool_layers

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from actmap.cli import app
-from actmap.cli.common import console, progress_bar, user_errors
+from actmap.cli.common import console, fraction, progress_bar, user_errors
 
 SPLITS = ("train", "validation", "test")
 
@@ -119,8 +119,8 @@ def capture(
         from actmap.capture import CaptureConfig
         from actmap.capture.run import natural_accuracy, run_capture, store_config
         from actmap.maps import MapConfig
-        from actmap.models import load_model
-        from actmap.store import MapStore
+        from actmap.models import ModelSource, load_model
+        from actmap.store import MapStore, claim_store
 
         the_task = load_task(
             task,
@@ -144,14 +144,18 @@ def capture(
             stop_strings=stop_strings(the_task, stop, no_stop),
             share_prefix=share_prefix,
         )
-        console.print(f"loading [bold]{model}[/bold] ...")
-        lm, tokenizer, source = load_model(model, revision=revision, device=device)
         keep = {
             "trajectories": keep_trajectories,
             "attention_keys": attention_keys,
             "dense": keep_dense,
         }
+        # refuse a config mismatch or a second writer before the model's load time is spent
+        asked = ModelSource(model, model, None, revision)
+        claim = claim_store(out, store_config(the_task, asked, config, MapConfig(), keep))
+        console.print(f"loading [bold]{model}[/bold] ...")
+        lm, tokenizer, source = load_model(model, revision=revision, device=device)
         store = MapStore.create(out, store_config(the_task, source, config, MapConfig(), keep))
+        claim.release()
         with progress_bar() as bar:
             job = bar.add_task(f"capture {the_task.name}", total=len(examples), info="")
             summary = run_capture(
@@ -169,12 +173,12 @@ def capture(
         console.print(
             f"wrote {summary.written} rows ({summary.skipped_existing} already stored, "
             f"{summary.skipped_empty} empty answers) in {summary.wall_time_s:.1f} s; "
-            f"accuracy of this run {summary.accuracy:.3f}"
+            f"accuracy of this run {fraction(summary.accuracy)}"
         )
         accuracy = natural_accuracy(store)
         console.print(
             "natural accuracy in the store: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
+            + ", ".join(f"{k} {fraction(v)}" for k, v in accuracy.items())
         )
 
 
@@ -194,7 +198,9 @@ def build_maps_command(
     store_path: Path = typer.Option(
         ..., "--store", help="A store captured with --keep-trajectories."
     ),
-    out: Path = typer.Option(..., "--out", "-o", help="Output .safetensors file of maps (+ ids)."),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Folder of the new map store (train and evaluate read it)."
+    ),
     segments: int = typer.Option(4, help="Segment means: 1, 4 or 8."),
     resolution: str = typer.Option(
         "32x128", help="Layers x coordinates, e.g. 16x64, 32x128, 64x256."
@@ -204,14 +210,9 @@ def build_maps_command(
 ) -> None:
     """Rebuild maps from stored trajectories with other operator settings (ablations)."""
     with user_errors():
-        import json
-
-        import torch
-        from safetensors.torch import save_file
-
-        from actmap.capture.run import latest_rows
-        from actmap.maps import MapConfig, build_maps_from_list
-        from actmap.store import MapStore, decode_array
+        from actmap.maps import MapConfig
+        from actmap.store import MapStore
+        from actmap.store.derived import build_map_store
 
         layers_out, coords_out = (int(x) for x in resolution.lower().split("x"))
         config = MapConfig(
@@ -221,32 +222,13 @@ def build_maps_command(
             channels=tuple(c.strip() for c in channels.split(",")) if channels else None,
             normalization=normalization,
         )
-        store = MapStore.open(store_path)
-        if not store.has_table("trajectories"):
-            raise ValueError(f"{store_path} has no trajectories; capture with --keep-trajectories")
-        table = latest_rows(store.read_table("trajectories"))
-        committed = store.ids("maps")
-        ids, maps = [], []
+        source = MapStore.open(store_path)
         with progress_bar() as bar:
-            job = bar.add_task("build maps", total=table.num_rows, info="")
-            for batch in table.to_batches(max_chunksize=256):
-                keys = batch.column("id").to_pylist()
-                shapes = batch.column("shape").to_pylist()
-                blobs = batch.column("trajectory").to_pylist()
-                trajectories = [
-                    torch.from_numpy(decode_array(b, s).astype("float32"))
-                    for k, s, b in zip(keys, shapes, blobs, strict=True)
-                    if k in committed
-                ]
-                if trajectories:
-                    maps.append(build_maps_from_list(trajectories, config).half())
-                    ids += [k for k in keys if k in committed]
-                bar.advance(job, len(keys))
-        stacked = torch.cat(maps)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        metadata = {"ids": json.dumps(ids), "map_config": json.dumps(config.__dict__, default=list)}
-        save_file({"maps": stacked.contiguous()}, str(out), metadata=metadata)
-        console.print(f"wrote {len(ids)} maps of shape {tuple(stacked.shape[1:])} to {out}")
+            job = bar.add_task("build maps", total=len(source.ids("trajectories")), info="")
+            store = build_map_store(source, out, config, progress=lambda n: bar.advance(job, n))
+        console.print(
+            f"wrote {len(store.ids())} maps of shape {store.map_shape} to the store {out}"
+        )
 
 
 @app.command()
@@ -265,7 +247,7 @@ def relabel(
         accuracy = natural_accuracy(new)
         console.print(
             f"relabelled under rule '{rule}' into {out}; natural accuracy "
-            + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
+            + ", ".join(f"{k} {fraction(v)}" for k, v in accuracy.items())
         )
 
 
@@ -306,5 +288,5 @@ def judge_command(
         accuracy = natural_accuracy(judged)
         console.print(
             f"{len(judged_labels(judged))} of {total} summaries judged into {out}; "
-            "factual fraction " + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
+            "factual fraction " + ", ".join(f"{k} {fraction(v)}" for k, v in accuracy.items())
         )

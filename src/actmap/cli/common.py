@@ -51,3 +51,8 @@ def parse_ints(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+def fraction(value: float) -> str:
+    """A figure such as an accuracy, or "n/a" when there was nothing to compute it on."""
+    return "n/a" if value != value else f"{value:.3f}"  # NaN is the only value != itself

@@ -9,7 +9,9 @@ import typer
 from actmap.cli import app
 from actmap.cli.common import console, user_errors
 
-store_app = typer.Typer(help="Check a map store and set damaged shards aside.", no_args_is_help=True)
+store_app = typer.Typer(
+    help="Check a map store and set damaged shards aside.", no_args_is_help=True
+)
 app.add_typer(store_app, name="store")
 
 
@@ -20,8 +22,11 @@ def print_report(report) -> None:
     console.print(f"store {report.root}: {tables or 'no tables'}", highlight=False)
     for finding in report.findings:
         colour = "red" if finding.severity == "damage" else "yellow"
-        console.print(f"[{colour}]{finding.severity:6s}[/{colour}] {finding.where}: "
-                      f"{finding.message}", highlight=False, soft_wrap=True)
+        console.print(
+            f"[{colour}]{finding.severity:6s}[/{colour}] {finding.where}: {finding.message}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @store_app.command("verify")
@@ -36,7 +41,7 @@ def verify(store: Path = typer.Argument(..., help="A map store folder.")) -> Non
             console.print("verdict: ok", highlight=False)
             return
         console.print(
-            f"verdict: damaged ({len(report.damage)} problems); "
+            f"verdict: damaged ({len(report.damage)} problem(s)); "
             f"`actmap store repair {store}` sets the damaged shards aside",
             highlight=False,
             soft_wrap=True,

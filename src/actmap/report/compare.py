@@ -14,9 +14,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from actmap.capture.run import latest_rows
 from actmap.rows import balanced_splits
-from actmap.store import MapStore
+from actmap.store import MapStore, latest_rows
 
 # raw_name of methods whose confidence estimates p(correct), for results stored before each
 # record carried its scorer's ``probability``

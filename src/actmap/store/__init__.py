@@ -175,6 +175,26 @@ def check_config(root: Path, stored: dict, wanted: dict, ignore: Sequence[str] =
         )
 
 
+def claim_store(root: str | Path, config: dict, ignore: Sequence[str] = ("model",)):
+    """Before an expensive load (a model): become ``root``'s writer and check its config.
+
+    Refuses at once, with `StoreLocked` or `StoreError`, what `MapStore.create` would
+    refuse later; the ``ignore``d sections (known only after the load) are checked then.
+    Returns the lock's ticket: release it once the store is created.
+    """
+    from actmap.store.lock import acquire
+
+    root = Path(root)
+    ticket = acquire(root)
+    try:
+        if (root / MANIFEST).exists():
+            check_config(root, read_manifest(root).get("config") or {}, config, ignore)
+    except BaseException:
+        ticket.release()
+        raise
+    return ticket
+
+
 # -- shards ----------------------------------------------------------------------------------
 def shard_order(path: Path) -> tuple[int, str]:
     """Write order of a shard: its sequence number, then its name (``part-00012`` or

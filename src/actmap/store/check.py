@@ -28,6 +28,7 @@ matching side-table rows).
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -113,7 +114,11 @@ def _read_shards(store: MapStore, table: str, report: StoreReport) -> dict[Path,
         counts = Counter(tuple((f.name, str(f.type)) for f in t.schema) for t in readable.values())
         common = counts.most_common(1)[0][0] if counts else ()
         expected = next(
-            (t.schema for t in readable.values() if tuple((f.name, str(f.type)) for f in t.schema) == common),
+            (
+                t.schema
+                for t in readable.values()
+                if tuple((f.name, str(f.type)) for f in t.schema) == common
+            ),
             None,
         )
     for shard, data in list(readable.items()):
@@ -177,7 +182,10 @@ def _check_maps(store: MapStore, report: StoreReport, readable: dict[Path, pa.Ta
         ).reshape(len(ok), -1)
         finite = np.isfinite(values).all(axis=1)
         bad_values = {ids[i] for i, good in zip(ok, finite, strict=True) if not good}
-        for keys, why in ((wrong | nulls, f"map not {store.map_bytes} bytes"), (bad_values, "map not finite")):
+        for keys, why in (
+            (wrong | nulls, f"map not {store.map_bytes} bytes"),
+            (bad_values, "map not finite"),
+        ):
             if keys:
                 report._add("damage", shard, f"{len(keys)} {why}: {_examples(keys)}")
                 report.bad_map_ids.update(dict.fromkeys(keys, why))
@@ -199,7 +207,10 @@ def verify_store(store: MapStore | str | Path) -> StoreReport:
     from actmap.store.lock import holder_is_writing
 
     store = store if isinstance(store, MapStore) else MapStore.open(store)
-    report = StoreReport(root=store.root, writer=holder_is_writing(store.root))
+    writer = holder_is_writing(store.root)
+    if writer is not None and writer.get("pid") == os.getpid():
+        writer = None  # this process (a repair) is the writer
+    report = StoreReport(root=store.root, writer=writer)
     if report.writer is not None:
         report._add(
             "note",

@@ -18,7 +18,15 @@ import torch
 from actmap.maps import MapConfig, build_maps_from_list, map_shape
 from actmap.store import MapRecord, MapStore, StoreError, decode_array
 
-RECORD_FIELDS = ("source_key", "dataset", "split", "model_name", "model_revision", "prompt", "answer")
+RECORD_FIELDS = (
+    "source_key",
+    "dataset",
+    "split",
+    "model_name",
+    "model_revision",
+    "prompt",
+    "answer",
+)
 
 
 def build_map_store(
@@ -61,7 +69,9 @@ def build_map_store(
                 for _, shape, blob in rows
             ]
             maps = build_maps_from_list(trajectories, config).half().numpy()  # (B, C, H, W)
-            store.write_maps([_record(key, meta.loc[key], m) for (key, _, _), m in zip(rows, maps, strict=True)])
+            store.write_maps(
+                [_record(key, meta.loc[key], m) for (key, _, _), m in zip(rows, maps, strict=True)]
+            )
         if progress is not None:
             progress(batch.num_rows)
     store.link_tables(
@@ -76,6 +86,8 @@ def _record(key: str, row, array: np.ndarray) -> MapRecord:
         id=key,
         **{name: row[name] for name in RECORD_FIELDS},
         n_tokens=int(row["n_tokens"]),
-        label=None if label is None or (isinstance(label, float) and math.isnan(label)) else int(label),
+        label=None
+        if label is None or (isinstance(label, float) and math.isnan(label))
+        else int(label),
         map=array,
     )
