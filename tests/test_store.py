@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pandas as pd
@@ -135,3 +136,137 @@ def test_config_differences_name_nested_keys():
         ("capture.stop_strings", None, ["\n"]),
     ]
     assert config_differences(new, new) == []
+
+
+# -- the store's rules ---------------------------------------------------------------------------
+def test_latest_rows_keep_the_last_row_per_id_in_write_order(tmp_path):
+    from actmap.store import latest_rows
+
+    table = pa.table({"id": ["a", "b", "a", "c", "b"], "v": [1, 2, 3, 4, 5]})
+    kept = latest_rows(table).to_pydict()
+    # naive reference: the last value seen per id, in the order of each id's last row
+    last = {}
+    for key, value in zip(table["id"].to_pylist(), table["v"].to_pylist(), strict=True):
+        last.pop(key, None)
+        last[key] = value
+    assert list(zip(kept["id"], kept["v"], strict=True)) == list(last.items())
+    store = MapStore.create(tmp_path, {})
+    store.write_table("generations", pa.table({"id": ["a", "b"], "v": [1, 2]}))
+    store.write_table("generations", pa.table({"id": ["a"], "v": [3]}))  # a rerun of 'a'
+    assert store.read_latest("generations", ["v"]).to_pydict() == {"id": ["b", "a"], "v": [2, 3]}
+
+
+def test_shard_names_cannot_collide_and_sort_in_write_order(tmp_path):
+    from actmap.store import list_shards
+
+    store = MapStore.create(tmp_path, {})
+    (tmp_path / "t").mkdir()
+    pq.write_table(pa.table({"id": ["old"]}), tmp_path / "t" / "part-00000.parquet")  # older name
+    written = [store.write_table("t", pa.table({"id": [str(i)]})) for i in range(12)]
+    names = [p.name for p in written]
+    assert len(set(names)) == 12
+    assert all(name.startswith(f"part-{i + 1:05d}-{os.getpid()}-") for i, name in enumerate(names))
+    assert list_shards(tmp_path / "t") == [tmp_path / "t" / "part-00000.parquet", *written]
+    # two writers that compute the same sequence number still get different files
+    again = {store._next_shard("t").name for _ in range(50)}
+    assert len(again) == 50
+
+
+def test_manifest_updates_of_one_key_leave_the_rest(tmp_path):
+    first = MapStore.create(tmp_path, {"c": 1})
+    first.update_manifest(results={"ppl": {"rows": 3, "auroc": 0.6}})
+    second = MapStore.open(tmp_path)
+    first.set_manifest_key(("results", "actvit"), {"rows": 5})
+    second.set_manifest_key(("results", "ppl", "auroc"), 0.7)  # re-read on disk: keeps actvit
+    merged = MapStore.open(tmp_path).manifest
+    assert merged["results"] == {"ppl": {"rows": 3, "auroc": 0.7}, "actvit": {"rows": 5}}
+    assert merged["config"] == {"c": 1}
+
+
+def test_split_fingerprint_hashes_ids_and_labels(tmp_path):
+    from actmap.rows import balanced_splits, rows_fingerprint
+
+    rng = np.random.default_rng(7)
+    store = MapStore.create(tmp_path, {})
+    records = [record(i, rng, label=i % 2) for i in range(8)]
+    store.write_maps(records)
+    first = balanced_splits(store)
+    ids, labels = [r.id for r in records], [r.label for r in records]
+    assert rows_fingerprint(ids, labels) == rows_fingerprint(ids[::-1], labels[::-1])
+    swapped = [1 - x if i in (0, 1) else x for i, x in enumerate(labels)]  # same class counts
+    assert rows_fingerprint(ids, swapped) != rows_fingerprint(ids, labels)
+    assert rows_fingerprint(ids, labels, seed=1) != rows_fingerprint(ids, labels)
+    stored = store.read_table("splits").column("fingerprint")[0].as_py()
+    assert stored == rows_fingerprint(ids, labels)
+    assert balanced_splits(store) == first  # unchanged rows: read back, not recomputed
+
+
+def test_generations_are_read_through_the_store(tmp_path):
+    from actmap.store.generations import read_generations
+
+    store = MapStore.create(tmp_path, {})
+    rng = np.random.default_rng(8)
+    store.write_maps([record(0, rng)])
+    row = {
+        "id": ["d:0"],
+        "token_ids": pa.array([[5, 6]], pa.list_(pa.int32())),
+        "logprobs": pa.array([[-0.5, -1.0]], pa.list_(pa.float32())),
+        "entropies": pa.array([[0.1, 0.2]], pa.list_(pa.float32())),
+        "stopped": [True],
+        "prompt_tokens": pa.array([4], pa.int32()),
+        "eos_logprob": pa.array([None], pa.float32()),
+        "eos_entropy": pa.array([None], pa.float32()),
+    }
+    store.write_table("generations", pa.table(row))
+    store.write_table(
+        "generations", pa.table({**row, "token_ids": pa.array([[7]], pa.list_(pa.int32()))})
+    )
+    (generation,) = read_generations(store, ["d:0"])
+    assert generation.token_ids == [7]  # the rerun's row
+    assert generation.prompt == "p0" and generation.answer == "a0"
+    with pytest.raises(StoreError, match="'d:9' has no row in the generations table"):
+        read_generations(store, ["d:9"])
+
+
+def test_ablation_maps_become_a_store_that_training_reads(tmp_path):
+    import torch
+
+    from actmap.cli.train import load_balanced
+    from actmap.maps import MapConfig, build_maps_from_list
+    from actmap.store.derived import build_map_store
+
+    rng = np.random.default_rng(9)
+    source = MapStore.create(tmp_path / "src", {"task": "t"})
+    records = [record(i, rng, label=i % 2) for i in range(12)]
+    records = [
+        MapRecord(**{**r.__dict__, "split": ("train", "validation", "test")[i % 3]})
+        for i, r in enumerate(records)
+    ]
+    trajectories = [rng.standard_normal((30, 3 + i, 128)).astype(np.float32) for i in range(12)]
+    source.write_maps(records)
+    source.write_table(
+        "trajectories",
+        pa.table(
+            {
+                "id": [r.id for r in records],
+                "shape": pa.array([list(t.shape) for t in trajectories], pa.list_(pa.int32())),
+                "trajectory": [t.astype(np.float16).tobytes() for t in trajectories],
+            }
+        ),
+    )
+    source.write_table("generations", pa.table({"id": [r.id for r in records]}))
+    config = MapConfig(layers_out=16, coords_out=64, n_segments=8)
+    derived = build_map_store(source, tmp_path / "ablation", config, batch_size=5)
+    assert derived.map_shape == (16, 16, 64) and derived.manifest["map_shape"] == [16, 16, 64]
+    assert derived.manifest["config"]["map"]["n_segments"] == 8
+    maps, meta = MapStore.open(tmp_path / "ablation").load_maps([r.id for r in records])
+    expected = build_maps_from_list(
+        [torch.from_numpy(t.astype(np.float16).astype(np.float32)) for t in trajectories], config
+    ).half()
+    np.testing.assert_array_equal(maps, expected.numpy())
+    assert meta["label"].tolist() == [r.label for r in records]
+    assert derived.has_table("generations")  # side tables shared with the source
+    splits, _ = load_balanced(tmp_path / "ablation")
+    assert splits["train"].maps.shape[1:] == (16, 16, 64)
+    with pytest.raises(StoreError, match="shape"):
+        derived.write_maps([record(99, rng)])  # a 12x32x128 map does not fit this store

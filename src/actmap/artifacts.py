@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from actmap.atomic import atomic_write_text
 
 
 def package_version() -> str:
@@ -37,7 +38,4 @@ def json_safe(value: Any) -> Any:
 
 def write_json(path: Path, obj: Any) -> None:
     """Strict JSON (NaN -> null), written to a temporary file then renamed into place."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")

@@ -106,22 +106,12 @@ def load_model(
 
 
 def _save_atomically(model, tokenizer, target: Path) -> None:
-    import os
-    import shutil
-    import tempfile
-
     # GGUF weights are already de-quantized to float tensors; only the loader's marker remains
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
+    from actmap.atomic import atomic_path
+
+    with atomic_path(target, directory=True) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

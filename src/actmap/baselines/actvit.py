@@ -23,8 +23,6 @@ import itertools
 import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,6 +37,7 @@ from sklearn.metrics import roc_auc_score
 from torch import nn
 
 from actmap.artifacts import package_version
+from actmap.atomic import atomic_path, atomic_write_text
 from actmap.baselines.base import BaselineUnavailable
 from actmap.scoring import ScoreResult
 from actmap.training import deterministic_torch, resolve_device, seed_everything
@@ -157,15 +156,8 @@ def _as_batch(rows: Any, pad_mode: PadMode = "zero") -> torch.Tensor:
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """safetensors to a temporary file beside `path`, then os.replace (no torn files)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------- model
@@ -570,9 +562,7 @@ class SweepResult:
                     "file": fname,
                 }
             )
-        tmp = directory / ".result.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, directory / "result.json")
+        atomic_write_text(directory / "result.json", json.dumps(meta, indent=2))
         return directory
 
     @classmethod

@@ -18,13 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from actmap.atomic import atomic_write_text
 from actmap.baselines.base import BaselineUnavailable
 
 log = logging.getLogger(__name__)
@@ -287,15 +286,7 @@ class CachedJudge:
         """Write the cache atomically (temporary file, then rename)."""
         if self.path is None:
             raise ValueError("CachedJudge has no path to save to")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump({"judge": self.name, "labels": self.labels}, handle)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_text(self.path, json.dumps({"judge": self.name, "labels": self.labels}))
 
     def _load(self, path: Path) -> None:
         data = json.loads(path.read_text())

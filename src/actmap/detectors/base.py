@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from sklearn.exceptions import NotFittedError
 
 from actmap.artifacts import package_version, write_json
+from actmap.atomic import atomic_path
 from actmap.detectors.registry import create_detector
 from actmap.scoring import ScoreResult, sigmoid
 from actmap.training import (
@@ -189,7 +190,8 @@ class CorrectnessDetector:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().cpu().contiguous() for k, v in self.model_.state_dict().items()}
-        save_file(state, out / "model.safetensors")
+        with atomic_path(out / "model.safetensors") as tmp:
+            save_file(state, tmp)
         write_json(
             out / "config.json",
             {
