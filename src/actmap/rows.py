@@ -39,8 +39,9 @@ def balanced_splits(store: MapStore, seed: int = BALANCE_SEED) -> dict[str, list
             "fingerprint": [fingerprint] * len(rows),
         }
     )
-    store.replace_table("splits", table)
-    store.update_manifest(balanced={s: c.__dict__ for s, c in chosen.counts.items()})
+    with store.writing():  # a reader (train, evaluate) is a writer only for this moment
+        store.replace_table("splits", table)
+        store.update_manifest(balanced={s: c.__dict__ for s, c in chosen.counts.items()})
     return {s: list(chosen.ids[s]) for s in SPLITS}
 
 

@@ -36,6 +36,7 @@ import secrets
 import shutil
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -283,6 +284,17 @@ class MapStore:
 
             self._writer = acquire(self.root)
             weakref.finalize(self, self._writer.release)
+
+    @contextmanager
+    def writing(self) -> Iterator[MapStore]:
+        """Be the store's writer for the block only (unless this handle was one already)."""
+        held = self._writer is not None
+        self.acquire_writer()
+        try:
+            yield self
+        finally:
+            if not held:
+                self.close()
 
     def close(self) -> None:
         """Give up the writer lock (also done when the handle is collected or the process ends)."""
