@@ -167,6 +167,9 @@ def test_retention_by_count_and_age(tmp_path):
     assert trail.apply_retention(now=datetime.now(UTC) + timedelta(days=2)) == 16
     assert {int(k.split("-")[1]) for k in read_audit(trail.store)["id"]} == {4}  # newest stays
     trail.close()
+    from actmap.store.check import verify_store
+
+    assert verify_store(tmp_path / "a").findings == []  # dropped shards left the manifest too
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
         AuditTrail(tmp_path / "b", max_rows=0)
 

@@ -230,9 +230,8 @@ def run_method(inputs: StoreInputs, method: str, rows: str) -> MethodResult:
         "finished_at": datetime.now(UTC).isoformat(),
         "package_version": package_version(),
     }
-    results = {**store.manifest.get("results", {}), method: json_safe(record)}
-    store.update_manifest(results=results)
-    return MethodResult(method, "done", "", len(ids), results[method])
+    store.set_manifest_key(("results", method), json_safe(record))
+    return MethodResult(method, "done", "", len(ids), json_safe(record))
 
 
 def run_baselines(

@@ -217,8 +217,8 @@ def run_capture(
         wall_time_s=time.perf_counter() - started,
         generation_time_s=generation_time,
     )
-    runs = store.manifest.get("runs", [])
-    store.update_manifest(runs=[*runs, {**asdict(summary), "finished_at": time.time()}])
+    run = {**asdict(summary), "finished_at": time.time()}
+    store.edit_manifest(lambda manifest: manifest.setdefault("runs", []).append(run))
     return summary
 
 

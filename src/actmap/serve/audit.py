@@ -229,6 +229,7 @@ class AuditTrail:
         self.flush()
         self.apply_retention()
         self._lock_file.close()
+        self.store.close()  # gives up the store's writer lock
 
     # -- retention -------------------------------------------------------------------------
     def apply_retention(self, now: datetime | None = None) -> int:
@@ -240,7 +241,7 @@ class AuditTrail:
         now = now or datetime.now(UTC)
         with self._write_lock:
             shards = []  # (path, ids, newest created_at), oldest shard first
-            for path in sorted(self.store.dataset("maps").files):
+            for path in self.store.shards("maps"):
                 table = pq.read_table(path, columns=["id", "created_at"])
                 newest = pc.max(table.column("created_at")).as_py()
                 shards.append((Path(path), table.column("id").to_pylist(), newest))
@@ -253,14 +254,14 @@ class AuditTrail:
                 too_many = self.max_rows is not None and kept_rows - len(ids) >= self.max_rows
                 if not (too_old or too_many):
                     break
-                path.unlink()
+                self.store.forget_shards("maps", [path], unlink=True)
                 kept_rows -= len(ids)
                 dropped.update(ids)
             if dropped and self.store.has_table(AUDIT_TABLE):
-                for path in self.store.dataset(AUDIT_TABLE).files:
+                for path in self.store.shards(AUDIT_TABLE):
                     ids = set(pq.read_table(path, columns=["id"]).column("id").to_pylist())
                     if ids <= dropped:
-                        Path(path).unlink()
+                        self.store.forget_shards(AUDIT_TABLE, [path], unlink=True)
         if dropped:
             log.info("audit retention dropped %d rows from %s", len(dropped), self.store.root)
         return len(dropped)

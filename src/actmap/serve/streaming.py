@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from actmap.capture.run import latest_rows
 from actmap.metrics import auroc
 from actmap.store import MapStore, decode_array
 
@@ -77,7 +76,7 @@ def running_auroc(
     rows = meta[(meta["split"] == split) & meta["label"].notna()].drop_duplicates("id")
     if rows.empty:
         raise ValueError(f"{store.root} has no labelled rows in split '{split}'")
-    table = latest_rows(store.read_table("trajectories"))
+    table = store.read_latest("trajectories")
     index = {key: i for i, key in enumerate(table.column("id").to_pylist())}
     missing = [key for key in rows["id"] if key not in index]
     if missing:
