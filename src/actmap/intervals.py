@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
 from scipy.stats import rankdata
 
 from actmap import metrics

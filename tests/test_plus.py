@@ -1,0 +1,129 @@
+"""actmap-plus: against scikit-learn's own pipeline, its saved artifact, and its prior shift."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+from sklearn.decomposition import PCA
+from sklearn.exceptions import NotFittedError
+from sklearn.linear_model import LogisticRegressionCV
+from sklearn.metrics import roc_auc_score
+from sklearn.model_selection import StratifiedKFold
+
+from actmap.answer_features import SCALAR_NAMES, answer_scalars
+from actmap.detectors.plus import ActMapPlus, PlusConfig
+from actmap.prior import logit
+
+SHAPE = (3, 4, 8)  # small maps: 96 values
+
+
+def synthetic(n=240, prevalence=0.3, seed=0):
+    """Maps whose first value carries the label, and scalars whose length also does."""
+    rng = np.random.default_rng(seed)
+    y = (rng.random(n) < prevalence).astype(int)
+    maps = rng.normal(size=(n, *SHAPE)).astype(np.float16)
+    maps[:, 0, 0, 0] += 1.5 * y
+    lengths = rng.poisson(np.where(y == 1, 3, 8)) + 1
+    scalars = np.column_stack(
+        [lengths, -0.5 * lengths, -rng.random(n), rng.random(n), rng.random(n) + 1, rng.random(n)]
+    )
+    return maps, y, scalars
+
+
+def test_answer_scalars_by_hand():
+    lp, h = [-0.1, -2.0, -0.5], [0.3, 1.2, 0.6]
+    np.testing.assert_allclose(
+        answer_scalars(lp, h), [3, -2.6, -2.6 / 3, 0.7, 1.2, np.exp(-0.1)], rtol=1e-12
+    )
+    assert len(SCALAR_NAMES) == 6
+    with pytest.raises(ValueError, match="empty answer"):
+        answer_scalars([], [])
+
+
+def test_logits_match_the_sklearn_pipeline():
+    maps, y, scalars = synthetic()
+    cfg = PlusConfig(n_components=5, use_scalars=True, class_weight="balanced", n_strengths=4)
+    est = ActMapPlus(cfg).fit(maps, y, scalars)
+    # the same pipeline written with scikit-learn directly
+    x = maps.reshape(len(maps), -1).astype(np.float32)
+    pca = PCA(5, svd_solver="randomized", random_state=0).fit(x)
+    f = np.hstack([pca.transform(x), scalars])
+    f = (f - f.mean(0)) / f.std(0)
+    folds = StratifiedKFold(5, shuffle=True, random_state=0)
+    ref = LogisticRegressionCV(
+        Cs=4, cv=folds, scoring="roc_auc", class_weight="balanced", max_iter=5000
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ref.fit(f, y)
+    np.testing.assert_allclose(
+        est.decision_function(maps, scalars), ref.decision_function(f), rtol=1e-4, atol=1e-4
+    )
+    assert est.C_ == pytest.approx(np.ravel(ref.C_)[0])
+    assert est.calibrated_prevalence_ == 0.5
+    assert est.train_prevalence_ == pytest.approx(y.mean())
+    assert roc_auc_score(y, est.predict_proba(maps, scalars)) > 0.8
+
+
+def test_save_and_from_pretrained_predict_identically(tmp_path):
+    maps, y, scalars = synthetic()
+    est = ActMapPlus(PlusConfig(n_components=8, n_strengths=3)).fit(maps, y, scalars)
+    est.save(tmp_path / "plus", metadata={"store": "s"})
+    assert sorted(p.name for p in (tmp_path / "plus").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    config = json.loads((tmp_path / "plus" / "config.json").read_text())
+    assert config["detector"] == "actmap-plus"
+    assert config["train_prevalence"] == pytest.approx(y.mean())
+    assert config["metadata"] == {"store": "s"}
+    loaded = ActMapPlus.from_pretrained(tmp_path / "plus")
+    np.testing.assert_allclose(  # same arrays; BLAS may sum in another order
+        loaded.predict_proba(maps, scalars, prevalence=0.1),
+        est.predict_proba(maps, scalars, prevalence=0.1),
+        rtol=1e-7,
+    )
+
+
+def test_prevalence_shifts_the_logit_by_the_prior_offset():
+    maps, y, scalars = synthetic()
+    est = ActMapPlus(PlusConfig(n_components=4, n_strengths=2)).fit(maps, y, scalars)
+    p = est.predict_proba(maps, scalars)
+    q = est.predict_proba(maps, scalars, prevalence=0.07)
+    np.testing.assert_allclose(logit(q) - logit(p), logit(0.07) - logit(0.5), atol=1e-8)
+    unweighted = ActMapPlus(PlusConfig(n_components=4, n_strengths=2, class_weight=None))
+    unweighted.fit(maps, y, scalars)
+    assert unweighted.calibrated_prevalence_ == pytest.approx(y.mean())
+    # calibrated where it was trained: mean p(correct) tracks the fraction correct
+    assert unweighted.predict_proba(maps, scalars).mean() == pytest.approx(y.mean(), abs=0.03)
+
+
+def test_scalars_only_and_map_only():
+    maps, y, scalars = synthetic()
+    only_scalars = ActMapPlus(PlusConfig(n_components=0, n_strengths=2)).fit(maps, y, scalars)
+    assert only_scalars.coef_.shape == (6,)
+    only_map = ActMapPlus(PlusConfig(n_components=3, use_scalars=False, n_strengths=2))
+    only_map.fit(maps, y)
+    assert only_map.decision_function(maps).shape == (len(y),)
+
+
+def test_clear_errors():
+    maps, y, scalars = synthetic()
+    with pytest.raises(NotFittedError):
+        ActMapPlus().predict_proba(maps, scalars)
+    est = ActMapPlus(PlusConfig(n_components=3, n_strengths=2)).fit(maps, y, scalars)
+    with pytest.raises(ValueError, match="pass scalars="):
+        est.predict_proba(maps)
+    with pytest.raises(ValueError, match=r"scalars must have shape \(240, 6\)"):
+        est.predict_proba(maps, scalars[:, :3])
+    with pytest.raises(ValueError, match="maps have 48 values per row"):
+        est.predict_proba(maps[:, :, :2], scalars)
+    with pytest.raises(ValueError, match="prevalence must be strictly between 0 and 1"):
+        est.predict_proba(maps, scalars, prevalence=1.0)
+    with pytest.raises(ValueError, match="both classes"):
+        ActMapPlus().fit(maps, np.zeros(len(y)), scalars)
+    with pytest.raises(ValueError, match="needs the map"):
+        PlusConfig(n_components=0, use_scalars=False)
