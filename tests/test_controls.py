@@ -111,3 +111,83 @@ def test_permuted_control_is_deterministic_and_leaves_the_template_unfitted():
     result = a.score(train)
     assert result.details["seed"] == 3 and result.details["inner"] == "feature_probe"
     assert result.raw_name == "permuted_p"
+
+
+# --- the control on rows where the answer length alone predicts the label -------------------
+
+
+def length_rows(rng, n, shape=(2, 4, 8)):
+    """Correct answers are short (2-5 tokens), wrong ones long (6-10); nothing else carries it."""
+    from test_tad import random_gen  # the TAD tests' random generations
+
+    from actmap.comparison import Rows
+
+    y = rng.integers(0, 2, n)
+    lengths = np.where(y == 1, rng.integers(2, 6, n), rng.integers(6, 11, n))
+    gens = [random_gen(rng, int(t)) for t in lengths]
+    scalars = np.column_stack(
+        [
+            lengths,
+            -0.7 * lengths,
+            rng.normal(-0.7, 0.1, n),
+            rng.random(n),
+            rng.random(n),
+            rng.random(n),
+        ]
+    )
+    maps = rng.normal(size=(n, *shape)).astype(np.float32)
+    return gens, Rows([str(i) for i in range(n)], y, maps, scalars), y
+
+
+@pytest.fixture(scope="module")
+def length_store():
+    rng = np.random.default_rng(0)
+    return length_rows(rng, 120), length_rows(rng, 60), length_rows(rng, 200)
+
+
+def test_permuted_tad_keeps_the_choices_made_on_real_labels(length_store):
+    from actmap.baselines.tad import TAD
+
+    (tr, _, ytr), (va, _, yva), (te, _, yte) = length_store
+    real = TAD(n_previous=3).fit(tr, ytr, va, yva)
+    control = PermutedLabelControl(TAD(n_previous=3), seed=0).fit(tr, ytr, va, yva)
+    chosen = (real.stage1_alpha_, real.alpha_, real.aggregation_)
+    assert control.fixed_["stage1_alpha"], control.fixed_["alpha"] == chosen[:2]
+    fitted = control.scorer_
+    assert (fitted.stage1_alpha_, fitted.alpha_, fitted.aggregation_) == chosen
+    assert not hasattr(fitted, "val_auroc_")  # nothing re-selected on shuffled labels
+    # "mean" fixed: the refit learns nothing from shuffled labels -> near chance
+    mean_aucs = [
+        roc_auc_score(
+            yte,
+            PermutedLabelControl(TAD(3, aggregation="mean"), seed=s)
+            .fit(tr, ytr, va, yva)
+            .score(te)
+            .confidence,
+        )
+        for s in range(3)
+    ]
+    assert abs(np.mean(mean_aucs) - 0.5) < 0.15
+    # "sum_log" fixed: a sum over the answer's tokens ranks by length with any labels
+    lengths = np.array([g.n_tokens for g in te])
+    summed = PermutedLabelControl(TAD(3, aggregation="sum_log"), seed=0).fit(tr, ytr, va, yva)
+    assert roc_auc_score(yte, summed.score(te).confidence) > 0.9
+    assert roc_auc_score(yte, -lengths) == 1.0
+
+
+def test_permuted_actmap_plus_falls_to_chance_where_length_predicts_the_label(length_store):
+    from actmap.comparison import PlusScorer
+    from actmap.detectors.plus import PlusConfig
+
+    (_, tr, ytr), (_, va, yva), (_, te, yte) = length_store
+    grid = [PlusConfig(n_components=4, n_strengths=4), PlusConfig(n_components=0, n_strengths=4)]
+    honest = PlusScorer(grid).fit(tr, ytr, va, yva)
+    assert roc_auc_score(yte, honest.score(te).confidence) > 0.95  # it reads the length
+    aucs = []  # one permutation is one random linear scorer; on these rows their AUROCs spread
+    for seed in range(16):  # widely (sd ~.17, length dominates any direction), so average
+        control = PermutedLabelControl(PlusScorer(grid), seed=seed).fit(tr, ytr, va, yva)
+        chosen = honest.model_.config_
+        assert control.scorer_.model_.config_.n_components == chosen.n_components
+        assert control.scorer_.model_.C_ == pytest.approx(honest.model_.C_)
+        aucs.append(roc_auc_score(yte, control.score(te).confidence))
+    assert abs(np.mean(aucs) - 0.5) < 0.1

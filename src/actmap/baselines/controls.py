@@ -81,9 +81,22 @@ def permute_labels(y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 class PermutedLabelControl:
-    """A supervised scorer fit on permuted training (and validation) labels; AUROC should be ~0.5.
+    """The method under test refit on permuted training labels, everything else fixed.
 
-    ``inner`` is a scorer instance (deep-copied, never mutated) or a zero-argument factory.
+    ``inner`` is a scorer instance (deep-copied, never mutated) or a zero-argument
+    factory. When the scorer makes choices on validation rows and can hand them
+    over (``fixed_choices()``, e.g. TAD's Ridge alphas and aggregation), it is first
+    fit on the real labels to make those choices, and the copy with the choices
+    fixed is refit on the permuted training labels without validation labels.
+    Otherwise (an ActMap detector, the length control) the scorer itself is fit on
+    permuted training labels, and its validation labels are permuted too, so
+    early stopping or any other selection sees no real label either.
+
+    What the control measures: the AUROC the method reaches without any link
+    between rows and labels. A method that learns its signal from labels lands
+    near 0.5 (average several ``seed``s: one permutation is one draw); a score
+    that ranks answers by a label-free quantity (e.g. TAD's ``sum_log``, a sum of
+    per-token log-confidences over the answer's length) keeps that ranking.
     """
 
     name: ClassVar[str] = "permuted_label"
@@ -125,8 +138,15 @@ class PermutedLabelControl:
     ) -> PermutedLabelControl:
         rng = np.random.default_rng(self.seed)
         self.y_train_permuted_ = permute_labels(y_train, rng)
-        y_val_permuted = permute_labels(y_val, rng) if y_val is not None else None
-        self.scorer_ = self._make().fit(train, self.y_train_permuted_, val, y_val_permuted)
+        scorer = self._make()
+        self.fixed_ = {}
+        if hasattr(scorer, "fixed_choices"):
+            fixed = scorer.fit(train, y_train, val, y_val).fixed_choices()  # choices: real labels
+            self.fixed_ = {k: v for k, v in vars(fixed).items() if not k.endswith("_")}
+            self.scorer_ = fixed.fit(train, self.y_train_permuted_)
+        else:
+            y_val_permuted = permute_labels(y_val, rng) if y_val is not None else None
+            self.scorer_ = scorer.fit(train, self.y_train_permuted_, val, y_val_permuted)
         return self
 
     def score(self, rows: Sequence[Any]) -> ScoreResult:
@@ -136,6 +156,7 @@ class PermutedLabelControl:
         details = {
             "seed": self.seed,
             "inner": getattr(self.scorer_, "name", type(self.scorer_).__name__),
+            "fixed_on_real_labels": self.fixed_,
         }
         details["inner_details"] = inner.details
         return ScoreResult(inner.confidence, inner.raw, f"permuted_{inner.raw_name}", details)

@@ -207,9 +207,11 @@ class TAD:
         aggregation: str | None = None,
         n_folds: int = 5,
         seed: int = 1,
+        stage1_alpha: float | None = None,
     ) -> None:
         self.n_previous = n_previous  # K: previous answer tokens whose attention is read
         self.alpha = alpha  # None = pick from ALPHA_GRID on validation rows (both stages)
+        self.stage1_alpha = stage1_alpha  # stage 1's Ridge alpha when fixed; None = as ``alpha``
         self.aggregation = aggregation  # None = pick "mean" or "sum_log" on validation rows
         self.n_folds = n_folds  # stacking folds over training sequences
         self.seed = seed  # KFold random_state, upstream's 1
@@ -232,8 +234,8 @@ class TAD:
         alphas = ALPHA_GRID if self.alpha is None else (self.alpha,)
         aggs = AGGREGATIONS if self.aggregation is None else (self.aggregation,)
         x1, y1, _ = design_matrix(seqs, oracle_q(seqs, y_train), y_train)
-        alpha1 = alphas[0]
-        if len(alphas) > 1:
+        alpha1 = self.stage1_alpha if self.stage1_alpha is not None else alphas[0]
+        if len(alphas) > 1 and self.stage1_alpha is None:
             (auc1, alpha1, _), self.stage1_val_auroc_ = select_on_validation(
                 x1, y1, val_seqs, y_val, alphas, aggs
             )
@@ -252,6 +254,22 @@ class TAD:
         self.stage1_alpha_, self.alpha_, self.aggregation_ = alpha1, alpha2, agg
         self.n_features_in_ = x2.shape[1]
         return self
+
+    def fixed_choices(self) -> TAD:
+        """An unfitted TAD with the alphas and aggregation this fitted one chose on validation.
+
+        The permuted-label control refits it on shuffled labels, so only the labels change.
+        """
+        if not hasattr(self, "model_"):
+            raise RuntimeError("TAD.fixed_choices called before fit")
+        return TAD(
+            self.n_previous,
+            alpha=self.alpha_,
+            aggregation=self.aggregation_,
+            n_folds=self.n_folds,
+            seed=self.seed,
+            stage1_alpha=self.stage1_alpha_,
+        )
 
     def token_confidences(self, gen: Generation) -> np.ndarray:
         """q_t for every answer token of one generation -> (T,)."""

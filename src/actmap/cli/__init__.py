@@ -32,6 +32,7 @@ def _setup(
 from actmap.cli import baselines as _baselines  # noqa: E402,F401
 from actmap.cli import capture as _capture  # noqa: E402,F401  (registers commands)
 from actmap.cli import demo as _demo  # noqa: E402,F401
+from actmap.cli import product as _product  # noqa: E402,F401
 from actmap.cli import serve as _serve  # noqa: E402,F401
 from actmap.cli import store as _store  # noqa: E402,F401
 from actmap.cli import train as _train  # noqa: E402,F401

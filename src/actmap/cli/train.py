@@ -91,7 +91,11 @@ def train_on_store(
 def train(
     store: Path = typer.Option(..., help="Map store to train on (its balanced rows)."),
     out: Path = typer.Option(..., "--out", "-o", help="Run folder: one seed-<s>/ per seed."),
-    detector: str = typer.Option("vit", help="vit | mlp | mlp4x | logreg"),
+    detector: str = typer.Option(
+        "vit",
+        help="vit | mlp | mlp4x | logreg (the paper's), or actmap-plus (the one to deploy: "
+        "map PCA + per-answer scalars, settings chosen on validation; ignores seeds/epochs).",
+    ),
     seeds: str = typer.Option("42,123,456", help="Comma-separated seeds."),
     max_epochs: int = typer.Option(
         None, help="Override the recipe's 80 epochs (tests, quick looks)."
@@ -100,6 +104,12 @@ def train(
 ) -> None:
     """Train a detector with the paper's recipe, one run per seed, and test each selected checkpoint once."""
     with user_errors():
+        if detector == "actmap-plus":
+            from actmap.cli.product import train_plus_run
+
+            print_summary(train_plus_run(store, out))
+            console.print(f"run written to {out}")
+            return
         runs, _ = train_on_store(store, detector, parse_ints(seeds), out, max_epochs, device)
         print_summary(runs.summary)
         console.print(f"run written to {out}")

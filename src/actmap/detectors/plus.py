@@ -48,6 +48,7 @@ class PlusConfig:
     n_strengths: int = 10  # LogisticRegressionCV's Cs: L2 strengths on a log grid 1e-4..1e4
     cv_folds: int = 5  # stratified folds that choose the strength (AUROC)
     seed: int = 0  # PCA's randomized SVD and the fold shuffle
+    C: float | None = None  # a fixed inverse L2 strength; None = chosen by the folds
 
     def __post_init__(self) -> None:
         if self.n_components < 0:
@@ -131,7 +132,7 @@ class ActMapPlus:
     def fit(self, maps: Any, labels: Any, scalars: Any = None) -> ActMapPlus:
         """Fit PCA, the standardisation and the logistic regression; returns self."""
         from sklearn.decomposition import PCA
-        from sklearn.linear_model import LogisticRegressionCV
+        from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
         from sklearn.model_selection import StratifiedKFold
 
         cfg = self.config or PlusConfig()
@@ -154,19 +155,22 @@ class ActMapPlus:
         self.feature_mean_ = raw.mean(axis=0)
         self.feature_scale_ = np.where(raw.std(axis=0) > 0, raw.std(axis=0), 1.0)
         folds = StratifiedKFold(cfg.cv_folds, shuffle=True, random_state=cfg.seed)
-        model = LogisticRegressionCV(
-            Cs=cfg.n_strengths,
-            cv=folds,
-            scoring="roc_auc",
-            class_weight=cfg.class_weight,
-            max_iter=5000,
-        )
+        if cfg.C is not None:
+            model = LogisticRegression(C=cfg.C, class_weight=cfg.class_weight, max_iter=5000)
+        else:
+            model = LogisticRegressionCV(
+                Cs=cfg.n_strengths,
+                cv=folds,
+                scoring="roc_auc",
+                class_weight=cfg.class_weight,
+                max_iter=5000,
+            )
         with warnings.catch_warnings():  # scikit-learn 1.9 announces new defaults; L2 either way
             warnings.simplefilter("ignore", FutureWarning)
             model.fit((raw - self.feature_mean_) / self.feature_scale_, y)
         self.coef_ = np.ravel(model.coef_).astype(np.float64)
         self.intercept_ = float(np.ravel(model.intercept_)[0])
-        self.C_ = float(np.ravel(model.C_)[0])
+        self.C_ = float(cfg.C if cfg.C is not None else np.ravel(model.C_)[0])
         self.n_train_ = len(y)
         self.train_prevalence_ = float(y.mean())
         self.calibrated_prevalence_ = 0.5 if cfg.class_weight == "balanced" else float(y.mean())
