@@ -129,6 +129,8 @@ class PlusScorer:
 
     name = "actmap-plus"
     supervised = True
+    requires = ("maps", "generations")  # the map and the per-answer scalars
+    probability = True
 
     def __init__(self, grid: Sequence[PlusConfig] = PLUS_GRID) -> None:
         self.grid = tuple(grid)
@@ -147,7 +149,7 @@ class PlusScorer:
         return PlusScorer([replace(self.model_.config_, C=self.model_.C_)])
 
     def score(self, rows: Rows):
-        from actmap.baselines.base import ScoreResult
+        from actmap.scoring import ScoreResult
 
         logits = self.model_.decision_function(rows.maps, rows.scalars)
         return ScoreResult(
@@ -217,10 +219,9 @@ def baseline_scored(store, sets: dict[str, Rows], method: str) -> Scored:
 
 
 def scorer_template(method: str):
-    from actmap.baselines.controls import AnswerLengthPredictor
     from actmap.baselines.registry import create_baseline
 
-    return AnswerLengthPredictor() if method == "answer_length" else create_baseline(method)
+    return create_baseline(method)
 
 
 def permuted_auroc(

@@ -66,7 +66,7 @@ def compare_product_command(
     with user_errors():
         from rich.markdown import Markdown
 
-        from actmap.baselines.runner import json_safe
+        from actmap.artifacts import json_safe
         from actmap.comparison import compare_product
         from actmap.detectors.base import CorrectnessDetector
         from actmap.store import MapStore

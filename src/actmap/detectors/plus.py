@@ -202,7 +202,7 @@ class ActMapPlus:
 
     def save(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path:
         """Write model.safetensors (every fitted array) and config.json into ``directory``."""
-        from actmap.training import package_version, write_json
+        from actmap.artifacts import package_version, write_json
 
         self._check_fitted()
         out = Path(directory)
