@@ -18,7 +18,7 @@ from actmap.comparison import compare_product, store_rows
 from actmap.detectors.plus import ActMapPlus, PlusConfig
 from actmap.maps import MapConfig
 from actmap.metrics import ece
-from actmap.prior import shift_probabilities
+from actmap.prior import shift_to_prevalence
 from actmap.store import MapStore
 
 GRID = (
@@ -92,7 +92,7 @@ def test_natural_ece_corrected_is_the_shifted_probabilities(tiny_store, tmp_path
     auc, raw, corrected = natural_metrics(scored, y, 0.2)
     assert auc == pytest.approx(roc_auc_score(y, p))
     assert raw == pytest.approx(ece(p, y))
-    assert corrected == pytest.approx(ece(shift_probabilities(p, 0.5, 0.2), y))
+    assert corrected == pytest.approx(ece(shift_to_prevalence(p, 0.2, 0.5), y))
 
 
 def test_train_actmap_plus_cli_saves_a_loadable_run(tiny_store, tmp_path, monkeypatch):

@@ -159,3 +159,13 @@ def test_bad_input_is_rejected(scores, labels, match):
 def test_ece_rejects_probabilities_outside_unit_interval():
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         metrics.ece([0.5, 1.2], [1, 0])
+
+
+def test_natural_ece_raw_and_prior_corrected_by_hand():
+    from actmap.metrics import natural_ece
+
+    labels = np.array([1, 0, 0, 0, 0] * 4)  # 20% correct
+    probs = np.full(20, 0.5)  # a balanced detector that knows nothing
+    raw, corrected = natural_ece(probs, labels, deployment_prevalence=0.2)
+    assert raw == pytest.approx(0.3)  # |0.2 - 0.5|
+    assert corrected == pytest.approx(0.0, abs=1e-12)  # shifted to exactly 0.2

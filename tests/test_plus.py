@@ -121,7 +121,7 @@ def test_clear_errors():
         est.predict_proba(maps, scalars[:, :3])
     with pytest.raises(ValueError, match="maps have 48 values per row"):
         est.predict_proba(maps[:, :, :2], scalars)
-    with pytest.raises(ValueError, match="prevalence must be strictly between 0 and 1"):
+    with pytest.raises(ValueError, match="prevalence must lie strictly between 0 and 1"):
         est.predict_proba(maps, scalars, prevalence=1.0)
     with pytest.raises(ValueError, match="both classes"):
         ActMapPlus().fit(maps, np.zeros(len(y)), scalars)

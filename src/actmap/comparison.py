@@ -28,7 +28,6 @@ from actmap.answer_features import scalars_from_store
 from actmap.data.splits import SPLITS
 from actmap.detectors.plus import ActMapPlus, PlusConfig
 from actmap.intervals import Interval, bootstrap, paired_bootstrap
-from actmap.prior import shift_probabilities
 
 log = logging.getLogger(__name__)
 
@@ -338,8 +337,7 @@ def natural_metrics(scored: Scored, labels: np.ndarray, prevalence: float) -> tu
     auc = metrics.auroc(s, labels)
     if scored.calibrated_prevalence is None:
         return auc, None, None
-    corrected = shift_probabilities(s, scored.calibrated_prevalence, prevalence)
-    return auc, metrics.ece(s, labels), metrics.ece(corrected, labels)
+    return auc, *metrics.natural_ece(s, labels, prevalence, scored.calibrated_prevalence)
 
 
 def score_test_once(methods: Sequence[Scored], sets: dict[str, Rows]) -> None:

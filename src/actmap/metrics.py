@@ -66,6 +66,22 @@ def ece(probs, labels, n_bins: int = 10) -> float:
     return float(total)
 
 
+def natural_ece(
+    probs, labels, deployment_prevalence: float, calibrated_prevalence: float = 0.5, n_bins: int = 10
+) -> tuple[float, float]:
+    """(raw, prior-corrected) ECE of p(correct) on rows at their natural prevalence.
+
+    ``calibrated_prevalence`` is the prior the probabilities hold at (0.5 for a detector
+    trained on balanced rows or with class weights); the corrected ECE shifts them to
+    ``deployment_prevalence`` first (`actmap.prior.shift_to_prevalence`), which should be
+    known without these rows' labels (e.g. the training split's accuracy).
+    """
+    from actmap.prior import shift_to_prevalence
+
+    shifted = shift_to_prevalence(probs, deployment_prevalence, calibrated_prevalence)
+    return ece(probs, labels, n_bins), ece(shifted, labels, n_bins)
+
+
 def seed_summary(values: Sequence[float]) -> tuple[float, float]:
     """(mean, sample standard deviation with ddof=1) over seeds; std is NaN for one value."""
     v = np.asarray(values, dtype=np.float64)

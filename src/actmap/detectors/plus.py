@@ -32,7 +32,7 @@ from safetensors.numpy import load_file, save_file
 from sklearn.exceptions import NotFittedError
 
 from actmap.answer_features import SCALAR_NAMES
-from actmap.prior import check_prevalence, shift_logits, sigmoid
+from actmap.prior import shift_to_prevalence, sigmoid
 
 NAME = "actmap-plus"
 SCHEMA_VERSION = 1  # of config.json next to a saved actmap-plus
@@ -192,11 +192,10 @@ class ActMapPlus:
         self, maps: Any, scalars: Any = None, prevalence: float | None = None
     ) -> np.ndarray:
         """(N,) p(correct); with ``prevalence``, prior-corrected to that deployment accuracy."""
-        logits = self.decision_function(maps, scalars)
-        if prevalence is not None:
-            check_prevalence(prevalence)
-            logits = shift_logits(logits, self.calibrated_prevalence_, prevalence)
-        return sigmoid(logits)
+        p = sigmoid(self.decision_function(maps, scalars))
+        if prevalence is None:
+            return p
+        return shift_to_prevalence(p, prevalence, self.calibrated_prevalence_)
 
     # --- persistence ---------------------------------------------------------
 
