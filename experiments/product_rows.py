@@ -90,28 +90,38 @@ def main() -> None:
     parser.add_argument("--store", type=Path, required=True)
     parser.add_argument("--vit-run", type=Path)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--vit-only", action="store_true", help="only the ViT rows")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     sets = store_rows(MapStore.open(args.store))
     bal, every = sets["train"], sets["train_all"]
     print({k: (len(v.ids), round(v.prevalence, 3)) for k, v in sets.items()}, flush=True)
-    rows = [
-        plus_row("scalars only (LR), all rows class-weighted", every, sets, [PlusConfig(0, True)]),
-        plus_row("map PCA+LR, balanced rows", bal, sets, grid(False)),
-        plus_row("map PCA+LR, all rows class-weighted", every, sets, grid(False)),
-        plus_row("map PCA+LR + scalars (early fusion), balanced rows", bal, sets, grid(True)),
-        plus_row(
-            "map PCA+LR + scalars (early fusion), all rows class-weighted", every, sets, grid(True)
-        ),
-        plus_row(
-            "map PCA+LR + scalars (early fusion), all rows unweighted",
-            every,
-            sets,
-            grid(True, None),
-        ),
-        plus_row("actmap-plus: full grid, all rows class-weighted", every, sets, PLUS_GRID),
-        late_fusion_map_lr(every, sets),
-    ]
+    rows = (
+        []
+        if args.vit_only
+        else [
+            plus_row(
+                "scalars only (LR), all rows class-weighted", every, sets, [PlusConfig(0, True)]
+            ),
+            plus_row("map PCA+LR, balanced rows", bal, sets, grid(False)),
+            plus_row("map PCA+LR, all rows class-weighted", every, sets, grid(False)),
+            plus_row("map PCA+LR + scalars (early fusion), balanced rows", bal, sets, grid(True)),
+            plus_row(
+                "map PCA+LR + scalars (early fusion), all rows class-weighted",
+                every,
+                sets,
+                grid(True),
+            ),
+            plus_row(
+                "map PCA+LR + scalars (early fusion), all rows unweighted",
+                every,
+                sets,
+                grid(True, None),
+            ),
+            plus_row("actmap-plus: full grid, all rows class-weighted", every, sets, PLUS_GRID),
+            late_fusion_map_lr(every, sets),
+        ]
+    )
     if args.vit_run is not None:
         vits = [CorrectnessDetector.load(d) for d in sorted(args.vit_run.glob("seed-*"))]
         for d in vits:
