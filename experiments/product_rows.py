@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 from sklearn.linear_model import LogisticRegressionCV
-from sklearn.model_selection import StratifiedKFold, cross_val_predict
+from sklearn.model_selection import StratifiedKFold
 
 from actmap import metrics
 from actmap.comparison import PLUS_GRID, Rows, select_plus, store_rows
