@@ -155,7 +155,7 @@ def _as_batch(rows: Any, pad_mode: PadMode = "zero") -> torch.Tensor:
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """safetensors to a temporary file beside `path`, then os.replace (no torn files)."""
+    """safetensors written through the one atomic writer (no torn files)."""
     with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
 

@@ -22,8 +22,7 @@ from actmap.capture.records import CaptureConfig, Generation
 from actmap.data.base import Example, Task
 from actmap.maps import MapConfig, build_maps_from_list, map_shape
 from actmap.models import ModelSource
-from actmap.store import MapRecord, MapStore, encode_array, latest_rows  # noqa: F401
-from actmap.store.generations import read_generations  # noqa: F401  (moved to the store)
+from actmap.store import MapRecord, MapStore, encode_array
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from actmap.atomic import atomic_write_text
 from actmap.cli import app
 from actmap.cli.common import console, progress_bar, user_errors
 
@@ -120,7 +121,6 @@ def compare_command(
         text = format_table(rows)
         console.print(Markdown(text))
         target = out or store / "compare.md"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
-        target.with_suffix(".json").write_text(json.dumps(json_safe(rows), indent=2) + "\n")
+        atomic_write_text(target, text)
+        atomic_write_text(target.with_suffix(".json"), json.dumps(json_safe(rows), indent=2) + "\n")
         console.print(f"written to {target} and {target.with_suffix('.json')}")

@@ -31,6 +31,7 @@ def demo(
     with user_errors():
         import torch
 
+        from actmap.atomic import atomic_write_text
         from actmap.baselines.controls import AnswerLengthPredictor, PermutedLabelControl
         from actmap.capture import CaptureConfig
         from actmap.capture.overhead import measure_overhead
@@ -113,7 +114,7 @@ def demo(
             "permuted_labels": permuted_metrics.__dict__,
             "wall_time_s": time.perf_counter() - started,
         }
-        (out / "demo-summary.json").write_text(json.dumps(result, indent=2, default=float))
+        atomic_write_text(out / "demo-summary.json", json.dumps(result, indent=2, default=float))
         print_summary(runs.summary)
         console.print(
             f"\n[bold]actmap demo[/bold]: {result['rows']} answers, natural accuracy {accuracy['all']:.3f}, "

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from actmap.atomic import atomic_write_text
 from actmap.cli import app
 from actmap.cli.common import console, parse_ints, progress_bar, user_errors
 
@@ -178,5 +179,5 @@ def evaluate(
         }
         print_summary(result)
         target = out or run / "evaluation.json"
-        target.write_text(json.dumps(result, indent=2, default=float))
+        atomic_write_text(target, json.dumps(result, indent=2, default=float))
         console.print(f"metrics written to {target}")

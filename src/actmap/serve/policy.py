@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from actmap.atomic import atomic_write_text
 from actmap.metrics import risk_coverage_curve
 from actmap.prior import BALANCED, shift_to_prevalence
 
@@ -212,7 +213,7 @@ def policy_to_toml(policy: Policy) -> str:
 
 def save_policy(policy: Policy, path: str | Path) -> Path:
     path = Path(path)
-    path.write_text(policy_to_toml(policy))
+    atomic_write_text(path, policy_to_toml(policy))
     return path
 
 
