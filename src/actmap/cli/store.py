@@ -61,8 +61,6 @@ def repair(store: Path = typer.Argument(..., help="A map store folder.")) -> Non
             return
         for path, why in result.quarantined:
             console.print(f"moved {path} to quarantine/ ({why})", highlight=False, soft_wrap=True)
-        for old, new, dropped in result.rewritten:
-            console.print(f"rewrote {old} as maps/{new} without {dropped} rows", highlight=False)
         if result.lost_rows:
             console.print(
                 f"{result.lost_rows} rows were in unreadable maps shards", highlight=False

@@ -285,7 +285,7 @@ class RepairResult:
     before: StoreReport
     after: StoreReport
     quarantined: list[tuple[str, str]]  # (moved file, why), paths relative to the store
-    rewritten: list[tuple[str, str, int]]  # (original shard, new shard, rows dropped)
+    rewritten: list[tuple[str, str | None, int]]  # (original shard, new shard, rows dropped)
     regenerate: list[str]  # ids a resumed capture generates again
     lost_rows: int  # rows of unreadable maps shards (their ids may be unknown)
 
@@ -296,7 +296,7 @@ def repair_store(store: MapStore | str | Path) -> RepairResult:
     store.acquire_writer()
     before = verify_store(store)
     quarantined: list[tuple[str, str]] = []
-    rewritten: list[tuple[str, str, int]] = []
+    rewritten: list[tuple[str, str | None, int]] = []
 
     def set_aside(path: Path, why: str) -> None:
         relative = str(path.relative_to(store.root))
@@ -327,9 +327,10 @@ def repair_store(store: MapStore | str | Path) -> RepairResult:
         keep = pa.array([k not in middle.bad_map_ids for k in ids])
         cleaned = data.filter(keep)
         reasons = Counter(middle.bad_map_ids[k] for k in drop)
-        why = ", ".join(f"{n} {r}" for r, n in reasons.items())
-        new = store.write_table("maps", cleaned).name if cleaned.num_rows else "(none)"
-        set_aside(shard, f"rewritten without {len(drop)} rows: {why}")
+        why = ", ".join(f"{r}: {n}" for r, n in reasons.items())
+        new = store.write_table("maps", cleaned).name if cleaned.num_rows else None
+        kept = f"its {cleaned.num_rows} good rows kept in maps/{new}" if new else "no good rows"
+        set_aside(shard, f"{len(drop)} bad rows ({why}); {kept}")
         store.forget_shards("maps", [shard])
         rewritten.append((str(shard.relative_to(store.root)), new, len(drop)))
         removed.update(drop)
