@@ -13,7 +13,17 @@ from actmap.cli import app
 from actmap.store import MapRecord, MapStore
 
 runner = CliRunner()
-COMMANDS = ["capture", "build-maps", "judge", "train", "evaluate", "demo", "baselines", "compare"]
+COMMANDS = [
+    "capture",
+    "build-maps",
+    "store",
+    "judge",
+    "train",
+    "evaluate",
+    "demo",
+    "baselines",
+    "compare",
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
