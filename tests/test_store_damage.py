@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_store import record as store_record
 
 import actmap.store as store_module
 from actmap.store import MapRecord, MapStore, StoreError
@@ -32,19 +33,8 @@ IDS = [f"d:{i}" for i in range(12)]
 
 
 def record(key: str, rng: np.random.Generator) -> MapRecord:
-    return MapRecord(
-        id=key,
-        source_key=key,
-        dataset="d",
-        split="train",
-        model_name="m",
-        model_revision="r",
-        prompt=f"p {key}",
-        answer=f"a {key}",
-        n_tokens=3,
-        label=int(key[-1]) % 2,
-        map=rng.standard_normal((12, 32, 128)).astype(np.float32),
-    )
+    """The map row of ``key`` ("d:<n>"), labelled by the parity of its last digit."""
+    return store_record(int(key.split(":")[1]), rng, label=int(key[-1]) % 2)
 
 
 def commit(store: MapStore, keys: list[str], rng, drop_side: tuple[str, ...] = ()) -> None:
