@@ -48,9 +48,7 @@ def scalars_of_generations(generations: Sequence) -> np.ndarray:
 
 def scalars_from_store(store, ids: Sequence[str]) -> np.ndarray:
     """(N, 6) scalars of the store rows ``ids``, read from its ``generations`` table."""
-    from actmap.capture.run import latest_rows
-
-    table = latest_rows(store.read_table("generations", ["id", "logprobs", "entropies"]))
+    table = store.read_latest("generations", ["logprobs", "entropies"])
     index = {key: i for i, key in enumerate(table.column("id").to_pylist())}
     missing = [key for key in ids if key not in index]
     if missing:

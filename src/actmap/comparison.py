@@ -192,7 +192,7 @@ def plus_scored(sets: dict[str, Rows], grid: Sequence[PlusConfig] | None = None)
 
 def baseline_scored(store, sets: dict[str, Rows], method: str) -> Scored:
     """One single-pass baseline fit (when supervised) on balanced train, selected on validation."""
-    from actmap.capture.run import read_generations
+    from actmap.store.generations import read_generations
 
     def gens(rows: Rows):
         return read_generations(store, rows.ids)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import typer
 
+from actmap.atomic import atomic_write_text
 from actmap.cli import app
 from actmap.cli.common import console, user_errors
 
@@ -88,8 +89,8 @@ def compare_product_command(
         text = result.to_markdown()
         console.print(Markdown(text))
         out.mkdir(parents=True, exist_ok=True)
-        (out / "comparison.md").write_text(text)
-        (out / "comparison.json").write_text(
-            json.dumps(json_safe(result.to_json()), indent=2) + "\n"
+        atomic_write_text(out / "comparison.md", text)
+        atomic_write_text(
+            out / "comparison.json", json.dumps(json_safe(result.to_json()), indent=2) + "\n"
         )
         console.print(f"written to {out / 'comparison.md'} and {out / 'comparison.json'}")

@@ -32,6 +32,7 @@ from safetensors.numpy import load_file, save_file
 from sklearn.exceptions import NotFittedError
 
 from actmap.answer_features import SCALAR_NAMES
+from actmap.atomic import atomic_path
 from actmap.prior import shift_to_prevalence, sigmoid
 
 NAME = "actmap-plus"
@@ -215,9 +216,8 @@ class ActMapPlus:
             "coef": self.coef_,
             "intercept": np.array([self.intercept_]),
         }
-        save_file(
-            {k: np.ascontiguousarray(v) for k, v in arrays.items()}, out / "model.safetensors"
-        )
+        with atomic_path(out / "model.safetensors") as tmp:
+            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
         write_json(
             out / "config.json",
             {
