@@ -26,6 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from actmap.data.factuality import SUPPORT_THRESHOLD, SummaryFactualityJudge, judge_summary
+from actmap.errors import ActmapUserError
 from actmap.relabel import write_labelled_copy
 from actmap.store import MapStore, StoreError
 
@@ -69,7 +70,7 @@ def judge_store(
     if not source.has_table("generations"):
         raise StoreError(f"{source.root} has no generations table to judge")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ActmapUserError(f"batch_size must be >= 1, got {batch_size}")
     generations = source.read_latest("generations", ["question", "label_text"])
     committed = source.ids("maps")
     rows = [

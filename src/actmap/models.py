@@ -11,6 +11,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from actmap.errors import ActmapUserError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -53,11 +55,68 @@ def resolve_model(name: str = DEFAULT_MODEL, revision: str = "main") -> ModelSou
     candidate = Path(name).expanduser()
     if candidate.suffix == ".gguf":
         if not candidate.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {candidate}")
+            raise ActmapUserError(f"GGUF file not found: {candidate}")
         return ModelSource(name, str(candidate.parent), candidate.name, _file_digest(candidate))
     if candidate.is_dir():
+        if not (candidate / "config.json").is_file():
+            raise ActmapUserError(f"model folder {candidate} has no config.json")
         return ModelSource(name, str(candidate), None, "local")
+    if looks_like_path(name):  # never sent to the hub
+        raise ActmapUserError(f"model folder not found: {candidate}")
     return ModelSource(name, name, None, revision)
+
+
+def looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id ('org/name'): absolute, ~, ./, ../, or deeper than 2."""
+    return (
+        name.startswith(("/", "~", "./", "../", ".\\"))
+        or "\\" in name
+        or name in (".", "..")
+        or name.count("/") > 1
+        or name.endswith("/")
+    )
+
+
+def check_hub_reachable(repo_id: str, revision: str, timeout_s: float = 3.0) -> None:
+    """Fail fast when a hub model is neither cached nor downloadable (offline, no such id)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str):
+        return  # cached: transformers loads it without the network
+    if constants.HF_HUB_OFFLINE:
+        raise ActmapUserError(
+            f"model '{repo_id}' is not a local file or folder and not in the Hugging Face "
+            "cache, and the hub is offline (HF_HUB_OFFLINE); pass a .gguf file or model folder"
+        )
+    if not _hub_answers(constants.ENDPOINT, timeout_s):
+        raise ActmapUserError(
+            f"model '{repo_id}' is not a local file or folder and not in the Hugging Face "
+            f"cache, and {constants.ENDPOINT} cannot be reached (offline?); pass a .gguf "
+            "file or model folder, or connect"
+        )
+
+
+def _hub_answers(endpoint: str, timeout_s: float) -> bool:
+    """True when a TCP connection to the hub opens within ``timeout_s`` (DNS included)."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as Timeout
+    from urllib.parse import urlparse
+
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+
+    def connect() -> bool:
+        with socket.create_connection((url.hostname, port), timeout=timeout_s):
+            return True
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(connect).result(timeout=timeout_s)
+    except (Timeout, OSError):
+        return False
+    finally:
+        pool.shutdown(wait=False)  # a DNS lookup that hangs is left behind, not waited for
 
 
 def cache_dir() -> Path:
@@ -79,6 +138,9 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from actmap.training import check_device
+
+    check_device(device)
     source = resolve_model(name, revision)
     kwargs = {"dtype": getattr(torch, dtype)}
     if attn_implementation:
@@ -97,11 +159,17 @@ def load_model(
             if use_cache:
                 _save_atomically(model, tokenizer, cached)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, revision=source.revision, **kwargs
-        )
-        tokenizer = AutoTokenizer.from_pretrained(source.path, revision=source.revision)
-    model.to(device).eval()
+        if source.revision != "local":
+            check_hub_reachable(source.path, source.revision)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, revision=source.revision, **kwargs
+            )
+            tokenizer = AutoTokenizer.from_pretrained(source.path, revision=source.revision)
+        except OSError as error:  # no such hub id or revision, or a folder without weights
+            reason = " ".join(str(error).split())
+            raise ActmapUserError(f"cannot load model '{name}': {reason}") from None
+    model.to(check_device(device)).eval()
     return model, tokenizer, source
 
 

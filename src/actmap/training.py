@@ -31,6 +31,7 @@ from torch import nn
 
 from actmap import metrics
 from actmap.artifacts import package_version, write_json
+from actmap.errors import ActmapUserError
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,18 @@ def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
     """ "auto" (or None) picks cuda when available, else cpu; anything else is passed to torch."""
     if name is None or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    return check_device(name)
+
+
+def check_device(name: str | torch.device) -> torch.device:
+    """``torch.device(name)``, refusing a CUDA device on a machine without CUDA."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ActmapUserError(f"unknown device {str(name)!r} ({error})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ActmapUserError(f"device {str(name)!r} asked for, but CUDA is not available here")
+    return device
 
 
 def seed_everything(seed: int) -> None:

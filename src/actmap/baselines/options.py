@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actmap.errors import ActmapUserError
+
 
 @dataclass(frozen=True)
 class BaselineOptions:
@@ -30,8 +32,12 @@ class BaselineOptions:
 
     def __post_init__(self) -> None:
         if self.n_samples < 2:
-            raise ValueError(f"n_samples must be >= 2 (SE and EigenScore), got {self.n_samples}")
+            raise ActmapUserError(
+                f"n_samples must be >= 2 (SE and EigenScore), got {self.n_samples}"
+            )
         if self.score_chunk < 1 or self.samples_commit_every < 1:
-            raise ValueError("score_chunk and samples_commit_every must be >= 1")
+            raise ActmapUserError("score_chunk and samples_commit_every must be >= 1")
         if isinstance(self.actvit_grid, str) and self.actvit_grid not in ("full", "small"):
-            raise ValueError(f"actvit_grid must be 'full' or 'small', got {self.actvit_grid!r}")
+            raise ActmapUserError(
+                f"actvit_grid must be 'full' or 'small', got {self.actvit_grid!r}"
+            )

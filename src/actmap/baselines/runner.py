@@ -34,6 +34,7 @@ from actmap.baselines.inputs import Progress, StoreInputs
 from actmap.baselines.options import BaselineOptions
 from actmap.baselines.registry import baseline_class, list_baselines
 from actmap.data.splits import SPLITS
+from actmap.errors import ActmapUserError
 from actmap.rows import balanced_splits
 from actmap.scoring import ScoreResult
 from actmap.store import MapStore
@@ -85,14 +86,14 @@ def resolve_methods(spec: str | Sequence[str]) -> list[str]:
     for name in names:
         method = ALIASES.get(name, name)
         if method not in known:
-            raise ValueError(
+            raise ActmapUserError(
                 f"unknown method {name!r}; known: all, {', '.join(known)} "
                 f"(aliases: {', '.join(f'{a}={m}' for a, m in ALIASES.items())})"
             )
         if method not in out:
             out.append(method)
     if not out:
-        raise ValueError("no method given; use 'all' or a comma-separated list")
+        raise ActmapUserError("no method given; use 'all' or a comma-separated list")
     return out
 
 
@@ -254,7 +255,7 @@ def run_baselines(
     called as work advances.
     """
     if rows not in ROW_SETS:
-        raise ValueError(f"rows must be one of {sorted(ROW_SETS)}, got {rows!r}")
+        raise ActmapUserError(f"rows must be one of {sorted(ROW_SETS)}, got {rows!r}")
     names = resolve_methods(methods)
     splits = balanced_splits(store)
     inputs = StoreInputs(store, options, splits, model, tokenizer, judge, progress)

@@ -1,5 +1,6 @@
 """Capture: hooks on every decoder layer during ordinary generation."""
 
+from actmap.capture.forced import capture_answers
 from actmap.capture.generate import (
     generate_batch,
     generate_plain,
@@ -13,6 +14,7 @@ __all__ = [
     "CaptureConfig",
     "Generation",
     "UnknownModelLayout",
+    "capture_answers",
     "find_attention_modules",
     "find_decoder_layers",
     "generate_batch",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from actmap.errors import ActmapUserError
 
-class UnknownModelLayout(ValueError):
+
+class UnknownModelLayout(ActmapUserError):
     """actmap does not know where this model keeps its decoder layers."""
 
 

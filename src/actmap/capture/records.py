@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actmap.errors import ActmapUserError
+
 
 @dataclass(frozen=True)
 class CaptureConfig:
@@ -55,7 +57,7 @@ class CaptureConfig:
 
         object.__setattr__(self, "stop_strings", check_stop_strings(self.stop_strings))
         if self.share_prefix < 0:
-            raise ValueError(f"share_prefix must be >= 0, got {self.share_prefix}")
+            raise ActmapUserError(f"share_prefix must be >= 0, got {self.share_prefix}")
 
 
 @dataclass(frozen=True)

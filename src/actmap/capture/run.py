@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import pyarrow as pa
 
 from actmap.baselines.actvit import pool_layers
+from actmap.capture.forced import capture_answers_batch
 from actmap.capture.generate import generate_batch
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.data.base import Example, Task
@@ -196,7 +197,13 @@ def run_capture(
         batch = todo[start : start + capture.batch_size]
         prompts = [task.prompt(e, tokenizer) for e in batch]
         tick = time.perf_counter()
-        records = generate_batch(model, tokenizer, prompts, capture, layers_path)
+        if getattr(task, "teacher_forced", False):  # answers given: read them, generate nothing
+            answers = [e.meta["answer"] for e in batch]
+            records = capture_answers_batch(
+                model, tokenizer, prompts, answers, capture, layers_path
+            )
+        else:
+            records = generate_batch(model, tokenizer, prompts, capture, layers_path)
         generation_time += time.perf_counter() - tick
         w, c, n = commit_batch(store, task, source, batch, records, map_config, keep_trajectories)
         written, correct, labelled, empty = (

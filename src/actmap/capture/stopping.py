@@ -21,11 +21,13 @@ from collections.abc import Sequence
 
 import torch
 
+from actmap.errors import ActmapUserError
+
 
 def check_stop_strings(stop_strings: Sequence[str]) -> tuple[str, ...]:
     stops = tuple(stop_strings)
     if any(not isinstance(s, str) or not s for s in stops):
-        raise ValueError(f"stop_strings must be non-empty strings, got {stops!r}")
+        raise ActmapUserError(f"stop_strings must be non-empty strings, got {stops!r}")
     return stops
 
 

@@ -9,6 +9,7 @@ import typer
 
 from actmap.cli import app
 from actmap.cli.common import console, fraction, progress_bar, user_errors
+from actmap.errors import ActmapUserError
 
 SPLITS = ("train", "validation", "test")
 
@@ -135,7 +136,7 @@ def capture(
         wanted = [s.strip() for s in splits.split(",") if s.strip()]
         examples = [e for split in wanted for e in the_task.load(split, limit)]
         if not examples:
-            raise ValueError(f"task '{the_task.name}' has no examples in splits {wanted}")
+            raise ActmapUserError(f"task '{the_task.name}' has no examples in splits {wanted}")
         config = CaptureConfig(
             max_new_tokens=max_new_tokens or the_task.max_new_tokens,
             batch_size=batch_size,
@@ -185,7 +186,7 @@ def capture(
 def stop_strings(task, stop: list[str] | None, no_stop: bool) -> tuple[str, ...]:
     """The stop strings a capture uses: ``--stop`` values (escapes decoded), else the task's."""
     if no_stop and stop:
-        raise ValueError("--stop and --no-stop contradict each other; give one")
+        raise ActmapUserError("--stop and --no-stop contradict each other; give one")
     if no_stop:
         return ()
     if stop:

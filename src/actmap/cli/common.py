@@ -32,18 +32,39 @@ def progress_bar() -> Progress:
     )
 
 
+def debug_requested() -> bool:
+    """True when the command line carried ``actmap --debug``."""
+    import click
+
+    context = click.get_current_context(silent=True)
+    return bool(context and (context.find_root().obj or {}).get("debug"))
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """Expected failures (bad input, missing files) become one red line and exit code 2."""
-    from actmap.capture.layers import UnknownModelLayout
-    from actmap.data.base import DataError
-    from actmap.store import StoreError
+    """A user's mistake becomes one red line and exit code 2; ``--debug`` shows its traceback.
+
+    Only `ActmapUserError` (raised by the library for bad input) and a missing file count
+    as the user's; any other exception is a bug and keeps its traceback.
+    """
+    from actmap.errors import ActmapUserError
 
     try:
         yield
-    except (DataError, StoreError, UnknownModelLayout, FileNotFoundError, ValueError) as error:
-        console.print(f"[red]error:[/red] {error}")
+    except (ActmapUserError, FileNotFoundError) as error:
+        if debug_requested():
+            raise
+        console.print(f"[red]error:[/red] {one_line(error)}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (a FileNotFoundError from the OS names its path)."""
+    if isinstance(error, OSError) and error.filename:
+        text = f"{error.filename}: {error.strerror or 'not found'}"
+    else:
+        text = str(error)
+    return " ".join(text.split())
 
 
 def parse_ints(text: str) -> tuple[int, ...]:

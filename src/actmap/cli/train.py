@@ -10,6 +10,7 @@ import typer
 from actmap.atomic import atomic_write_text
 from actmap.cli import app
 from actmap.cli.common import console, parse_ints, progress_bar, user_errors
+from actmap.errors import ActmapUserError
 
 
 def load_balanced(store_path: Path):
@@ -23,7 +24,7 @@ def load_balanced(store_path: Path):
     out = {}
     for split, ids in chosen.items():
         if not ids:
-            raise ValueError(
+            raise ActmapUserError(
                 f"the balanced '{split}' split of {store_path} is empty (need both labels)"
             )
         maps, meta = store.load_maps(ids)
@@ -153,7 +154,7 @@ def evaluate(
 
         seed_dirs = sorted(run.glob("seed-*"))
         if not seed_dirs:
-            raise ValueError(
+            raise ActmapUserError(
                 f"{run} has no seed-*/ folders; is it a run written by `actmap train`?"
             )
         per_seed = {}

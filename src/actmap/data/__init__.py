@@ -30,7 +30,7 @@ TASK_REGISTRY: dict[str, str] = {
 
 def _task_class(name: str) -> type:
     if name not in TASK_REGISTRY:
-        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASK_REGISTRY)}")
+        raise DataError(f"unknown task {name!r}; choose one of {sorted(TASK_REGISTRY)}")
     module_name, class_name = TASK_REGISTRY[name].split(":")
     try:
         module = importlib.import_module(module_name)

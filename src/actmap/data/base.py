@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from actmap.errors import ActmapUserError
 
-class DataError(ValueError):
+
+class DataError(ActmapUserError):
     """A dataset file, row or field is missing or malformed; the message names it."""
 
 

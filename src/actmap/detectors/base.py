@@ -20,6 +20,7 @@ from sklearn.exceptions import NotFittedError
 from actmap.artifacts import package_version, write_json
 from actmap.atomic import atomic_path
 from actmap.detectors.registry import create_detector
+from actmap.errors import ActmapUserError
 from actmap.scoring import ScoreResult, sigmoid
 from actmap.training import (
     EpochRecord,
@@ -36,26 +37,46 @@ SHAPE_KWARGS = ("in_channels", "map_height", "map_width")  # every registered de
 
 
 def as_maps(maps: Any, name: str = "maps") -> torch.Tensor:
-    """(N, C, H, W) numpy array or tensor -> CPU float tensor (float16 kept until batching)."""
+    """(N, C, H, W) maps -> CPU float tensor (float16 kept until batching).
+
+    Takes what `build_map` / `build_maps` and the store return: a numpy array, a
+    tensor, or a list of (C, H, W) maps (stacked here).
+    """
+    if isinstance(maps, list | tuple):
+        if not maps:
+            raise ActmapUserError(f"{name} is empty")
+        maps = torch.stack([as_maps(m[None], name)[0] for m in maps])
     if isinstance(maps, np.ndarray):
         if not np.issubdtype(maps.dtype, np.floating):
-            raise ValueError(f"{name} must be floating point, got dtype {maps.dtype}")
+            raise ActmapUserError(f"{name} must be floating point, got dtype {maps.dtype}")
         maps = np.ascontiguousarray(maps)
         maps = torch.from_numpy(maps if maps.flags.writeable else maps.copy())
     if not isinstance(maps, torch.Tensor):
-        raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(maps).__name__}")
+        raise TypeError(
+            f"{name} must be a list of maps, a numpy array or a torch tensor, "
+            f"got {type(maps).__name__}"
+        )
     if maps.ndim != 4:
-        raise ValueError(f"{name} must have shape (N, C, H, W), got {tuple(maps.shape)}")
+        raise ActmapUserError(f"{name} must have shape (N, C, H, W), got {tuple(maps.shape)}")
     if len(maps) == 0:
-        raise ValueError(f"{name} is empty")
+        raise ActmapUserError(f"{name} is empty")
     if not maps.is_floating_point():
-        raise ValueError(f"{name} must be floating point, got dtype {maps.dtype}")
+        raise ActmapUserError(f"{name} must be floating point, got dtype {maps.dtype}")
     if maps.dtype not in (torch.float16, torch.float32):
         maps = maps.float()
     maps = maps.cpu()
     for start in range(0, len(maps), 1024):  # chunked, so the check allocates little
-        if not torch.isfinite(maps[start : start + 1024]).all():
-            raise ValueError(f"{name} contain NaN or infinite values")
+        finite = torch.isfinite(maps[start : start + 1024]).flatten(1).all(1)
+        if not finite.all():
+            rows = (start + torch.nonzero(~finite).flatten()).tolist()
+            raise ActmapUserError(
+                f"{name} contain NaN or infinite values (row {rows[0]}"
+                + (
+                    f" and {len(rows) - 1} more in rows {start}-{start + len(finite) - 1})"
+                    if len(rows) > 1
+                    else ")"
+                )
+            )
     return maps
 
 
@@ -213,25 +234,24 @@ class CorrectnessDetector:
 
     @classmethod
     def load(cls, directory: str | Path, device: str | None = None) -> CorrectnessDetector:
-        """Restore a saved detector; it predicts exactly as the one saved."""
+        """Restore a saved detector; it predicts exactly as the one saved.
+
+        A damaged folder (missing or garbled file, a field missing from config.json,
+        weights of another shape) raises `ActmapUserError` naming the file.
+        """
         src = Path(directory)
         for name in ("config.json", "model.safetensors"):
             if not (src / name).is_file():
-                raise FileNotFoundError(f"{src / name} does not exist")
-        cfg = json.loads((src / "config.json").read_text())
-        if cfg.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(
-                f"{src / 'config.json'} has schema_version {cfg.get('schema_version')}, "
-                f"this actmap reads {SCHEMA_VERSION}"
-            )
+                raise ActmapUserError(f"{src / name} does not exist; is {src} a saved detector?")
+        cfg = _read_config(src / "config.json")
         kwargs = {
             k: tuple(v) if isinstance(v, list) else v for k, v in cfg["detector_kwargs"].items()
         }  # JSON turns tuples into lists
         train_config = TrainConfig.from_dict(cfg["train_config"])
         est = cls(cfg["detector"], kwargs, train_config, cfg["seed"], device)
-        est.device_ = resolve_device(device if device is not None else train_config.device)
+        est.device_ = _scoring_device(device, train_config.device)
         model = create_detector(cfg["detector"], **kwargs)
-        model.load_state_dict(load_file(src / "model.safetensors"), strict=True)
+        model.load_state_dict(_read_weights(src / "model.safetensors", model), strict=True)
         est.model_ = model.to(est.device_).eval()
         est.detector_kwargs_ = kwargs
         est.config_ = train_config
@@ -245,3 +265,70 @@ class CorrectnessDetector:
         est.trained_on_ = cfg["trained_on"]
         est.metadata_ = cfg.get("metadata", {})
         return est
+
+
+CONFIG_FIELDS = (
+    "schema_version",
+    "detector",
+    "detector_kwargs",
+    "train_config",
+    "seed",
+    "best_epoch",
+    "best_val_auroc",
+    "wall_time_s",
+    "trained_on",
+    "history",
+)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """A saved detector's config.json, checked for every field `load` reads."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ActmapUserError(f"{path} is not valid JSON ({error})") from None
+    if not isinstance(cfg, dict):
+        raise ActmapUserError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
+    missing = [k for k in CONFIG_FIELDS if k not in cfg]
+    if missing:
+        raise ActmapUserError(f"{path} lacks the field(s) {', '.join(missing)}")
+    if cfg["schema_version"] != SCHEMA_VERSION:
+        raise ActmapUserError(
+            f"{path} has schema_version {cfg['schema_version']}, this actmap reads {SCHEMA_VERSION}"
+        )
+    if not isinstance(cfg["history"], list) or not all(isinstance(r, dict) for r in cfg["history"]):
+        raise ActmapUserError(f"{path}: field 'history' must be a list of epoch records")
+    return cfg
+
+
+def _read_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of model.safetensors, checked against the module config.json describes."""
+    from safetensors import SafetensorError
+
+    try:
+        state = load_file(path)
+    except (SafetensorError, OSError, ValueError) as error:
+        reason = " ".join(str(error).split())
+        raise ActmapUserError(f"{path} is not a readable safetensors file ({reason})") from None
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ActmapUserError(
+            f"{path} does not hold the weights config.json describes "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise ActmapUserError(
+                f"{path}: tensor '{key}' has shape {tuple(tensor.shape)}, "
+                f"config.json's detector needs {tuple(expected[key].shape)}"
+            )
+    return state
+
+
+def _scoring_device(asked: str | None, trained: str) -> torch.device:
+    """Where a loaded detector scores: the asked device, else the saved one when it exists here."""
+    if asked is None and str(trained).startswith("cuda") and not torch.cuda.is_available():
+        return torch.device("cpu")  # trained with --device cuda, scored on a CPU machine
+    return resolve_device(asked if asked is not None else trained)

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from actmap.errors import ActmapUserError
+
 DetectorFactory = Callable[..., nn.Module]
 
 _REGISTRY: dict[str, DetectorFactory] = {}
@@ -33,7 +35,7 @@ def create_detector(name: str, **kwargs) -> nn.Module:
     try:
         factory = _REGISTRY[name]
     except KeyError:
-        raise ValueError(
+        raise ActmapUserError(
             f"unknown detector {name!r}; registered: {', '.join(list_detectors())}"
         ) from None
     return factory(**kwargs)

@@ -49,6 +49,7 @@ import pyarrow.parquet as pq
 
 from actmap import __version__
 from actmap.atomic import atomic_path, atomic_write_text
+from actmap.errors import ActmapUserError
 from actmap.maps import MAP_BYTES, MAP_SHAPE
 
 SCHEMA_VERSION = 1
@@ -90,7 +91,7 @@ SWITCHES = (
 )
 
 
-class StoreError(RuntimeError):
+class StoreError(ActmapUserError, RuntimeError):
     """A store folder, manifest or shard is missing, corrupt or of another schema."""
 
 

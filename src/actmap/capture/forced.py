@@ -1,0 +1,219 @@
+"""`capture_answers`: the capture of answers that already exist, by teacher forcing.
+
+One forward pass over ``prompt + answer`` (batched: prompts left-padded as in
+generation, answers right-padded) gives every position's state at once. The
+alignment is generation's (SPEC section 1): row ``t`` is the state at the
+position whose output distribution predicts answer token ``t``, i.e. the last
+prompt position for ``t = 0`` and answer token ``t - 1``'s position after. The
+state after the last answer token predicts what follows; like the state that
+produced a stop token, it is not a row, and its end-of-sequence log-probability
+and entropy go into ``extras``. So a map built here equals the map capture
+during generation gives for the same tokens (to float rounding).
+
+The same hooks as generation are installed and removed by `recording`; the
+recorder below fills generation's buffers from the one pass instead of one
+step at a time, and `_split_rows` cuts them into records exactly as there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from actmap.capture.generate import (
+    _device,
+    _eager_attention,
+    _split_rows,
+    check_prompts,
+    stop_ids,
+    tokenize_prompts,
+)
+from actmap.capture.hooks import _first_tensor, recording
+from actmap.capture.layers import find_decoder_layers
+from actmap.capture.records import CaptureConfig, Generation
+from actmap.maps import pool_hidden
+
+log = logging.getLogger(__name__)
+
+
+class ForcedRecorder:
+    """Generation's buffers, filled from one teacher-forced pass over (B, P + T) tokens.
+
+    ``start`` is the last prompt position (P - 1); ``chosen`` (B, S) holds each row's
+    answer tokens, then its end token, so step ``s`` scores ``chosen[:, s]``.
+    """
+
+    def __init__(
+        self,
+        chosen: torch.Tensor,
+        start: int,
+        n_layers: int,
+        pooled_dim: int,
+        attention_keys: int = 0,
+        n_heads: int = 0,
+        dense_steps: int = 0,
+        hidden_size: int = 0,
+    ) -> None:
+        batch, steps = chosen.shape
+        device = chosen.device
+        self.chosen, self.start, self.steps = chosen, start, steps
+        self.attention_keys, self.dense_steps = attention_keys, dense_steps
+        self.calls = 0
+        self.pooled = torch.zeros(
+            batch, n_layers, steps, pooled_dim, device=device
+        )  # (B, L, S, D')
+        self.logprobs = torch.zeros(batch, steps, device=device)  # (B, S)
+        self.entropies = torch.zeros(batch, steps, device=device)  # (B, S)
+        self.attention = (
+            torch.zeros(batch, steps, n_layers, n_heads, attention_keys, device=device)
+            if attention_keys
+            else None
+        )  # (B, S, L, H, K)
+        self.dense = (
+            torch.zeros(
+                batch, n_layers, dense_steps, hidden_size, device=device, dtype=torch.float16
+            )
+            if dense_steps
+            else None
+        )  # (B, L, N, D)
+
+    def _rows(self, per_position: torch.Tensor) -> torch.Tensor:
+        """(B, P + T, ...) -> (B, S, ...): the positions that predict answer tokens 0..S-1."""
+        return per_position[:, self.start : self.start + self.steps]
+
+    # -- hooks (same names and signatures as generation's StepRecorder) -----------------------
+    def on_model_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("teacher-forced capture expects exactly one forward pass")
+
+    def on_model_end(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        logits = output.logits if hasattr(output, "logits") else _first_tensor(output)
+        logp = torch.log_softmax(self._rows(logits).float(), dim=-1)  # (B, S, V) raw logits
+        self.entropies[:] = -(logp.exp() * logp).sum(-1)
+        self.logprobs[:] = logp.gather(-1, self.chosen.unsqueeze(-1)).squeeze(-1)
+
+    def layer_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            hidden = self._rows(_first_tensor(output))  # (B, S, D)
+            self.pooled[:, index] = pool_hidden(hidden, self.pooled.shape[-1])
+            if self.dense is not None:
+                self.dense[:, index] = hidden[:, : self.dense_steps].to(torch.float16)
+
+        return hook
+
+    def attention_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if weights is None:
+                raise RuntimeError("attention weights are not materialised (eager attention)")
+            # step s's query sits at start + s; its k-th previous generated key (k = 1 is
+            # its own position, answer token s - 1) at start + s - k + 1, for k <= s
+            for k in range(min(self.attention_keys, self.steps - 1)):
+                steps = torch.arange(k + 1, self.steps, device=weights.device)
+                query = self.start + steps
+                picked = weights[:, :, query, query - k]  # (B, H, S - k - 1)
+                self.attention[:, k + 1 :, index, :, k] = picked.permute(0, 2, 1).float()
+
+        return hook
+
+
+def answer_token_ids(tokenizer, answers: Sequence[str | Sequence[int]]) -> list[list[int]]:
+    """Token ids of each answer: text is tokenized on its own, without special tokens.
+
+    An empty answer (the model stopped at once) gets a record with no rows, as in generation.
+    """
+    return [
+        tokenizer(a, add_special_tokens=False)["input_ids"]
+        if isinstance(a, str)
+        else [int(t) for t in a]
+        for a in answers
+    ]
+
+
+@torch.inference_mode()
+def capture_answers_batch(
+    model: nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    answers: Sequence[str | Sequence[int]],
+    config: CaptureConfig = CaptureConfig(),
+    layers_path: str | None = None,
+) -> list[Generation]:
+    """One forward pass over each ``prompt + answer`` of a batch -> one `Generation` each."""
+    check_prompts(prompts)
+    if len(answers) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+    device = _device(model)
+    layers = find_decoder_layers(model, layers_path)
+    token_ids = answer_token_ids(tokenizer, answers)
+    longest = max(len(t) for t in token_ids)
+    # prompts keep the room generation would leave: the answer plus its end token
+    encoded = tokenize_prompts(
+        tokenizer, prompts, replace(config, max_new_tokens=longest + 1), device
+    )
+    ends = stop_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(ends, default=0)
+    end = min(ends) if ends else pad
+    ends.add(end)
+    batch, width = len(prompts), encoded["input_ids"].shape[1]
+    chosen = torch.full((batch, longest + 1), end, dtype=torch.long, device=device)  # (B, S)
+    answer_mask = torch.zeros(
+        (batch, longest), dtype=encoded["attention_mask"].dtype, device=device
+    )
+    for row, ids in enumerate(token_ids):
+        chosen[row, : len(ids)] = torch.tensor(ids, device=device)
+        answer_mask[row, : len(ids)] = 1
+    fed = torch.where(answer_mask.bool(), chosen[:, :longest], torch.full_like(chosen[:, :1], pad))
+    input_ids = torch.cat([encoded["input_ids"], fed], dim=1)  # (B, P + T)
+    mask = torch.cat([encoded["attention_mask"], answer_mask], dim=1)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate: padding takes none
+    text_config = getattr(model.config, "text_config", model.config)
+    recorder = ForcedRecorder(
+        chosen,
+        start=width - 1,
+        n_layers=len(layers),
+        pooled_dim=config.pooled_dim,
+        attention_keys=config.attention_keys,
+        n_heads=getattr(text_config, "num_attention_heads", 0),
+        dense_steps=min(config.dense_max_tokens, longest + 1) if config.keep_dense else 0,
+        hidden_size=getattr(text_config, "hidden_size", 0),
+    )
+    with (
+        _eager_attention(model, config.attention_keys > 0),
+        recording(model, recorder, layers_path),
+    ):
+        model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    return _split_rows(recorder, chosen, encoded, prompts, tokenizer, ends)
+
+
+def capture_answers(
+    model: nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    answers: Sequence[str | Sequence[int]],
+    config: CaptureConfig = CaptureConfig(),
+    layers_path: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[Generation]:
+    """Capture existing answers (text or token ids) in batches of ``config.batch_size``.
+
+    Each record is what `generate_with_capture` would have returned had the model
+    generated exactly these tokens and then stopped.
+    """
+    check_prompts(prompts)
+    if len(answers) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+    records: list[Generation] = []
+    for start in range(0, len(prompts), config.batch_size):
+        stop = start + config.batch_size
+        records += capture_answers_batch(
+            model, tokenizer, prompts[start:stop], answers[start:stop], config, layers_path
+        )
+        if progress is not None:
+            progress(len(prompts[start:stop]))
+    return records
