@@ -36,8 +36,8 @@ def test_every_command_has_help(command):
 def test_capture_from_prompts_file_and_rebuild_maps(tmp_path, tiny_model_dir):
     prompts = tmp_path / "prompts.jsonl"
     lines = [
-        {"prompt": "what is the capital", "id": "a", "answers": ["paris"]},
-        {"prompt": "red blue green"},
+        {"prompt": "what is the capital", "id": "a", "answers": ["paris"], "split": "test"},
+        {"prompt": "red blue green", "split": "test"},
     ]
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     store = tmp_path / "store"
@@ -89,7 +89,9 @@ def test_stop_strings_come_from_the_task_or_the_command_line(tmp_path, tiny_mode
     with pytest.raises(ValueError, match="--no-stop"):
         stop_strings(NQOpenTask(), ["x"], True)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "what is the capital", "id": "a"}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "what is the capital", "id": "a", "split": "test"}) + "\n"
+    )
     store = tmp_path / "store"
     args = ["capture", "--prompts", str(prompts), "--model", str(tiny_model_dir)]
     args += ["--out", str(store), "--splits", "test", "--max-new-tokens", "6", "--stop", " "]

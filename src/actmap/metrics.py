@@ -67,7 +67,11 @@ def ece(probs, labels, n_bins: int = 10) -> float:
 
 
 def natural_ece(
-    probs, labels, deployment_prevalence: float, calibrated_prevalence: float = 0.5, n_bins: int = 10
+    probs,
+    labels,
+    deployment_prevalence: float,
+    calibrated_prevalence: float = 0.5,
+    n_bins: int = 10,
 ) -> tuple[float, float]:
     """(raw, prior-corrected) ECE of p(correct) on rows at their natural prevalence.
 

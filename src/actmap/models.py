@@ -55,14 +55,14 @@ def resolve_model(name: str = DEFAULT_MODEL, revision: str = "main") -> ModelSou
     candidate = Path(name).expanduser()
     if candidate.suffix == ".gguf":
         if not candidate.is_file():
-            raise ActmapUserError(f"GGUF file not found: {candidate}")
+            raise FileNotFoundError(f"GGUF file not found: {candidate}")
         return ModelSource(name, str(candidate.parent), candidate.name, _file_digest(candidate))
     if candidate.is_dir():
         if not (candidate / "config.json").is_file():
-            raise ActmapUserError(f"model folder {candidate} has no config.json")
+            raise FileNotFoundError(f"model folder {candidate} has no config.json")
         return ModelSource(name, str(candidate), None, "local")
     if looks_like_path(name):  # never sent to the hub
-        raise ActmapUserError(f"model folder not found: {candidate}")
+        raise FileNotFoundError(f"model folder not found: {candidate}")
     return ModelSource(name, name, None, revision)
 
 

@@ -21,13 +21,14 @@ app = typer.Typer(
 
 @app.callback()
 def _setup(
-    context: typer.Context,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log library messages."),
     debug: bool = typer.Option(
         False, "--debug", help="Show the full traceback of errors (default: one line)."
     ),
 ) -> None:
-    context.obj = {"debug": debug}
+    from actmap.cli.common import SHOW_TRACEBACKS
+
+    SHOW_TRACEBACKS.set(debug)
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

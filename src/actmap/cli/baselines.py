@@ -9,7 +9,7 @@ import typer
 
 from actmap.atomic import atomic_write_text
 from actmap.cli import app
-from actmap.cli.common import console, progress_bar, user_errors
+from actmap.cli.common import console, progress_bar, quiet_transformers, user_errors
 
 STATUS_STYLE = {"done": "green", "skipped": "cyan", "unavailable": "yellow", "failed": "red"}
 
@@ -85,7 +85,7 @@ def baselines_command(
         )
         the_store = MapStore.open(store)
         console.print(f"store {store}: methods {', '.join(names)}")
-        with progress_bar() as bar:
+        with progress_bar() as bar, quiet_transformers():
             jobs: dict[str, int] = {}
 
             def progress(method: str, done: int, total: int, info: str) -> None:
@@ -119,7 +119,8 @@ def compare_command(
 
         rows = compare_methods(MapStore.open(store), run or [])
         text = format_table(rows)
-        console.print(Markdown(text))
+        # a terminal gets the rendered table; a pipe or file the Markdown itself, unfolded
+        console.print(Markdown(text) if console.is_terminal else text, soft_wrap=True)
         target = out or store / "compare.md"
         atomic_write_text(target, text)
         atomic_write_text(target.with_suffix(".json"), json.dumps(json_safe(rows), indent=2) + "\n")

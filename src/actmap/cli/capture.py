@@ -8,7 +8,14 @@ from pathlib import Path
 import typer
 
 from actmap.cli import app
-from actmap.cli.common import console, fraction, progress_bar, user_errors
+from actmap.cli.common import (
+    console,
+    fraction,
+    parse_resolution,
+    progress_bar,
+    quiet_transformers,
+    user_errors,
+)
 from actmap.errors import ActmapUserError
 
 SPLITS = ("train", "validation", "test")
@@ -34,12 +41,17 @@ def load_task(
     chat_template: bool = True,
     builtin_questions: int = 400,
     judge: str | None = None,
+    answers: Path | None = None,
 ):
     from actmap.data import get_task
-    from actmap.data.promptfile import PromptFileTask
+    from actmap.data.promptfile import AnswersFileTask, PromptFileTask
 
+    if prompts is not None and answers is not None:
+        raise ActmapUserError("--prompts and --answers exclude each other; give one")
     if prompts is not None:
-        return PromptFileTask(prompts)
+        return PromptFileTask(prompts, chat_template=chat_template)
+    if answers is not None:
+        return AnswersFileTask(answers, chat_template=chat_template)
     if task == "builtin":
         return get_task("builtin", n_questions=builtin_questions)
     kwargs = {"data_dir": data_dir, "chat_template": chat_template}
@@ -59,23 +71,30 @@ def capture(
     ),
     task: str = typer.Option("builtin", help="builtin | gsm8k | nq_open | triviaqa | cnn_dm"),
     prompts: Path = typer.Option(
-        None, help="JSONL file of {'prompt', 'id'?, 'answers'?} instead of a task."
+        None,
+        help="JSONL file of {'prompt', 'id'?, 'answers'?, 'split'?} instead of a task; "
+        "each prompt is answered once.",
+    ),
+    answers: Path = typer.Option(
+        None,
+        help="JSONL file of {'prompt', 'answer', 'id'?, 'answers'?, 'label'?, 'split'?}: "
+        "answers made elsewhere, read by one teacher-forced pass each (no generation).",
     ),
     model: str = typer.Option(
         "smollm2-135m-instruct", help="Embedded name, .gguf path, local folder or hub id."
     ),
     revision: str = typer.Option("main", help="Hub revision of the model."),
-    limit: int = typer.Option(None, help="At most this many examples per split."),
+    limit: int = typer.Option(None, min=1, help="At most this many examples per split."),
     splits: str = typer.Option(",".join(SPLITS), help="Comma-separated splits to capture."),
-    batch_size: int = typer.Option(32, help="Prompts per generation batch."),
+    batch_size: int = typer.Option(32, min=1, help="Prompts per generation batch."),
     max_new_tokens: int = typer.Option(
-        None, help="Default: the task's (32 short answers, 384 summaries)."
+        None, min=1, help="Default: the task's (32 short answers, 384 summaries)."
     ),
     keep_trajectories: bool = typer.Option(
         False, help="Also store pooled L x T x 128 trajectories (ablations)."
     ),
     attention_keys: int = typer.Option(
-        0, help="Keep attention to the K previous tokens (RAUQ/TAD need 10)."
+        0, min=0, help="Keep attention to the K previous tokens (RAUQ/TAD need 10)."
     ),
     keep_dense: bool = typer.Option(
         False, help="Keep unpooled states of the first 100 tokens (ACT-ViT)."
@@ -92,7 +111,9 @@ def capture(
         "or 'minicheck:<path>'. Without one, summaries are stored unlabelled.",
     ),
     label_rule: str = typer.Option("paper", help="QA label rule: paper | contains."),
-    builtin_questions: int = typer.Option(400, help="Questions the built-in task generates."),
+    builtin_questions: int = typer.Option(
+        400, min=1, help="Questions the built-in task generates."
+    ),
     chat_template: bool = typer.Option(
         True, help="Wrap prompts in the tokenizer's chat template (--no-chat-template: plain text)."
     ),
@@ -111,6 +132,7 @@ def capture(
     ),
     share_prefix: int = typer.Option(
         0,
+        min=0,
         help="Run the token prefix all prompts of a batch share (the few-shot block) once "
         "when it has at least this many tokens; 0 = off. Same tokens, recorded in the store.",
     ),
@@ -132,6 +154,7 @@ def capture(
             chat_template,
             builtin_questions,
             judge,
+            answers,
         )
         wanted = [s.strip() for s in splits.split(",") if s.strip()]
         examples = [e for split in wanted for e in the_task.load(split, limit)]
@@ -153,8 +176,8 @@ def capture(
         # refuse a config mismatch or a second writer before the model's load time is spent
         asked = ModelSource(model, model, None, revision)
         claim = claim_store(out, store_config(the_task, asked, config, MapConfig(), keep))
-        console.print(f"loading [bold]{model}[/bold] ...")
-        lm, tokenizer, source = load_model(model, revision=revision, device=device)
+        with console.status(f"loading {model} ..."), quiet_transformers():
+            lm, tokenizer, source = load_model(model, revision=revision, device=device)
         store = MapStore.create(out, store_config(the_task, source, config, MapConfig(), keep))
         claim.release()
         with progress_bar() as bar:
@@ -202,9 +225,11 @@ def build_maps_command(
     out: Path = typer.Option(
         ..., "--out", "-o", help="Folder of the new map store (train and evaluate read it)."
     ),
-    segments: int = typer.Option(4, help="Segment means: 1, 4 or 8."),
+    segments: int = typer.Option(4, min=1, help="Segment means: 1, 4 or 8."),
     resolution: str = typer.Option(
-        "32x128", help="Layers x coordinates, e.g. 16x64, 32x128, 64x256."
+        "32x128",
+        callback=parse_resolution,
+        help="Layers x coordinates, e.g. 16x64, 32x128, 64x256.",
     ),
     channels: str = typer.Option(None, help="Comma-separated channel names to keep (default all)."),
     normalization: str = typer.Option("channel", help="channel | global"),
@@ -215,7 +240,7 @@ def build_maps_command(
         from actmap.store import MapStore
         from actmap.store.derived import build_map_store
 
-        layers_out, coords_out = (int(x) for x in resolution.lower().split("x"))
+        layers_out, coords_out = resolution
         config = MapConfig(
             n_segments=segments,
             layers_out=layers_out,
@@ -262,8 +287,8 @@ def judge_command(
         ..., "--out", "-o", help="Judged store folder (created, or resumed when it exists)."
     ),
     threshold: float = typer.Option(0.5, help="Support a sentence needs (MiniCheck: 0.5)."),
-    batch_size: int = typer.Option(8, help="Summaries per committed batch."),
-    limit: int = typer.Option(None, help="Judge at most this many summaries in this call."),
+    batch_size: int = typer.Option(8, min=1, help="Summaries per committed batch."),
+    limit: int = typer.Option(None, min=1, help="Judge at most this many summaries in this call."),
 ) -> None:
     """Label the summaries of a store with a factuality judge (resumable, separate pass)."""
     with user_errors():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import typer
 from rich.console import Console
@@ -16,7 +17,19 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-console = Console(stderr=True)
+PIPED_WIDTH = 200  # columns when stderr is not a terminal: no folding at rich's default 80
+
+
+def make_console() -> Console:
+    """Messages, tables and progress on stderr; wide when piped or captured, so paths,
+    option names and numbers stay on one line."""
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console.width = PIPED_WIDTH
+    return console
+
+
+console = make_console()
 
 
 def progress_bar() -> Progress:
@@ -32,12 +45,8 @@ def progress_bar() -> Progress:
     )
 
 
-def debug_requested() -> bool:
-    """True when the command line carried ``actmap --debug``."""
-    import click
-
-    context = click.get_current_context(silent=True)
-    return bool(context and (context.find_root().obj or {}).get("debug"))
+# set by ``actmap --debug`` for the command it runs (typer gives commands no click context)
+SHOW_TRACEBACKS: ContextVar[bool] = ContextVar("actmap_show_tracebacks", default=False)
 
 
 @contextmanager
@@ -52,7 +61,7 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except (ActmapUserError, FileNotFoundError) as error:
-        if debug_requested():
+        if SHOW_TRACEBACKS.get():
             raise
         console.print(f"[red]error:[/red] {one_line(error)}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None
@@ -77,3 +86,35 @@ def parse_ints(text: str) -> tuple[int, ...]:
 def fraction(value: float) -> str:
     """A figure such as an accuracy, or "n/a" when there was nothing to compute it on."""
     return "n/a" if value != value else f"{value:.3f}"  # NaN is the only value != itself
+
+
+def parse_resolution(text: str) -> tuple[int, int]:
+    """'LxD' (e.g. 32x128) -> (L, D), both positive integers; typer reports anything else."""
+    parts = text.lower().split("x")
+    try:
+        layers, coords = (int(p) for p in parts) if len(parts) == 2 else (0, 0)
+    except ValueError:
+        layers = coords = 0
+    if layers < 1 or coords < 1:
+        raise typer.BadParameter(f"expected LxD with positive integers (e.g. 32x128), got {text!r}")
+    return layers, coords
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' and the hub's own progress bars and info messages off (actmap shows its own)."""
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+            enable_progress_bars()

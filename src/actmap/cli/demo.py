@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from actmap.cli import app
-from actmap.cli.common import console, progress_bar, user_errors
+from actmap.cli.common import console, progress_bar, quiet_transformers, user_errors
 
 
 @app.command()
@@ -49,11 +49,19 @@ def demo(
         task = BuiltinArithmeticTask(n_questions=questions)
         examples = task.load_all()
         config = CaptureConfig(max_new_tokens=task.max_new_tokens, batch_size=32)
-        console.print("loading the embedded default model (SmolLM2-135M-Instruct) ...")
-        model, tokenizer, source = load_model()
+        with (
+            console.status("loading the embedded default model (SmolLM2-135M-Instruct) ..."),
+            quiet_transformers(),
+        ):
+            model, tokenizer, source = load_model()
 
         prompts = [task.prompt(e, tokenizer) for e in examples[: config.batch_size]]
-        overhead = measure_overhead(model, tokenizer, prompts, config, repeats=overhead_repeats)
+        with console.status(
+            f"measuring capture overhead: {overhead_repeats} interleaved plain/hooked "
+            f"generations of {len(prompts)} prompts ..."
+        ):
+            overhead = measure_overhead(model, tokenizer, prompts, config, repeats=overhead_repeats)
+        console.print(f"capture overhead measured: {overhead.overhead_pct:+.1f}%")
 
         store = MapStore.create(out / "store", store_config(task, source, config, MapConfig(), {}))
         with progress_bar() as bar:

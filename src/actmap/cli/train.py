@@ -15,6 +15,8 @@ from actmap.errors import ActmapUserError
 
 def load_balanced(store_path: Path):
     """{split: LabeledMaps} on the store's balanced rows, plus the store."""
+    import numpy as np
+
     from actmap.rows import balanced_splits
     from actmap.store import MapStore
     from actmap.training import LabeledMaps
@@ -28,6 +30,13 @@ def load_balanced(store_path: Path):
                 f"the balanced '{split}' split of {store_path} is empty (need both labels)"
             )
         maps, meta = store.load_maps(ids)
+        finite = np.isfinite(maps.reshape(len(maps), -1)).all(axis=1)
+        if not finite.all():
+            bad = [key for key, ok in zip(ids, finite, strict=True) if not ok]
+            raise ActmapUserError(
+                f"store {store_path}: the map of id '{bad[0]}' has NaN or infinite values "
+                f"({len(bad)} such maps in its balanced '{split}' split)"
+            )
         out[split] = LabeledMaps(maps, meta["label"].to_numpy().astype("int64"), ids)
     return out, store
 
@@ -103,24 +112,38 @@ def train(
         None, help="Override the recipe's 80 epochs (tests, quick looks)."
     ),
     device: str = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Delete --out first. Without it, --out may only hold seeds of the same detector "
+        "and recipe (they are extended).",
+    ),
 ) -> None:
     """Train a detector with the paper's recipe, one run per seed, and test each selected checkpoint once."""
     with user_errors():
+        from actmap.runs import extend_run_record, prepare_run_folder
+        from actmap.training import resolve_device
+
+        resolve_device(device)  # a device this machine lacks fails before any work
         if detector == "actmap-plus":
             from actmap.cli.product import train_plus_run
 
+            prepare_run_folder(out, detector, None, overwrite)
             print_summary(train_plus_run(store, out))
             console.print(f"run written to {out}")
             return
-        runs, _ = train_on_store(store, detector, parse_ints(seeds), out, max_epochs, device)
-        print_summary(runs.summary)
+        prepare_run_folder(out, detector, recipe_config(max_epochs).to_dict(), overwrite)
+        train_on_store(store, detector, parse_ints(seeds), out, max_epochs, device)
+        print_summary(extend_run_record(out))
         console.print(f"run written to {out}")
 
 
 def print_summary(summary: dict) -> None:
     from rich.table import Table
 
-    table = Table(title="test metrics (balanced rows)")
+    detector = summary.get("detector")
+    title = f"{detector + ' ' if detector else ''}test metrics (balanced rows)"
+    table = Table(title=title)
     for column in ("seed", "AUROC", "AUPRC", "ECE"):
         table.add_column(column)
     for seed, m in summary["per_seed"].items():
@@ -151,12 +174,10 @@ def evaluate(
 
         from actmap.detectors.base import CorrectnessDetector
         from actmap.metrics import compute_metrics, seed_summary
+        from actmap.runs import read_run
 
-        seed_dirs = sorted(run.glob("seed-*"))
-        if not seed_dirs:
-            raise ActmapUserError(
-                f"{run} has no seed-*/ folders; is it a run written by `actmap train`?"
-            )
+        checked = read_run(run)  # one detector, one recipe: its seeds can be averaged
+        seed_dirs = list(checked.seed_dirs.values())
         per_seed = {}
         if store is not None:
             splits, _ = load_balanced(store)
@@ -173,6 +194,7 @@ def evaluate(
         mean_std = {k: seed_summary([m[k] for m in per_seed.values()]) for k in names}
         result = {
             "run": str(run),
+            "detector": checked.detector,
             "store": str(store) if store else None,
             "per_seed": per_seed,
             "mean": {k: v[0] for k, v in mean_std.items()},

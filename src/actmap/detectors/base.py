@@ -242,7 +242,7 @@ class CorrectnessDetector:
         src = Path(directory)
         for name in ("config.json", "model.safetensors"):
             if not (src / name).is_file():
-                raise ActmapUserError(f"{src / name} does not exist; is {src} a saved detector?")
+                raise FileNotFoundError(f"{src / name} does not exist; is {src} a saved detector?")
         cfg = _read_config(src / "config.json")
         kwargs = {
             k: tuple(v) if isinstance(v, list) else v for k, v in cfg["detector_kwargs"].items()
