@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -267,6 +268,8 @@ def fake_run(root, store, seeds=(1, 2), ids=None):
                 "p_correct": p,
             }
         ).to_parquet(folder / "test_scores.parquet")
+        config = {"detector": "mlp", "train_config": {"max_epochs": 2, "seeds": [seed]}}
+        (folder / "config.json").write_text(json.dumps(config))
     return root
 
 
@@ -287,7 +290,7 @@ def test_compare_matches_sklearn_on_the_stored_confidences(scored, tmp_path):
     per_seed = [roc_auc_score(labels, actvit[f"confidence_by_seed_{s}"]) for s in (42, 123)]
     assert rows["actvit"]["auroc"] == pytest.approx(np.mean(per_seed))
     assert rows["actvit"]["auroc_std"] == pytest.approx(np.std(per_seed, ddof=1))
-    actmap = rows["actmap-detector (run)"]
+    actmap = rows["actmap-mlp (run)"]
     expected = [
         roc_auc_score(labels, pd.read_parquet(run / f"seed-{s}/test_scores.parquet")["p_correct"])
         for s in (1, 2)
