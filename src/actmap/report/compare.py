@@ -6,7 +6,6 @@ answer-length control, and `actmap train` runs, as rows and a Markdown table.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +13,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from actmap.errors import ActmapUserError
 from actmap.rows import balanced_splits
+from actmap.runs import read_run
 from actmap.store import MapStore, latest_rows
 
 # raw_name of methods whose confidence estimates p(correct), for results stored before each
@@ -128,28 +129,24 @@ def actmap_row(run: Path, test: list[str], labels: np.ndarray) -> dict:
     import pandas as pd
 
     run = Path(run)
-    seed_dirs = sorted(run.glob("seed-*"))
-    if not seed_dirs:
-        raise ValueError(f"{run} has no seed-*/ folders; is it a run written by `actmap train`?")
+    checked = read_run(run)  # refuses seeds of different detectors or recipes
+    seed_dirs = list(checked.seed_dirs.values())
     expected = dict(zip(test, labels.tolist(), strict=True))
     per_seed = []
     for folder in seed_dirs:
         scores = pd.read_parquet(folder / "test_scores.parquet")
         ids = [str(k) for k in scores["id"]]
         if set(ids) != set(expected) or len(ids) != len(expected):
-            raise ValueError(
+            raise ActmapUserError(
                 f"{folder} scored {len(ids)} rows that are not the store's {len(expected)} "
                 f"balanced test rows ({len(set(ids) - set(expected))} unknown ids); "
                 "was the run trained on another store?"
             )
         y = np.array([expected[k] for k in ids])
         if not np.array_equal(y, scores["label"].to_numpy(dtype=np.int64)):
-            raise ValueError(f"{folder}: stored labels differ from the store's labels")
+            raise ActmapUserError(f"{folder}: stored labels differ from the store's labels")
         per_seed.append(_metrics(scores["p_correct"].to_numpy(dtype=np.float64), y, True))
-    detector = "detector"
-    if (run / "manifest.json").is_file():
-        detector = json.loads((run / "manifest.json").read_text()).get("detector", detector)
-    row = _metric_row(f"actmap-{detector} ({run.name})", "actmap", per_seed, len(test))
+    row = _metric_row(f"actmap-{checked.detector} ({run.name})", "actmap", per_seed, len(test))
     row["latency_ms"] = None
     return row
 
@@ -162,7 +159,7 @@ def compare_methods(store: MapStore, run_dirs: Sequence[Path] | None = None) -> 
     splits = balanced_splits(store)
     test = splits["test"]
     if not test:
-        raise ValueError(f"{store.root}: the balanced test split is empty (need both labels)")
+        raise ActmapUserError(f"{store.root}: the balanced test split is empty (need both labels)")
     labels = store.metadata().set_index("id").loc[test, "label"].to_numpy(dtype=np.int64)
     methods = sorted(t.split("/", 1)[1] for t in store.tables() if t.startswith("results/"))
     rows = [baseline_row(store, m, test, labels) for m in methods]
