@@ -119,7 +119,7 @@ def test_capture_reports_bad_input_clearly(tmp_path, tiny_model_dir):
         ],
     )
     assert result.exit_code == 2
-    assert "bad.jsonl:1" in result.output and "prompt" in result.output
+    assert "bad.jsonl: line 1" in result.output and "prompt" in result.output
 
 
 def synthetic_store(path, n=120, seed=0):

@@ -179,13 +179,16 @@ def test_hub_probe_answers_false_for_a_closed_port():
     [
         (b"", ("p.jsonl is empty",)),
         (b"\n  \n", ("p.jsonl is empty",)),
-        (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', ("p.jsonl:2", "not valid UTF-8", "0xe9")),
+        (
+            b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n',
+            ("p.jsonl: line 2", "not valid UTF-8", "0xe9"),
+        ),
         (
             b'{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n',
-            ("p.jsonl:2", "repeats line 1"),
+            ("p.jsonl: line 2", "repeats line 1"),
         ),
-        (b'{"prompt": "a", "split": "dev"}\n', ("p.jsonl:1", "'split'")),
-        (b"[1, 2]\n", ("p.jsonl:1", "JSON object")),
+        (b'{"prompt": "a", "split": "dev"}\n', ("p.jsonl: line 1", "'split'")),
+        (b"[1, 2]\n", ("p.jsonl: line 1", "JSON object")),
     ],
 )
 def test_bad_prompt_files_name_the_file_and_line(tmp_path, tiny_model_dir, content, fragments):
@@ -202,7 +205,7 @@ def test_answers_file_needs_an_answer(tmp_path, tiny_model_dir):
     answers.write_text('{"prompt": "what is the capital", "answer": "paris"}\n{"prompt": "red"}\n')
     args = ["capture", "--answers", str(answers), "--model", str(tiny_model_dir)]
     one_line_error(
-        runner.invoke(app, [*args, "--out", str(tmp_path / "s")]), "a.jsonl:2", "'answer'"
+        runner.invoke(app, [*args, "--out", str(tmp_path / "s")]), "a.jsonl: line 2", "'answer'"
     )
 
 

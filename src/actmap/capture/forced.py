@@ -32,7 +32,7 @@ from actmap.capture.generate import (
     stop_ids,
     tokenize_prompts,
 )
-from actmap.capture.hooks import _first_tensor, recording
+from actmap.capture.hooks import StepRecorder, _first_tensor, recording
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.maps import pool_hidden
@@ -40,46 +40,18 @@ from actmap.maps import pool_hidden
 log = logging.getLogger(__name__)
 
 
-class ForcedRecorder:
+class ForcedRecorder(StepRecorder):
     """Generation's buffers, filled from one teacher-forced pass over (B, P + T) tokens.
 
     ``start`` is the last prompt position (P - 1); ``chosen`` (B, S) holds each row's
     answer tokens, then its end token, so step ``s`` scores ``chosen[:, s]``.
     """
 
-    def __init__(
-        self,
-        chosen: torch.Tensor,
-        start: int,
-        n_layers: int,
-        pooled_dim: int,
-        attention_keys: int = 0,
-        n_heads: int = 0,
-        dense_steps: int = 0,
-        hidden_size: int = 0,
-    ) -> None:
+    def __init__(self, chosen: torch.Tensor, start: int, **buffers) -> None:
         batch, steps = chosen.shape
-        device = chosen.device
+        super().__init__(batch=batch, max_steps=steps, device=chosen.device, **buffers)
         self.chosen, self.start, self.steps = chosen, start, steps
-        self.attention_keys, self.dense_steps = attention_keys, dense_steps
         self.calls = 0
-        self.pooled = torch.zeros(
-            batch, n_layers, steps, pooled_dim, device=device
-        )  # (B, L, S, D')
-        self.logprobs = torch.zeros(batch, steps, device=device)  # (B, S)
-        self.entropies = torch.zeros(batch, steps, device=device)  # (B, S)
-        self.attention = (
-            torch.zeros(batch, steps, n_layers, n_heads, attention_keys, device=device)
-            if attention_keys
-            else None
-        )  # (B, S, L, H, K)
-        self.dense = (
-            torch.zeros(
-                batch, n_layers, dense_steps, hidden_size, device=device, dtype=torch.float16
-            )
-            if dense_steps
-            else None
-        )  # (B, L, N, D)
 
     def _rows(self, per_position: torch.Tensor) -> torch.Tensor:
         """(B, P + T, ...) -> (B, S, ...): the positions that predict answer tokens 0..S-1."""
@@ -135,6 +107,12 @@ def answer_token_ids(tokenizer, answers: Sequence[str | Sequence[int]]) -> list[
     ]
 
 
+def check_pairs(prompts: Sequence[str], answers: Sequence) -> None:
+    check_prompts(prompts)
+    if len(answers) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+
+
 @torch.inference_mode()
 def capture_answers_batch(
     model: nn.Module,
@@ -145,9 +123,7 @@ def capture_answers_batch(
     layers_path: str | None = None,
 ) -> list[Generation]:
     """One forward pass over each ``prompt + answer`` of a batch -> one `Generation` each."""
-    check_prompts(prompts)
-    if len(answers) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+    check_pairs(prompts, answers)
     device = _device(model)
     layers = find_decoder_layers(model, layers_path)
     token_ids = answer_token_ids(tokenizer, answers)
@@ -205,9 +181,7 @@ def capture_answers(
     Each record is what `generate_with_capture` would have returned had the model
     generated exactly these tokens and then stopped.
     """
-    check_prompts(prompts)
-    if len(answers) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+    check_pairs(prompts, answers)
     records: list[Generation] = []
     for start in range(0, len(prompts), config.batch_size):
         stop = start + config.batch_size

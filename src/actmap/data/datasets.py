@@ -80,8 +80,15 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, JSON object) for every non-blank line of a .jsonl or .jsonl.gz file."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, start=1):
+        with opener(path, "rb") as fh:
+            for line_no, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataError(
+                        f"{path}: line {line_no}: not valid UTF-8 (byte 0x{raw[err.start]:02x} "
+                        f"at column {err.start + 1})"
+                    ) from None
                 if not line.strip():
                     continue
                 try:

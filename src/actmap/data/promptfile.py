@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actmap.data.base import DataError, Example
+from actmap.data.datasets import read_jsonl
 from actmap.data.labels import qa_correct
 from actmap.data.prompts import extract_answer, render_chat, uses_chat_template
 from actmap.data.splits import SPLITS, assign_splits
@@ -31,28 +32,9 @@ from actmap.data.splits import SPLITS, assign_splits
 SPLIT_SEED = 0
 
 
-def read_jsonl(path: Path) -> list[tuple[int, dict]]:
+def read_rows(path: Path) -> list[tuple[int, dict]]:
     """(line number, object) of every non-blank line; errors name the file and line."""
-    if not path.is_file():
-        raise DataError(f"file not found: {path}")
-    rows = []
-    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise DataError(
-                f"{path}:{number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} "
-                f"at column {error.start + 1})"
-            ) from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number}: not valid JSON ({error})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-        rows.append((number, row))
+    rows = list(read_jsonl(path))
     if not rows:
         raise DataError(f"{path} is empty: expected one JSON object per line")
     return rows
@@ -101,8 +83,8 @@ class PromptFileTask:
         """Every line of the file once, each in its split."""
         path = Path(self.path)
         parsed, seen = [], {}
-        for number, row in read_jsonl(path):
-            where = f"{path}:{number}"
+        for number, row in read_rows(path):
+            where = f"{path}: line {number}"
             prompt = _prompt_field(row.get("prompt"), where)
             extra = self._extra_fields(row, where)
             question = prompt

@@ -1,0 +1,59 @@
+"""Quiet, readable output: no transformers progress bars, nothing folded at 80 columns when piped."""
+
+from __future__ import annotations
+
+import json
+
+from test_cli import synthetic_store
+from typer.testing import CliRunner
+
+from actmap.cli import app
+from actmap.cli.common import PIPED_WIDTH, console
+
+runner = CliRunner()
+
+
+def test_capture_shows_no_transformers_progress_bar(tmp_path, tiny_llama, word_tokenizer):
+    folder = tmp_path / "model"
+    tiny_llama.save_pretrained(folder)
+    word_tokenizer.save_pretrained(folder)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "what is the capital", "split": "test"}) + "\n")
+    args = [
+        "capture",
+        "--prompts",
+        str(prompts),
+        "--model",
+        str(folder),
+        "--out",
+        str(tmp_path / "s"),
+    ]
+    result = runner.invoke(app, [*args, "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    assert "Loading weights" not in result.output and "it/s]" not in result.output
+    assert "wrote 1 rows" in result.output
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # restored for the library's other users
+
+
+def test_piped_output_keeps_paths_and_tables_on_one_line(tmp_path):
+    assert not console.is_terminal and console.width == PIPED_WIDTH
+    deep = tmp_path / ("a-rather-long-folder-name-" * 3) / "run-with-a-long-name"
+    synthetic_store(tmp_path / "store")
+    args = ["train", "--store", str(tmp_path / "store"), "--out", str(deep), "--detector", "logreg"]
+    trained = runner.invoke(app, [*args, "--seeds", "123456789,987654321", "--max-epochs", "2"])
+    assert trained.exit_code == 0, trained.output
+    assert f"run written to {deep}" in trained.output.splitlines()  # one line, not folded at 80
+    evaluated = runner.invoke(app, ["evaluate", "--run", str(deep)])
+    assert f"metrics written to {deep / 'evaluation.json'}" in evaluated.output.splitlines()
+    report = json.loads((deep / "evaluation.json").read_text())
+    row = next(line for line in evaluated.output.splitlines() if "123456789" in line)
+    assert f"{report['per_seed']['123456789']['auroc']:.3f}" in row and "…" not in evaluated.output
+    compared = runner.invoke(
+        app, ["compare", "--store", str(tmp_path / "store"), "--run", str(deep)]
+    )
+    assert compared.exit_code == 0, compared.output
+    header = "| method | kind | AUROC | AUPRC | ECE | n | seeds | ms/answer | note |"
+    assert header in compared.output.splitlines()  # plain Markdown when not a terminal
+    assert f"actmap-logreg ({deep.name})" in compared.output
