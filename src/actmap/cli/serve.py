@@ -8,6 +8,7 @@ import typer
 
 from actmap.cli import app
 from actmap.cli.common import console, user_errors
+from actmap.errors import ActmapUserError
 
 policy_app = typer.Typer(help="Decision policies: thresholds on p(correct).", no_args_is_help=True)
 audit_app = typer.Typer(
@@ -186,7 +187,7 @@ def audit_summary(
         try:
             summary = summarize(read_audit(open_audit_store(store)), every)
         except ValueError as error:
-            raise ValueError(f"--every {every!r}: {error}") from None
+            raise ActmapUserError(f"--every {every!r}: {error}") from None
     if summary.empty:
         console.print("the audit store holds no answers")
         return

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actmap.errors import ActmapUserError
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
 from actmap.serve.metrics import ServeMetrics
@@ -121,7 +122,7 @@ def build_engine(settings: ServeSettings) -> Engine:
     from actmap.serve.scoring import load_detector_run
 
     if settings.detector is None:
-        raise ValueError("a detector run folder is required (--detector RUN)")
+        raise ActmapUserError("a detector run folder is required (--detector RUN)")
     policy = load_policy(settings.policy) if settings.policy else Policy()
     detector = load_detector_run(settings.detector, settings.seed, settings.device)
     model, tokenizer, source = load_model(settings.model, device=settings.device)  # no remote code

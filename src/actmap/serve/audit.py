@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from actmap.errors import ActmapUserError
 from actmap.maps import MapConfig
 from actmap.store import MapRecord, MapStore, StoreError
 
@@ -108,9 +109,9 @@ class AuditTrail:
         background: bool = True,
     ) -> None:
         if max_rows is not None and max_rows < 1:
-            raise ValueError(f"audit max_rows must be >= 1, got {max_rows}")
+            raise ActmapUserError(f"audit max_rows must be >= 1, got {max_rows}")
         if max_age_days is not None and max_age_days <= 0:
-            raise ValueError(f"audit max_age_days must be > 0, got {max_age_days}")
+            raise ActmapUserError(f"audit max_age_days must be > 0, got {max_age_days}")
         self.store = MapStore.create(root, audit_config(map_config), resume=True)
         self._lock_file = open(self.store.root / ".audit-writer.lock", "w")  # noqa: SIM115
         try:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from actmap.errors import ActmapUserError
+
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +39,7 @@ class MicroBatcher:
         on_batch: Callable[[list[Any], Any], None] | None = None,
     ) -> None:
         if max_batch < 1 or max_queue < 1 or window_s < 0:
-            raise ValueError("need max_batch >= 1, max_queue >= 1 and window_s >= 0")
+            raise ActmapUserError("need max_batch >= 1, max_queue >= 1 and window_s >= 0")
         self.run_batch = run_batch
         self.max_batch, self.window_s, self.max_queue = max_batch, window_s, max_queue
         self.on_batch = on_batch

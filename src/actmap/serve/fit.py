@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from actmap.errors import ActmapUserError
 from actmap.metrics import ece
 from actmap.prior import em_prevalence, shift_to_prevalence
 from actmap.serve.policy import Policy, PriorSetting, correct_prior, fit_policy
@@ -37,10 +38,10 @@ def natural_scores(store: MapStore, detector, split: str = "validation") -> Natu
     meta = store.metadata()
     rows = meta[(meta["split"] == split) & meta["label"].notna()]
     if rows.empty:
-        raise ValueError(f"{store.root} has no labelled rows in split '{split}'")
+        raise ActmapUserError(f"{store.root} has no labelled rows in split '{split}'")
     labels = rows["label"].to_numpy().astype(np.int64)
     if len(np.unique(labels)) < 2:
-        raise ValueError(f"split '{split}' of {store.root} holds a single label; need both")
+        raise ActmapUserError(f"split '{split}' of {store.root} holds a single label; need both")
     ids = rows["id"].tolist()
     maps, _ = store.load_maps(ids)
     return NaturalScores(ids, labels, detector.predict_proba(maps), split)
@@ -71,7 +72,7 @@ def fit_policy_on_store(
         setting = PriorSetting()
         fitted_on = scores.p_raw
     else:
-        raise ValueError(f"prior must be none, known or em, got {prior!r}")
+        raise ActmapUserError(f"prior must be none, known or em, got {prior!r}")
     info = {"split": scores.split, **(about or {})}
     return fit_policy(fitted_on, scores.labels, target_risk, review_risk, route_risk, setting, info)
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from actmap.atomic import atomic_write_text
+from actmap.errors import ActmapUserError
 from actmap.metrics import risk_coverage_curve
 from actmap.prior import BALANCED, shift_to_prevalence
 
@@ -47,20 +48,20 @@ class PriorSetting:
 
     def __post_init__(self) -> None:
         if self.method not in ("none", "known", "em"):
-            raise ValueError(f"prior.method must be none, known or em, got {self.method!r}")
+            raise ActmapUserError(f"prior.method must be none, known or em, got {self.method!r}")
         if self.method == "known":
             if self.deployment_accuracy is None:
-                raise ValueError("prior.method = 'known' needs prior.deployment_accuracy")
+                raise ActmapUserError("prior.method = 'known' needs prior.deployment_accuracy")
             if not 0.0 < self.deployment_accuracy < 1.0:
-                raise ValueError(
+                raise ActmapUserError(
                     f"prior.deployment_accuracy must lie in (0, 1), got {self.deployment_accuracy}"
                 )
         if not 0.0 < self.train_prevalence < 1.0:
-            raise ValueError(
+            raise ActmapUserError(
                 f"prior.train_prevalence must lie in (0, 1), got {self.train_prevalence}"
             )
         if self.em_window < 1 or self.em_min_scores < 1:
-            raise ValueError("prior.em_window and prior.em_min_scores must be >= 1")
+            raise ActmapUserError("prior.em_window and prior.em_min_scores must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,9 @@ class Policy:
         for name in ("accept", "review", "route"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or math.isnan(value) or value < 0:
-                raise ValueError(f"threshold {name} must be a number >= 0, got {value!r}")
+                raise ActmapUserError(f"threshold {name} must be a number >= 0, got {value!r}")
         if not self.route <= self.review <= self.accept:
-            raise ValueError(
+            raise ActmapUserError(
                 "thresholds must satisfy route <= review <= accept, got "
                 f"route={self.route}, review={self.review}, accept={self.accept}"
             )
@@ -120,7 +121,7 @@ def threshold_for_risk(scores, labels, target_risk: float) -> tuple[float, float
     threshold reaches the target, threshold is inf and coverage 0.
     """
     if not 0.0 <= target_risk <= 1.0:
-        raise ValueError(f"target risk must lie in [0, 1], got {target_risk}")
+        raise ActmapUserError(f"target risk must lie in [0, 1], got {target_risk}")
     s = np.asarray(scores, dtype=np.float64)
     coverage, risk = risk_coverage_curve(s, labels)
     ok = np.flatnonzero(risk <= target_risk + 1e-12)
@@ -158,7 +159,9 @@ def fit_policy(
             thresholds[band] = thresholds[previous]  # an empty band
             continue
         if previous is not None and wanted < risks[previous]:
-            raise ValueError(f"{band} risk {wanted} is below the {previous} risk {risks[previous]}")
+            raise ActmapUserError(
+                f"{band} risk {wanted} is below the {previous} risk {risks[previous]}"
+            )
         threshold, coverage, risk = threshold_for_risk(scores, y, wanted)
         thresholds[band] = threshold
         fitted[band] = {"target_risk": wanted, "coverage": coverage, "risk": risk}
@@ -225,18 +228,18 @@ def load_policy(path: str | Path) -> Policy:
     except FileNotFoundError:
         raise FileNotFoundError(f"policy file {path} does not exist") from None
     except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"{path} is not valid TOML: {error}") from None
+        raise ActmapUserError(f"{path} is not valid TOML: {error}") from None
     unknown = set(data) - {"thresholds", "prior", "fitted"}
     if unknown:
-        raise ValueError(f"{path}: unknown section(s) {sorted(unknown)}")
+        raise ActmapUserError(f"{path}: unknown section(s) {sorted(unknown)}")
     thresholds = data.get("thresholds", {})
     extra = set(thresholds) - {"accept", "review", "route"}
     if extra:
-        raise ValueError(f"{path}: unknown key(s) in [thresholds]: {sorted(extra)}")
+        raise ActmapUserError(f"{path}: unknown key(s) in [thresholds]: {sorted(extra)}")
     prior = data.get("prior", {})
     extra = set(prior) - set(PriorSetting.__dataclass_fields__)
     if extra:
-        raise ValueError(f"{path}: unknown key(s) in [prior]: {sorted(extra)}")
+        raise ActmapUserError(f"{path}: unknown key(s) in [prior]: {sorted(extra)}")
     accept = thresholds.get("accept", 0.5)
     try:
         return Policy(
@@ -247,4 +250,4 @@ def load_policy(path: str | Path) -> Policy:
             fitted=data.get("fitted", {}),
         )
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{path}: {error}") from None
+        raise ActmapUserError(f"{path}: {error}") from None

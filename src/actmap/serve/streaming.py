@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from actmap.errors import ActmapUserError
 from actmap.metrics import auroc
 from actmap.store import MapStore, decode_array
 
@@ -71,16 +72,18 @@ def running_auroc(
 ) -> RunningAUROC:
     """AUROC of the running score at each answer position, on a split's labelled answers."""
     if not store.has_table("trajectories"):
-        raise ValueError(f"{store.root} keeps no trajectories; capture with --keep-trajectories")
+        raise ActmapUserError(
+            f"{store.root} keeps no trajectories; capture with --keep-trajectories"
+        )
     meta = store.metadata()
     rows = meta[(meta["split"] == split) & meta["label"].notna()].drop_duplicates("id")
     if rows.empty:
-        raise ValueError(f"{store.root} has no labelled rows in split '{split}'")
+        raise ActmapUserError(f"{store.root} has no labelled rows in split '{split}'")
     table = store.read_latest("trajectories")
     index = {key: i for i, key in enumerate(table.column("id").to_pylist())}
     missing = [key for key in rows["id"] if key not in index]
     if missing:
-        raise ValueError(f"{len(missing)} rows have no stored trajectory, e.g. {missing[:3]}")
+        raise ActmapUserError(f"{len(missing)} rows have no stored trajectory, e.g. {missing[:3]}")
     trajectories = []
     for key in rows["id"]:
         i = index[key]
