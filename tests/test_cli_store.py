@@ -16,7 +16,9 @@ runner = CliRunner()
 
 def capture_args(tmp_path, model, store, *extra):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"red blue {i}"}) + "\n" for i in range(6)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"red blue {i}", "split": "test"}) + "\n" for i in range(6))
+    )
     return [
         "capture",
         "--prompts",

@@ -83,7 +83,10 @@ def test_readme_runs_as_written(tmp_path, monkeypatch, smollm2):
         result = runner.invoke(app, [*args[1:], *SMALL.get(args[1], [])])
         assert result.exit_code == 0, (line, result.output)
     assert json.loads(Path("runs/mine-mlp/evaluation.json").read_text())["detector"] == "mlp"
-    assert Path("stores/mine/compare.md").is_file() and Path("stores/mine-8seg/manifest.json").is_file()
+    assert (
+        Path("stores/mine/compare.md").is_file()
+        and Path("stores/mine-8seg/manifest.json").is_file()
+    )
 
     namespace: dict = {}
     api, existing, training = section_blocks("The Python API", "python")

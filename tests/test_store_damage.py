@@ -278,7 +278,9 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
 
 def test_two_concurrent_captures_end_with_no_duplicate_id(tmp_path, tiny_model_dir):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"red blue {i}"}) + "\n" for i in range(12)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"red blue {i}", "split": "test"}) + "\n" for i in range(12))
+    )
     store = tmp_path / "store"
     command = [sys.executable, "-m", "actmap.cli", "capture", "--prompts", str(prompts)]
     command += ["--model", str(tiny_model_dir), "--out", str(store), "--splits", "test"]

@@ -66,6 +66,15 @@ def resolve_model(name: str = DEFAULT_MODEL, revision: str = "main") -> ModelSou
     return ModelSource(name, name, None, revision)
 
 
+def check_model(name: str = DEFAULT_MODEL, revision: str = "main") -> ModelSource:
+    """`resolve_model`, plus for a hub id that it is cached or reachable: the cheap checks a
+    caller runs before writing anything (a missing path, an unknown hub id offline)."""
+    source = resolve_model(name, revision)
+    if source.gguf_file is None and source.revision != "local":
+        check_hub_reachable(source.path, source.revision)
+    return source
+
+
 def looks_like_path(name: str) -> bool:
     """A local path rather than a hub id ('org/name'): absolute, ~, ./, ../, or deeper than 2."""
     return (
@@ -141,7 +150,7 @@ def load_model(
     from actmap.training import check_device
 
     check_device(device)
-    source = resolve_model(name, revision)
+    source = check_model(name, revision)
     kwargs = {"dtype": getattr(torch, dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -159,8 +168,6 @@ def load_model(
             if use_cache:
                 _save_atomically(model, tokenizer, cached)
     else:
-        if source.revision != "local":
-            check_hub_reachable(source.path, source.revision)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 source.path, revision=source.revision, **kwargs

@@ -142,8 +142,9 @@ def capture(
         from actmap.capture import CaptureConfig
         from actmap.capture.run import natural_accuracy, run_capture, store_config
         from actmap.maps import MapConfig
-        from actmap.models import ModelSource, load_model
+        from actmap.models import ModelSource, check_model, load_model
         from actmap.store import MapStore, claim_store
+        from actmap.training import check_device
 
         the_task = load_task(
             task,
@@ -173,13 +174,18 @@ def capture(
             "attention_keys": attention_keys,
             "dense": keep_dense,
         }
+        # a missing path, an unreachable hub id or an absent device: refused before any write
+        check_model(model, revision)
+        check_device(device)
         # refuse a config mismatch or a second writer before the model's load time is spent
         asked = ModelSource(model, model, None, revision)
         claim = claim_store(out, store_config(the_task, asked, config, MapConfig(), keep))
-        with console.status(f"loading {model} ..."), quiet_transformers():
-            lm, tokenizer, source = load_model(model, revision=revision, device=device)
-        store = MapStore.create(out, store_config(the_task, source, config, MapConfig(), keep))
-        claim.release()
+        try:
+            with console.status(f"loading {model} ..."), quiet_transformers():
+                lm, tokenizer, source = load_model(model, revision=revision, device=device)
+            store = MapStore.create(out, store_config(the_task, source, config, MapConfig(), keep))
+        finally:
+            claim.release()
         with progress_bar() as bar:
             job = bar.add_task(f"capture {the_task.name}", total=len(examples), info="")
             summary = run_capture(
