@@ -83,7 +83,7 @@ def as_maps(maps: Any, name: str = "maps") -> torch.Tensor:
 def as_labels(labels: Any, n_rows: int, name: str = "labels") -> torch.Tensor:
     """(N,) 0/1 labels (bool, int or float) with both classes -> int64 tensor."""
     if isinstance(labels, torch.Tensor):
-        labels = labels.cpu()
+        labels = labels.detach().cpu().numpy()
     y = torch.as_tensor(np.array(labels))  # a copy: a pandas column read from Parquet is read-only
     if y.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(y.shape)}")
