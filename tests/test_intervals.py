@@ -74,5 +74,5 @@ def test_single_class_resamples_are_redrawn_and_counted():
 
 
 def test_mismatched_rows_are_refused():
-    with pytest.raises(ValueError, match="paired scores need equal rows"):
+    with pytest.raises(ValueError, match="scores have 2, 1 rows but labels have 2"):
         paired_bootstrap([0.1, 0.2], [0.1], [0, 1])

@@ -94,13 +94,7 @@ def bootstrap(
     seed: int = 0,
 ) -> Interval:
     """The bootstrap interval of ``metric(scores, labels)``; ``metric=None`` is AUROC."""
-    s, y = np.asarray(scores, dtype=np.float64), np.asarray(labels).astype(np.int64)
-    if len(s) != len(y):
-        raise ValueError(f"scores has {len(s)} rows but labels has {len(y)}")
-    rng = np.random.default_rng(seed)
-    draws, redrawn = resample_indices(y, n_resamples, rng, need_both=True)
-    values = _metric_values(metric, s, y, draws)
-    return _interval((metric or metrics.auroc)(s, y), values, len(y), n_resamples, level, redrawn)
+    return _bootstrap([scores], labels, metric, n_resamples, level, seed)
 
 
 def paired_bootstrap(
@@ -113,13 +107,21 @@ def paired_bootstrap(
     seed: int = 0,
 ) -> Interval:
     """The interval of ``metric(a) - metric(b)`` on the same resampled rows (AUROC if None)."""
-    a = np.asarray(scores_a, dtype=np.float64)
-    b = np.asarray(scores_b, dtype=np.float64)
+    return _bootstrap([scores_a, scores_b], labels, metric, n_resamples, level, seed)
+
+
+def _bootstrap(scores, labels, metric, n_resamples, level, seed) -> Interval:
+    """One method's metric, or (two methods) the difference of theirs, on shared resamples."""
+    columns = [np.asarray(s, dtype=np.float64) for s in scores]
     y = np.asarray(labels).astype(np.int64)
-    if not len(a) == len(b) == len(y):
-        raise ValueError(f"paired scores need equal rows, got {len(a)}, {len(b)} and {len(y)}")
-    rng = np.random.default_rng(seed)
-    draws, redrawn = resample_indices(y, n_resamples, rng, need_both=True)
-    values = _metric_values(metric, a, y, draws) - _metric_values(metric, b, y, draws)
+    if any(len(c) != len(y) for c in columns):
+        sizes = ", ".join(str(len(c)) for c in columns)
+        raise ValueError(f"scores have {sizes} rows but labels have {len(y)}")
+    draws, redrawn = resample_indices(y, n_resamples, np.random.default_rng(seed), True)
+    signs = (1.0, -1.0)[: len(columns)]
+    values = sum(
+        sign * _metric_values(metric, c, y, draws) for sign, c in zip(signs, columns, strict=True)
+    )
     full = metric or metrics.auroc
-    return _interval(full(a, y) - full(b, y), values, len(y), n_resamples, level, redrawn)
+    estimate = sum(sign * full(c, y) for sign, c in zip(signs, columns, strict=True))
+    return _interval(estimate, values, len(y), n_resamples, level, redrawn)
