@@ -153,3 +153,22 @@ def test_clear_errors():
         ActMapPlus().fit(maps, np.zeros(len(y)), scalars)
     with pytest.raises(ValueError, match="needs the map"):
         PlusConfig(n_components=0, use_scalars=False)
+
+
+def test_load_detector_opens_either_kind(tmp_path):
+    from dataclasses import replace
+
+    from actmap.detectors import CorrectnessDetector, load_detector
+    from actmap.training import TrainConfig
+
+    maps, y, scalars = synthetic(n=64)
+    ActMapPlus(PlusConfig(n_components=3, n_strengths=2)).fit(maps, y, scalars).save(tmp_path / "p")
+    assert isinstance(load_detector(tmp_path / "p"), ActMapPlus)
+    config = replace(TrainConfig(), max_epochs=1, device="cpu")
+    paper = CorrectnessDetector("logreg", config=config).fit(maps, y, maps, y)
+    paper.save(tmp_path / "l")
+    loaded = load_detector(tmp_path / "l")
+    assert isinstance(loaded, CorrectnessDetector) and loaded.detector == "logreg"
+    np.testing.assert_allclose(loaded.predict_proba(maps), paper.predict_proba(maps), rtol=1e-6)
+    with pytest.raises(FileNotFoundError, match="config.json does not exist"):
+        load_detector(tmp_path / "missing")
