@@ -60,7 +60,9 @@ def test_policy_fit_matches_the_risk_coverage_curve(trained, tmp_path):
     store, run = trained
     out = tmp_path / "policy.toml"
     args = ["policy", "fit", "--run", str(run), "--store", str(store), "--out", str(out)]
-    result = runner.invoke(app, [*args, "--target-risk", "0.5", "--prior", "none"])
+    result = runner.invoke(
+        app, [*args, "--target-risk", "0.5", "--prior", "none", "--no-calibrate"]
+    )
     assert result.exit_code == 0, result.output
     assert "policy written to" in result.output
     policy = load_policy(out)
@@ -76,13 +78,25 @@ def test_policy_fit_matches_the_risk_coverage_curve(trained, tmp_path):
     assert policy.fitted["accept"]["risk"] == pytest.approx(risk) and risk <= 0.5
     assert policy.fitted["n"] == len(rows) and policy.prior.method == "none"
     # with the known prior (default: the split's accuracy) the thresholds move, coverage not
-    known = runner.invoke(app, [*args, "--target-risk", "0.5"])
+    known = runner.invoke(app, [*args, "--target-risk", "0.5", "--no-calibrate"])
     assert known.exit_code == 0, known.output
     shifted = load_policy(out)
-    assert shifted.prior.method == "known"
+    assert shifted.prior.method == "known" and shifted.prior.temperature == 1.0
     assert shifted.prior.deployment_accuracy == pytest.approx(rows["label"].mean())
     assert shifted.fitted["accept"]["coverage"] == pytest.approx(coverage)
     assert shifted.accept < policy.accept  # 30% accuracy shifts p(correct) down
+    # calibrated (default): the temperature minimises the NLL on the balanced validation rows
+    calibrated = runner.invoke(app, [*args, "--target-risk", "0.5"])
+    assert calibrated.exit_code == 0, calibrated.output
+    from actmap.metrics import fit_temperature
+    from actmap.prior import logit
+    from actmap.rows import balanced_splits
+
+    balanced = balanced_splits(opened)["validation"]
+    bmaps, bmeta = opened.load_maps(balanced)
+    expected = fit_temperature(logit(load_detector_run(run).predict_proba(bmaps)), bmeta["label"])
+    assert load_policy(out).prior.temperature == pytest.approx(expected, rel=1e-6)
+    assert load_policy(out).fitted["accept"]["coverage"] == pytest.approx(coverage)
 
 
 def test_policy_fit_and_serve_errors(trained, tmp_path):

@@ -10,6 +10,8 @@ from actmap.metrics import ece
 from actmap.prior import em_prevalence, shift_to_prevalence
 from actmap.serve.fit import (
     NaturalScores,
+    balanced_scores,
+    fit_balanced_temperature,
     fit_policy_on_store,
     natural_scores,
     prevalence_shift_ece,
@@ -72,3 +74,29 @@ def test_prevalence_shift_simulation():
     for pi in (0.1, 0.9):
         assert by[pi]["ece_known"] < by[pi]["ece_raw"] / 2
         assert by[pi]["em_prevalence"] == pytest.approx(pi, abs=0.04)
+
+
+def test_temperature_first_then_shift():
+    rng = np.random.default_rng(3)
+    p, y = calibrated_balanced(4000, 0.25, rng)
+    under = 1 / (1 + np.exp(-0.5 * np.log(p / (1 - p))))  # an under-confident detector: T = 0.5
+    balanced = np.r_[np.flatnonzero(y == 1), np.flatnonzero(y == 0)[: int(y.sum())]]
+    scores = NaturalScores([str(i) for i in range(len(y))], y, under, "test")
+    temperature = fit_balanced_temperature(
+        NaturalScores([], y[balanced], under[balanced], "validation")
+    )
+    assert temperature == pytest.approx(0.5, rel=0.1)
+    result = prior_correction_ece(scores, known_accuracy=0.25, temperature=temperature)
+    assert result.ece_calibrated_known < result.ece_known
+    assert result.ece_calibrated_em < result.ece_em
+    assert result.em_prevalence_calibrated == pytest.approx(y.mean(), abs=0.03)
+
+
+def test_balanced_scores_are_the_stored_balanced_rows(tmp_path):
+    from actmap.rows import balanced_splits
+
+    store = imbalanced_store(tmp_path / "s", n=120)
+    scores = balanced_scores(store, ChannelDetector(), "validation")
+    assert not store.has_table("splits")  # computed without writing the store
+    assert scores.ids == balanced_splits(store)["validation"]
+    assert scores.labels.mean() == 0.5

@@ -89,6 +89,13 @@ def test_correct_prior_per_method():
     em = PriorSetting(method="em")
     np.testing.assert_array_equal(correct_prior(p, em, None), p)  # too few scores seen yet
     np.testing.assert_allclose(correct_prior(p, em, 0.7), shift_to_prevalence(p, 0.7))
+    # a temperature divides the logit first: sigmoid(logit(p) / T), then the shift
+    hot = PriorSetting(method="known", deployment_accuracy=0.3, temperature=2.0)
+    cooled = 1 / (1 + np.exp(-np.log(p / (1 - p)) / 2))
+    np.testing.assert_allclose(correct_prior(p, hot), shift_to_prevalence(cooled, 0.3))
+    np.testing.assert_allclose(correct_prior(p, PriorSetting(temperature=2.0)), cooled)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        PriorSetting(temperature=0)
 
 
 def test_toml_round_trip(tmp_path):

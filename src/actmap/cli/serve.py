@@ -115,24 +115,38 @@ def policy_fit(
         None, help="For --prior known (default: the split's accuracy)."
     ),
     split: str = typer.Option("validation", help="Store split to fit on (all its labelled rows)."),
+    calibrate: bool = typer.Option(
+        True, help="Fit a temperature on the split's balanced rows before the prior shift."
+    ),
     seed: int = typer.Option(None, help="Seed of the run (default: best validation AUROC)."),
 ) -> None:
     """Fit accept / review / route thresholds for target risks on a validation risk-coverage curve."""
     with user_errors():
-        from actmap.serve.fit import fit_policy_on_store, natural_scores
+        from actmap.serve.fit import (
+            balanced_scores,
+            fit_balanced_temperature,
+            fit_policy_on_store,
+            natural_scores,
+        )
         from actmap.serve.policy import save_policy
         from actmap.serve.scoring import load_detector_run
         from actmap.store import MapStore
 
         detector = load_detector_run(run, seed)
-        scores = natural_scores(MapStore.open(store), detector, split)
+        opened = MapStore.open(store)
+        scores = natural_scores(opened, detector, split)
+        temperature = 1.0
+        if calibrate:
+            temperature = fit_balanced_temperature(balanced_scores(opened, detector, split))
         about = {"run": str(run), "detector": detector.id, "store": str(store)}
         policy = fit_policy_on_store(
-            scores, target_risk, review_risk, route_risk, prior, deployment_accuracy, about
-        )
+            scores, target_risk, review_risk, route_risk, prior, deployment_accuracy, about,
+            temperature,
+        )  # fmt: skip
         save_policy(policy, out)
     console.print(
-        f"{len(scores.labels)} {split} rows, accuracy {scores.accuracy:.3f}; "
+        f"{len(scores.labels)} {split} rows, accuracy {scores.accuracy:.3f}, "
+        f"temperature {temperature:.3f}; "
         f"accept p >= {policy.accept:.4f}, review >= {policy.review:.4f}, route >= {policy.route:.4f}"
     )
     for band in ("accept", "review", "route"):

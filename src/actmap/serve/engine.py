@@ -28,7 +28,7 @@ from actmap.capture.stopping import stop_position
 from actmap.maps import build_maps
 from actmap.models import ModelSource
 from actmap.prior import em_prevalence
-from actmap.serve.policy import Policy, PriorSetting, correct_prior, decide
+from actmap.serve.policy import Policy, PriorSetting, calibrate, correct_prior, decide
 from actmap.serve.scoring import LoadedDetector, answer_maps, stored_form
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class BatchTimings:
 
 
 class PrevalenceTracker:
-    """The EM prevalence estimate over the most recent raw scores (policy ``prior.method = em``)."""
+    """The EM prevalence estimate over the most recent calibrated scores (``prior.method = em``)."""
 
     def __init__(self, setting: PriorSetting) -> None:
         self.setting = setting
@@ -97,7 +97,7 @@ class PrevalenceTracker:
         if self.setting.method != "em":
             return None
         with self._lock:
-            self.window.extend(float(p) for p in raw)
+            self.window.extend(calibrate(raw, self.setting).tolist())
             if len(self.window) >= self.setting.em_min_scores:
                 estimate = em_prevalence(
                     np.fromiter(self.window, float), self.setting.train_prevalence

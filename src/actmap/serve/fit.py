@@ -4,7 +4,12 @@ and the prior-correction check.
 Detectors are trained and tested on balanced rows; a deployment sees the
 generator's natural accuracy. `natural_scores` scores every labelled row of one
 split (not only the balanced subset), which is what a policy is fitted on and
-what prior correction is judged on (`prior_correction_ece`).
+what prior correction is judged on (`prior_correction_ece`). The logit shift
+assumes calibrated posteriors at the training prevalence, so a temperature is
+first fitted on the balanced validation rows (`fit_balanced_temperature`):
+calibration before the shift is what makes EM work in practice (Alexandari,
+Kundaje and Shrikumar 2020, "Maximum likelihood with bias-corrected calibration
+is hard-to-beat at label shift adaptation").
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from actmap.data.splits import balanced_ids
 from actmap.errors import ActmapUserError
-from actmap.metrics import ece
-from actmap.prior import em_prevalence, shift_to_prevalence
+from actmap.metrics import ece, fit_temperature
+from actmap.prior import em_prevalence, logit, shift_to_prevalence, sigmoid
+from actmap.rows import BALANCE_SEED
 from actmap.serve.policy import Policy, PriorSetting, correct_prior, fit_policy
 from actmap.store import MapStore
 
@@ -47,6 +54,30 @@ def natural_scores(store: MapStore, detector, split: str = "validation") -> Natu
     return NaturalScores(ids, labels, detector.predict_proba(maps), split)
 
 
+def balanced_scores(store: MapStore, detector, split: str = "validation") -> NaturalScores:
+    """The balanced rows of ``split`` (the rows `actmap.rows.balanced_splits` gives), scored.
+
+    Computed from the labels without writing the store's ``splits`` table.
+    """
+    meta = store.metadata().drop_duplicates("id", keep="last")
+    labels = [None if np.isnan(x) else bool(x) for x in meta["label"].astype(float)]
+    chosen = balanced_ids(meta["id"].tolist(), meta["split"].tolist(), labels, seed=BALANCE_SEED)
+    ids = list(chosen.ids[split])
+    if not ids:
+        raise ActmapUserError(
+            f"the balanced '{split}' split of {store.root} is empty (need both labels)"
+        )
+    maps, rows = store.load_maps(ids)
+    return NaturalScores(
+        ids, rows["label"].to_numpy().astype(np.int64), detector.predict_proba(maps), split
+    )
+
+
+def fit_balanced_temperature(scores: NaturalScores) -> float:
+    """Temperature minimising the NLL of the detector's logits on balanced rows."""
+    return fit_temperature(logit(scores.p_raw), scores.labels)
+
+
 def fit_policy_on_store(
     scores: NaturalScores,
     target_risk: float,
@@ -55,22 +86,26 @@ def fit_policy_on_store(
     prior: str = "known",
     deployment_accuracy: float | None = None,
     about: dict[str, Any] | None = None,
+    temperature: float = 1.0,
 ) -> Policy:
     """Fit thresholds on the corrected p(correct) of a split at natural prevalence.
 
-    ``prior="known"`` shifts to ``deployment_accuracy`` (default: the split's own
-    accuracy); ``"em"`` lets the server estimate it online, and the thresholds are fitted
-    on the scores shifted to the split's EM estimate; ``"none"`` keeps raw scores.
+    Scores are first calibrated with ``temperature``. ``prior="known"`` then shifts to
+    ``deployment_accuracy`` (default: the split's own accuracy); ``"em"`` lets the server
+    estimate it online, and the thresholds are fitted on the scores shifted to the split's
+    EM estimate; ``"none"`` keeps the calibrated scores.
     """
     if prior == "known":
-        setting = PriorSetting("known", deployment_accuracy or scores.accuracy)
+        setting = PriorSetting(
+            "known", deployment_accuracy or scores.accuracy, temperature=temperature
+        )
         fitted_on = correct_prior(scores.p_raw, setting)
     elif prior == "em":
-        setting = PriorSetting("em")
-        fitted_on = em_prevalence(scores.p_raw).probs
+        setting = PriorSetting("em", temperature=temperature)
+        fitted_on = em_prevalence(correct_prior(scores.p_raw, setting)).probs
     elif prior == "none":
-        setting = PriorSetting()
-        fitted_on = scores.p_raw
+        setting = PriorSetting(temperature=temperature)
+        fitted_on = correct_prior(scores.p_raw, setting)
     else:
         raise ActmapUserError(f"prior must be none, known or em, got {prior!r}")
     info = {"split": scores.split, **(about or {})}
@@ -83,51 +118,72 @@ class PriorCorrectionECE:
 
     n: int
     accuracy: float  # the split's natural fraction correct
-    train_accuracy: float  # the "known" deployment accuracy used (from another split)
-    em_prevalence: float  # estimated from the split's unlabelled scores
+    known_accuracy: float  # the "known" deployment accuracy used (from another split)
+    temperature: float  # fitted on balanced validation rows (1.0: none)
+    em_prevalence: float  # estimated from the split's unlabelled raw scores
+    em_prevalence_calibrated: float  # ... from its calibrated scores
     ece_raw: float
-    ece_known: float
+    ece_known: float  # logit shift of the raw scores
     ece_em: float
+    ece_calibrated: float  # temperature only
+    ece_calibrated_known: float  # temperature, then the shift
+    ece_calibrated_em: float
 
     def to_json(self) -> dict[str, float]:
         return asdict(self)
 
 
 def prior_correction_ece(
-    scores: NaturalScores, known_accuracy: float, n_bins: int = 10
+    scores: NaturalScores, known_accuracy: float, temperature: float = 1.0, n_bins: int = 10
 ) -> PriorCorrectionECE:
-    """Raw vs corrected ECE; ``known_accuracy`` should come from labelled rows of another split."""
-    estimate = em_prevalence(scores.p_raw)
+    """Raw vs corrected ECE; ``known_accuracy`` should come from labelled rows of another split
+    and ``temperature`` from the balanced validation rows."""
+    y = scores.labels
+    calibrated = sigmoid(logit(scores.p_raw) / temperature)
+    raw_em, calibrated_em = em_prevalence(scores.p_raw), em_prevalence(calibrated)
     return PriorCorrectionECE(
-        n=len(scores.labels),
+        n=len(y),
         accuracy=scores.accuracy,
-        train_accuracy=known_accuracy,
-        em_prevalence=estimate.prevalence,
-        ece_raw=ece(scores.p_raw, scores.labels, n_bins),
-        ece_known=ece(shift_to_prevalence(scores.p_raw, known_accuracy), scores.labels, n_bins),
-        ece_em=ece(estimate.probs, scores.labels, n_bins),
+        known_accuracy=known_accuracy,
+        temperature=temperature,
+        em_prevalence=raw_em.prevalence,
+        em_prevalence_calibrated=calibrated_em.prevalence,
+        ece_raw=ece(scores.p_raw, y, n_bins),
+        ece_known=ece(shift_to_prevalence(scores.p_raw, known_accuracy), y, n_bins),
+        ece_em=ece(raw_em.probs, y, n_bins),
+        ece_calibrated=ece(calibrated, y, n_bins),
+        ece_calibrated_known=ece(shift_to_prevalence(calibrated, known_accuracy), y, n_bins),
+        ece_calibrated_em=ece(calibrated_em.probs, y, n_bins),
     )
 
 
 def prevalence_shift_ece(
-    p_raw, labels, prevalences=(0.1, 0.2, 0.3, 0.5, 0.7, 0.9), n: int = 1000, seed: int = 0
+    p_raw,
+    labels,
+    prevalences=(0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
+    n: int = 1000,
+    seed: int = 0,
+    temperature: float = 1.0,
 ) -> list[dict[str, float]]:
-    """Resample rows to each prevalence (with replacement) and compare ECE raw / known / EM."""
-    p_raw, labels = np.asarray(p_raw, dtype=np.float64), np.asarray(labels)
+    """Resample rows to each prevalence (with replacement) and compare ECE raw / known / EM
+    (the corrections start from the scores calibrated with ``temperature``)."""
+    raw, labels = np.asarray(p_raw, dtype=np.float64), np.asarray(labels)
+    calibrated = sigmoid(logit(raw) / temperature)
     rng = np.random.default_rng(seed)
     right, wrong = np.flatnonzero(labels == 1), np.flatnonzero(labels == 0)
     out = []
     for pi in prevalences:
         k = int(round(pi * n))
         rows = np.r_[rng.choice(right, k), rng.choice(wrong, n - k)]
-        p, y = p_raw[rows], labels[rows]
+        p, y = calibrated[rows], labels[rows]
+        estimate = em_prevalence(p)
         out.append(
             {
                 "prevalence": float(pi),
-                "ece_raw": ece(p, y),
+                "ece_raw": ece(raw[rows], y),
                 "ece_known": ece(shift_to_prevalence(p, pi), y),
-                "em_prevalence": em_prevalence(p).prevalence,
-                "ece_em": ece(em_prevalence(p).probs, y),
+                "em_prevalence": estimate.prevalence,
+                "ece_em": ece(estimate.probs, y),
             }
         )
     return out

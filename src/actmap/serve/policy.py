@@ -30,7 +30,7 @@ import numpy as np
 from actmap.atomic import atomic_write_text
 from actmap.errors import ActmapUserError
 from actmap.metrics import risk_coverage_curve
-from actmap.prior import BALANCED, shift_to_prevalence
+from actmap.prior import BALANCED, logit, shift_to_prevalence, sigmoid
 
 DECISIONS = ("accept", "review", "route", "abstain", "abstain_early")
 PriorMethod = Literal["none", "known", "em"]
@@ -45,6 +45,9 @@ class PriorSetting:
     train_prevalence: float = BALANCED  # fraction correct among the detector's training rows
     em_window: int = 1000  # "em": re-estimate from this many most recent raw scores
     em_min_scores: int = 50  # "em": leave scores raw until this many were seen
+    # the detector's logit is divided by this before the shift: a temperature fitted on
+    # balanced validation rows, so the shift (and EM) start from calibrated posteriors
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in ("none", "known", "em"):
@@ -62,6 +65,8 @@ class PriorSetting:
             )
         if self.em_window < 1 or self.em_min_scores < 1:
             raise ActmapUserError("prior.em_window and prior.em_min_scores must be >= 1")
+        if not self.temperature > 0:
+            raise ActmapUserError(f"prior.temperature must be > 0, got {self.temperature}")
 
 
 @dataclass(frozen=True)
@@ -97,13 +102,19 @@ def decide(p_correct: float, policy: Policy) -> str:
     return "abstain"
 
 
+def calibrate(p_raw, setting: PriorSetting) -> np.ndarray:
+    """The detector's p(correct) with its logit divided by ``setting.temperature``."""
+    p = np.asarray(p_raw, dtype=np.float64)
+    return p if setting.temperature == 1.0 else sigmoid(logit(p) / setting.temperature)
+
+
 def correct_prior(p_raw, setting: PriorSetting, prevalence: float | None = None) -> np.ndarray:
-    """Raw detector p(correct) -> p(correct) at the deployment prevalence.
+    """Raw detector p(correct) -> calibrated p(correct) at the deployment prevalence.
 
     ``prevalence`` is the current EM estimate for ``method = "em"`` (None: not enough
-    scores yet, so the scores stay raw).
+    scores yet, so the scores are only calibrated).
     """
-    p = np.asarray(p_raw, dtype=np.float64)
+    p = calibrate(p_raw, setting)
     if setting.method == "known":
         return shift_to_prevalence(p, setting.deployment_accuracy, setting.train_prevalence)
     if setting.method == "em" and prevalence is not None:
