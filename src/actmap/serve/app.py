@@ -450,11 +450,7 @@ async def _serve(state: ServerState, body, job: Job, endpoint: str):
             504, f"request timed out after {state.settings.timeout_s:g} s", type="timeout"
         ) from None
     state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
-    usage = UsageInfo(
-        prompt_tokens=answer.prompt_tokens,
-        completion_tokens=answer.n_tokens,
-        total_tokens=answer.prompt_tokens + answer.n_tokens,
-    )
+    usage = _usage(answer)
     if endpoint == "chat":
         return ChatCompletionResponse(
             model=state.settings.model_name,
@@ -487,33 +483,26 @@ class _Chunks:
         self.created, self.model = int(time.time()), model
 
     def make(self, text: str | None, finish=None, actmap=None, role=None, usage=None, empty=False):
-        if self.chat:
-            choices = (
-                []
-                if empty
-                else [
-                    ChatStreamChoice(
-                        delta=DeltaMessage(role=role, content=text), finish_reason=finish
-                    )
-                ]
-            )
-            return ChatCompletionChunk(
-                id=self.id,
-                created=self.created,
-                model=self.model,
-                choices=choices,
-                usage=usage,
-                actmap=actmap,
-            )
-        choices = [] if empty else [CompletionStreamChoice(text=text or "", finish_reason=finish)]
-        return CompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
+        if empty:
+            choices = []
+        elif self.chat:
+            delta = DeltaMessage(role=role, content=text)
+            choices = [ChatStreamChoice(delta=delta, finish_reason=finish)]
+        else:
+            choices = [CompletionStreamChoice(text=text or "", finish_reason=finish)]
+        chunk = ChatCompletionChunk if self.chat else CompletionChunk
+        return chunk(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
             actmap=actmap,
-        )
+        )  # fmt: skip
+
+
+def _usage(answer: Answer) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=answer.prompt_tokens,
+        completion_tokens=answer.n_tokens,
+        total_tokens=answer.prompt_tokens + answer.n_tokens,
+    )
 
 
 async def _stream(state: ServerState, body, job: Job, endpoint: str, started: float):
@@ -567,12 +556,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                 )
             )
             if include_usage:
-                usage = UsageInfo(
-                    prompt_tokens=answer.prompt_tokens,
-                    completion_tokens=answer.n_tokens,
-                    total_tokens=answer.prompt_tokens + answer.n_tokens,
-                )
-                yield _sse(chunks.make(None, usage=usage, empty=True))
+                yield _sse(chunks.make(None, usage=_usage(answer), empty=True))
             yield "data: [DONE]\n\n"
             state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
         finally:

@@ -8,7 +8,6 @@ written by ``actmap train`` (or one of its ``seed-<s>/`` folders).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from actmap.maps import MapConfig, build_maps, build_maps_from_list
+from actmap.models import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,6 @@ def _seed_folder(run: Path, seed: int | None) -> Path:
     return max(folders, key=val_auroc)  # the seed selected on validation, never on test
 
 
-def _weights_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()[:12]
-
-
 def load_detector_run(
     run: str | Path, seed: int | None = None, device: str | None = "cpu"
 ) -> LoadedDetector:
@@ -84,7 +76,7 @@ def load_detector_run(
     store_config = detector.metadata_.get("inputs", {}).get("store_config") or {}
     map_config = MapConfig(**store_config.get("map", {}))
     name = f"{run.name}/{folder.name}" if folder != run else folder.name
-    ident = f"{detector.detector}:{name}:{_weights_digest(folder / 'model.safetensors')}"
+    ident = f"{detector.detector}:{name}:{file_digest(folder / 'model.safetensors')[:12]}"
     log.info("detector %s from %s", ident, folder)
     return LoadedDetector(detector, ident, map_config, folder)
 
