@@ -360,3 +360,25 @@ def test_served_answers_land_in_the_audit_store_and_rescore_exactly(run, tmp_pat
     np.testing.assert_allclose(
         scores.loc[ids, "p_correct_raw_new"], scores.loc[ids, "p_correct_raw"], atol=1e-6
     )
+
+
+def test_em_prior_follows_the_recent_scores(run):
+    from actmap.prior import em_prevalence
+    from actmap.serve.engine import PrevalenceTracker
+
+    tracker = PrevalenceTracker(PriorSetting("em", em_window=4, em_min_scores=3))
+    assert tracker.update([0.9, 0.8]) is None  # too few scores yet
+    assert tracker.update([0.7]) == pytest.approx(em_prevalence([0.9, 0.8, 0.7]).prevalence)
+    tracker.update([0.1, 0.2])  # the window keeps the 4 newest
+    assert list(tracker.window) == [0.8, 0.7, 0.1, 0.2]
+
+    policy = Policy(prior=PriorSetting("em", em_min_scores=3))
+    with client_for(run, lambda: tiny_engine(run, policy)) as client:
+        words = ("paris", "rome", "berlin", "madrid")
+        blocks = [chat(client, f"what is the capital of {w}").json()["actmap"] for w in words]
+    raws = [b["p_correct_raw"] for b in blocks]
+    assert blocks[0]["prevalence"] is None and blocks[0]["p_correct"] == raws[0]
+    for k in (2, 3):  # from the third answer on: shifted to the EM estimate of the answers so far
+        expected = em_prevalence(raws[: k + 1]).prevalence
+        assert blocks[k]["prevalence"] == pytest.approx(expected)
+        assert blocks[k]["p_correct"] == pytest.approx(shift_to_prevalence([raws[k]], expected)[0])
