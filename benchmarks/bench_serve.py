@@ -209,7 +209,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--window-ms", type=float, default=10.0)
     parser.add_argument("--no-audit", action="store_true", help="serve without an audit store")
-    parser.add_argument("--repeats", type=int, default=5, help="added-latency repetitions")
+    parser.add_argument("--repeats", type=int, default=3, help="added-latency repetitions")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = parser.parse_args()
 
@@ -227,6 +227,7 @@ def main() -> None:
         finally:
             process.terminate()
             process.wait(120)
+    print(json.dumps(result, indent=2), flush=True)  # the load test, before the in-process part
     batch = max(1, round(result["server"]["mean_batch_size"] or 1))
     result["added_latency"] = added_latency(args, prompts, batch, args.repeats)
     result["load_average"] = os.getloadavg()
