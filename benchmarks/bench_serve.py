@@ -172,21 +172,26 @@ def added_latency(args, prompts: list[str], batch: int, repeats: int) -> dict:
         for p in prompts[:batch]
     ]
     config = CaptureConfig(max_new_tokens=args.max_tokens, batch_size=batch)
-    plain, captured, scoring = [], [], []
+    # wall seconds and this process's CPU seconds (less sensitive to other processes' load)
+    plain, captured, scoring, plain_cpu, captured_cpu = [], [], [], [], []
     generate_plain(model, tokenizer, chats, config)  # warm-up
     for _ in range(repeats):
-        tick = time.perf_counter()
+        tick, cpu = time.perf_counter(), time.process_time()
         generate_plain(model, tokenizer, chats, config)
         plain.append(time.perf_counter() - tick)
-        tick = time.perf_counter()
+        plain_cpu.append(time.process_time() - cpu)
+        tick, cpu = time.perf_counter(), time.process_time()
         generations = generate_batch(model, tokenizer, chats, config)
         middle = time.perf_counter()
         kept = [g.trajectory for g in generations if g.n_tokens]
         detector.predict_proba(answer_maps(kept, detector.map_config))
         done = time.perf_counter()
         captured.append(done - tick)
+        captured_cpu.append(time.process_time() - cpu)
         scoring.append(done - middle)
-    p, c, s = (statistics.median(x) for x in (plain, captured, scoring))
+    p, c, s, pc, cc = (
+        statistics.median(x) for x in (plain, captured, scoring, plain_cpu, captured_cpu)
+    )
     return {
         "batch": batch,
         "repeats": repeats,
@@ -196,6 +201,9 @@ def added_latency(args, prompts: list[str], batch: int, repeats: int) -> dict:
         "of_which_map_and_score_s": s,
         "added_s_per_batch": c - p,
         "added_percent": 100 * (c - p) / p,
+        "plain_generation_cpu_s": pc,
+        "capture_map_score_cpu_s": cc,
+        "added_cpu_percent": 100 * (cc - pc) / pc,
     }
 
 
@@ -211,9 +219,15 @@ def main() -> None:
     parser.add_argument("--no-audit", action="store_true", help="serve without an audit store")
     parser.add_argument("--repeats", type=int, default=3, help="added-latency repetitions")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--only-added", type=int, metavar="BATCH", help="skip the load test; compare at BATCH"
+    )
     args = parser.parse_args()
 
     prompts = questions(args.requests)
+    if args.only_added:
+        print(json.dumps(added_latency(args, prompts, args.only_added, args.repeats), indent=2))
+        return
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
