@@ -15,9 +15,9 @@ from sklearn.metrics import roc_auc_score
 
 from actmap import training
 from actmap.detectors import CorrectnessDetector, create_detector
+from actmap.experiments.runs import LabeledMaps, run_seeds
 from actmap.training import (
     EarlyStopping,
-    LabeledMaps,
     Rngs,
     TrainConfig,
     add_input_noise,
@@ -25,7 +25,6 @@ from actmap.training import (
     mix,
     mixup_bce_loss,
     positive_class_weight,
-    run_seeds,
     sample_mixup,
     train_detector,
 )

@@ -127,8 +127,8 @@ def prepare_run_folder(
 
 def folder_summary(run: str | Path) -> dict[str, Any]:
     """Per-seed test metrics of every seed in the folder and their mean and std (ddof=1)."""
+    from actmap.experiments.runs import SUMMARY_METRICS
     from actmap.metrics import seed_summary
-    from actmap.training import SUMMARY_METRICS
 
     folder = read_run(run)
     per_seed = {}
@@ -155,7 +155,7 @@ def folder_summary(run: str | Path) -> dict[str, Any]:
 
 def extend_run_record(run: str | Path) -> dict[str, Any]:
     """After new seeds: summary.json and manifest.json's seeds cover every seed of the folder."""
-    from actmap.training import write_json
+    from actmap.artifacts import write_json
 
     path = Path(run)
     summary = folder_summary(path)

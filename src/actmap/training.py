@@ -3,25 +3,20 @@
 `train_detector` trains one module on one seed: AdamW, per-epoch warm-up +
 cosine schedule, Gaussian input noise per map, batch mixup, BCE with
 pos_weight = N-/N+, grad-norm clipping, validation AUROC each epoch, strict-
-improvement checkpointing and early stopping. `run_seeds` repeats that for the
-paper's seeds, evaluates each selected checkpoint once on test, and writes one
-directory per seed plus a manifest and a summary.
+improvement checkpointing and early stopping. Seeds, test evaluation and run
+folders are the experiments' side (`actmap.experiments.runs`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import logging
 import math
 import os
-import platform
 import random
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -30,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from actmap import metrics
-from actmap.artifacts import package_version, write_json
 from actmap.errors import ActmapUserError
 
 log = logging.getLogger(__name__)
@@ -314,6 +308,74 @@ def validate(
     return metrics.auroc(torch.sigmoid(logits).numpy(), labels.numpy()), loss
 
 
+@dataclass(frozen=True)
+class EpochOutcome:
+    """What one epoch of `select_epoch` produced, handed to its ``on_epoch`` callback."""
+
+    epoch: int
+    train_loss: float
+    val_score: float  # validation AUROC; NaN is never selected
+    val_loss: float
+    improved: bool  # the kept checkpoint was replaced after this epoch
+    seconds: float
+    best_score: float
+    best_epoch: int
+
+
+@dataclass
+class Selection:
+    best_epoch: int
+    best_score: float
+    state: dict[str, torch.Tensor] | None  # the selected weights on CPU; None if no epoch was
+    epochs: int  # epochs run
+
+
+def select_epoch(
+    model: nn.Module,
+    max_epochs: int,
+    train_epoch: Callable[[int], float],
+    validate_epoch: Callable[[], tuple[float, float]],
+    patience: int | None = None,
+    on_epoch: Callable[[EpochOutcome], None] | None = None,
+) -> Selection:
+    """The one training loop: train an epoch, validate, keep the checkpoint of the best
+    validation score (strict improvements only, ties keep the earlier), stop after
+    ``patience`` epochs without one (None = never stop early).
+
+    ``train_epoch(epoch)`` trains one epoch and returns its mean loss;
+    ``validate_epoch()`` returns (validation AUROC, validation loss). The detectors'
+    recipe (`train_detector`) and ACT-ViT both train through it.
+    """
+    stopper = EarlyStopping(patience if patience is not None else max_epochs + 1)
+    state: dict[str, torch.Tensor] | None = None
+    epochs = 0
+    for epoch in range(max_epochs):
+        t0 = time.perf_counter()
+        train_loss = train_epoch(epoch)
+        val_score, val_loss = validate_epoch()
+        improved = stopper.update(epoch, val_score)
+        if improved:
+            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        epochs += 1
+        if on_epoch is not None:
+            seconds = time.perf_counter() - t0
+            on_epoch(
+                EpochOutcome(
+                    epoch,
+                    train_loss,
+                    val_score,
+                    val_loss,
+                    improved,
+                    seconds,
+                    stopper.best_score,
+                    stopper.best_epoch,
+                )
+            )
+        if stopper.should_stop:
+            break
+    return Selection(stopper.best_epoch, stopper.best_score, state, epochs)
+
+
 def train_detector(
     model: nn.Module,
     train_maps: torch.Tensor,
@@ -332,6 +394,7 @@ def train_detector(
     """
     device = resolve_device(device if device is not None else cfg.device)
     started = time.perf_counter()
+    history: list[EpochRecord] = []
     with deterministic_torch(cfg.deterministic):
         seed_everything(seed)
         rngs = Rngs.from_seed(seed, device)
@@ -339,226 +402,55 @@ def train_detector(
         pos_weight = torch.tensor(positive_class_weight(train_labels), device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: lr_multiplier(e, cfg))
-        stopper = EarlyStopping(cfg.patience)
-        best_state: dict[str, torch.Tensor] | None = None
-        history: list[EpochRecord] = []
-        for epoch in range(cfg.max_epochs):
-            t0 = time.perf_counter()
-            lr = optimizer.param_groups[0]["lr"]
-            train_loss = train_one_epoch(
+        epoch_lr: list[float] = []
+
+        def train_epoch(epoch: int) -> float:
+            epoch_lr.append(optimizer.param_groups[0]["lr"])
+            loss = train_one_epoch(
                 model, train_maps, train_labels, optimizer, pos_weight, cfg, rngs, device
             )
-            val_auroc, val_loss = validate(model, val_maps, val_labels, cfg, device)
-            improved = stopper.update(epoch, val_auroc)
-            if improved:
-                best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            schedule.step()  # per epoch: the next epoch's learning rate
+            return loss
+
+        def on_epoch(o: EpochOutcome) -> None:
             record = EpochRecord(
-                epoch, train_loss, val_loss, val_auroc, lr, time.perf_counter() - t0, improved
+                o.epoch, o.train_loss, o.val_loss, o.val_score, epoch_lr[-1], o.seconds, o.improved
             )
             history.append(record)
             log.debug("seed %d %s", seed, record)
             if progress is not None:
                 progress(
-                    epoch,
+                    o.epoch,
                     {
                         **asdict(record),
                         "seed": seed,
                         "max_epochs": cfg.max_epochs,
-                        "best_val_auroc": stopper.best_score,
-                        "best_epoch": stopper.best_epoch,
+                        "best_val_auroc": o.best_score,
+                        "best_epoch": o.best_epoch,
                     },
                 )
-            if stopper.should_stop:
-                break
-            schedule.step()
-    if best_state is None:
+
+        selection = select_epoch(
+            model,
+            cfg.max_epochs,
+            train_epoch,
+            lambda: validate(model, val_maps, val_labels, cfg, device),
+            cfg.patience,
+            on_epoch,
+        )
+    if selection.state is None:
         raise RuntimeError("no epoch produced finite validation logits; training diverged")
-    model.load_state_dict(best_state)
+    model.load_state_dict(selection.state)
     wall = time.perf_counter() - started
     log.info(
         "seed %d: best epoch %d, val AUROC %.4f, %d epochs, %.1f s on %s",
         seed,
-        stopper.best_epoch,
-        stopper.best_score,
+        selection.best_epoch,
+        selection.best_score,
         len(history),
         wall,
         device,
     )
     return TrainResult(
-        stopper.best_epoch, stopper.best_score, history, best_state, wall, str(device)
+        selection.best_epoch, selection.best_score, history, selection.state, wall, str(device)
     )
-
-
-# --- seeds, test evaluation and artifacts ---------------------------------------
-
-
-@dataclass(frozen=True)
-class LabeledMaps:
-    """One split as the CLI loads it: maps (N, C, H, W), labels (N,) 1 = correct, row ids."""
-
-    maps: np.ndarray | torch.Tensor
-    labels: np.ndarray | torch.Tensor
-    ids: Sequence[Any] | None = None  # one id per row (e.g. the store's row id); None = row index
-
-    def row_ids(self) -> list[Any]:
-        if self.ids is None:
-            return list(range(len(self.labels)))
-        if len(self.ids) != len(self.labels):
-            raise ValueError(f"ids has {len(self.ids)} rows but labels has {len(self.labels)}")
-        return [i.item() if hasattr(i, "item") else i for i in self.ids]
-
-
-@dataclass(frozen=True)
-class RowScores:
-    """One score per test row of one seed's selected checkpoint."""
-
-    ids: list[Any]
-    labels: np.ndarray  # (N,) int64, 1 = correct
-    logits: np.ndarray  # (N,) float32
-    p_correct: np.ndarray  # (N,) float32, sigmoid(logit)
-
-    def write_parquet(self, path: Path) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        table = pa.table(
-            {
-                "id": self.ids,
-                "label": self.labels,
-                "logit": self.logits,
-                "p_correct": self.p_correct,
-            }
-        )
-        pq.write_table(table, path)
-
-
-def scoring_metrics(scores: RowScores) -> dict[str, float]:
-    """The per-seed test metrics written to metrics.json."""
-    headline = metrics.compute_metrics(scores.p_correct, scores.labels)
-    return {
-        **asdict(headline),
-        "coverage_at_5pct_risk": metrics.coverage_at_risk(scores.p_correct, scores.labels, 0.05),
-        "risk_at_80pct_coverage": metrics.risk_at_coverage(scores.p_correct, scores.labels, 0.8),
-        "n_test": len(scores.labels),
-        "n_correct": int(scores.labels.sum()),
-    }
-
-
-def evaluate_on_test(detector, test: LabeledMaps) -> tuple[RowScores, dict[str, float]]:
-    """Score a fitted CorrectnessDetector once on test: per-row scores and metrics."""
-    logits = detector.decision_function(test.maps)
-    labels = np.asarray(test.labels).astype(np.int64)
-    if len(labels) != len(logits):
-        raise ValueError(f"test maps have {len(logits)} rows but labels have {len(labels)}")
-    scores = RowScores(
-        test.row_ids(),
-        labels,
-        logits.astype(np.float32),
-        torch.sigmoid(torch.from_numpy(logits)).numpy().astype(np.float32),
-    )
-    return scores, scoring_metrics(scores)
-
-
-@dataclass
-class SeedRun:
-    seed: int
-    detector: Any  # the fitted CorrectnessDetector (selected state, history, config)
-    test_scores: RowScores
-    test_metrics: dict[str, float]
-
-
-@dataclass
-class SeedRuns:
-    runs: list[SeedRun]
-    summary: dict[str, Any] = field(default_factory=dict)
-
-
-SUMMARY_METRICS = ("auroc", "auprc", "ece", "coverage_at_5pct_risk", "risk_at_80pct_coverage")
-
-
-def summarize_runs(runs: Sequence[SeedRun]) -> dict[str, Any]:
-    """Per-seed metrics and their mean and sample std (ddof=1) over seeds."""
-    mean, std = {}, {}
-    for name in SUMMARY_METRICS:
-        mean[name], std[name] = metrics.seed_summary([r.test_metrics[name] for r in runs])
-    return {
-        "seeds": [r.seed for r in runs],
-        "per_seed": {str(r.seed): r.test_metrics for r in runs},
-        "mean": mean,
-        "std": std,
-        "std_ddof": 1,
-    }
-
-
-def environment_manifest(device: torch.device, inputs: dict[str, Any] | None) -> dict[str, Any]:
-    """Software/hardware stack and input identifiers for one training run."""
-    cuda = device.type == "cuda" and torch.cuda.is_available()
-    return {
-        "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "os": platform.platform(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor(),
-        "numpy": np.__version__,
-        "actmap": package_version(),
-        "inputs": inputs or {},
-    }
-
-
-def run_seeds(
-    train: LabeledMaps,
-    val: LabeledMaps,
-    test: LabeledMaps,
-    out_dir: str | Path | None = None,
-    detector: str = "vit",
-    detector_kwargs: dict[str, Any] | None = None,
-    config: TrainConfig | None = None,
-    seeds: Sequence[int] | None = None,
-    device: str | None = None,
-    inputs: dict[str, Any] | None = None,
-    metadata: dict[str, Any] | None = None,
-    progress: ProgressCallback | None = None,
-) -> SeedRuns:
-    """Train one detector per seed, evaluate each selected checkpoint once on test.
-
-    With `out_dir`, writes `seed-<s>/{model.safetensors, config.json, history.json,
-    test_scores.parquet, metrics.json}`, `manifest.json` (stack, device, `inputs`
-    identifiers such as the map store's manifest hash) and `summary.json`.
-    `metadata` is saved into every seed's config.json.
-    """
-    from actmap.detectors.base import CorrectnessDetector  # detectors import this module
-
-    config = config or TrainConfig()
-    seeds = tuple(seeds) if seeds is not None else config.seeds
-    out = Path(out_dir) if out_dir is not None else None
-    split_counts = {
-        name: {"n": len(s.labels), "n_correct": int(np.asarray(s.labels).sum())}
-        for name, s in (("train", train), ("val", val), ("test", test))
-    }
-    meta = {**(metadata or {}), "splits": split_counts, "inputs": inputs or {}}
-    runs = []
-    for seed in seeds:
-        est = CorrectnessDetector(detector, detector_kwargs, config, seed=seed, device=device)
-        est.fit(train.maps, train.labels, val.maps, val.labels, progress=progress)
-        scores, seed_metrics = evaluate_on_test(est, test)
-        seed_metrics.update(best_epoch=est.best_epoch_, best_val_auroc=est.best_val_auroc_)
-        runs.append(SeedRun(seed, est, scores, seed_metrics))
-        log.info("seed %d test: %s", seed, seed_metrics)
-        if out is not None:
-            seed_dir = out / f"seed-{seed}"
-            est.save(seed_dir, metadata=meta)
-            write_json(seed_dir / "history.json", [asdict(r) for r in est.history_])
-            scores.write_parquet(seed_dir / "test_scores.parquet")
-            write_json(seed_dir / "metrics.json", seed_metrics)
-    result = SeedRuns(runs, summarize_runs(runs))
-    if out is not None:
-        manifest = environment_manifest(runs[0].detector.device_, inputs)
-        manifest.update(
-            detector=detector, seeds=list(seeds), splits=split_counts, train_config=config.to_dict()
-        )
-        write_json(out / "manifest.json", manifest)
-        write_json(out / "summary.json", {"detector": detector, **result.summary})
-    return result

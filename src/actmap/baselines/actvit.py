@@ -40,7 +40,13 @@ from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
 from actmap.baselines.base import BaselineUnavailable
 from actmap.scoring import ScoreResult
-from actmap.training import deterministic_torch, resolve_device, seed_everything
+from actmap.training import (
+    EpochOutcome,
+    deterministic_torch,
+    resolve_device,
+    seed_everything,
+    select_epoch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -385,7 +391,11 @@ def _check_split(split: Any, name: str, need_both_classes: bool) -> LabeledTenso
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int) -> float:
-    """Per-step factor: linear warm-up from 0, then half-cosine to 0 at `total_steps`."""
+    """Per-step factor: linear warm-up from 0, then half-cosine to 0 at `total_steps`.
+
+    The recipe as written; training uses transformers' `get_cosine_schedule_with_warmup`,
+    which a test checks equals it step by step.
+    """
     if step < warmup_steps:
         return step / max(1, warmup_steps)
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
@@ -461,14 +471,14 @@ def train_config(
     y_train = torch.from_numpy(train.y)
 
     with seeded(seed) as data_gen:
+        from transformers import get_cosine_schedule_with_warmup
+
         model = ACTViT.from_config(config, d_model).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_multiplier(s, total_steps, warmup_steps)
-        )
-        best_auroc, best_epoch, best_state = -math.inf, -1, None
+        sched = get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps)  # = lr_multiplier
         history = []
-        for epoch in range(config.epochs):
+
+        def train_epoch(epoch: int) -> float:
             model.train()
             order = torch.randperm(n, generator=data_gen)
             loss_sum = 0.0
@@ -480,18 +490,29 @@ def train_config(
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                sched.step()
+                sched.step()  # per step
                 loss_sum += loss.item() * len(idx)
-            val_auroc = float(roc_auc_score(val.y, predict_proba(model, val.x, device=device)))
-            history.append(EpochStats(epoch, loss_sum / n, val_auroc))
-            if val_auroc > best_auroc:  # strict: ties keep the earlier epoch
-                best_auroc, best_epoch = val_auroc, epoch
-                best_state = {
-                    k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
-                }
+            return loss_sum / n
+
+        def validate_epoch() -> tuple[float, float]:
+            return float(roc_auc_score(val.y, predict_proba(model, val.x, device=device))), math.nan
+
+        def on_epoch(o: EpochOutcome) -> None:
+            history.append(EpochStats(o.epoch, o.train_loss, o.val_score))
             logger.debug(
-                "seed %d epoch %d loss %.4f val AUROC %.4f", seed, epoch, loss_sum / n, val_auroc
+                "seed %d epoch %d loss %.4f val AUROC %.4f",
+                seed,
+                o.epoch,
+                o.train_loss,
+                o.val_score,
             )
+
+        selection = select_epoch(model, config.epochs, train_epoch, validate_epoch, None, on_epoch)
+        best_auroc, best_epoch, best_state = (
+            selection.best_score,
+            selection.best_epoch,
+            selection.state,
+        )
 
         test_auroc, test_scores = None, None
         if test is not None:

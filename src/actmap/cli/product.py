@@ -21,9 +21,10 @@ def train_plus_run(store_path: Path, out: Path) -> dict:
     """
     import numpy as np
 
+    from actmap.artifacts import write_json
     from actmap.comparison import plus_scored, store_rows
+    from actmap.experiments.runs import RowScores, scoring_metrics, summarize_runs
     from actmap.store import MapStore
-    from actmap.training import RowScores, scoring_metrics, summarize_runs, write_json
 
     store = MapStore.open(store_path)
     sets = store_rows(store)

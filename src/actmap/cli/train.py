@@ -10,91 +10,33 @@ import typer
 from actmap.atomic import atomic_write_text
 from actmap.cli import app
 from actmap.cli.common import console, parse_ints, progress_bar, user_errors
-from actmap.errors import ActmapUserError
 
 
-def load_balanced(store_path: Path):
-    """{split: LabeledMaps} on the store's balanced rows, plus the store."""
-    import numpy as np
-
-    from actmap.rows import balanced_splits
-    from actmap.store import MapStore
-    from actmap.training import LabeledMaps
-
-    store = MapStore.open(store_path)
-    chosen = balanced_splits(store)
-    out = {}
-    for split, ids in chosen.items():
-        if not ids:
-            raise ActmapUserError(
-                f"the balanced '{split}' split of {store_path} is empty (need both labels)"
-            )
-        maps, meta = store.load_maps(ids)
-        finite = np.isfinite(maps.reshape(len(maps), -1)).all(axis=1)
-        if not finite.all():
-            bad = [key for key, ok in zip(ids, finite, strict=True) if not ok]
-            raise ActmapUserError(
-                f"store {store_path}: the map of id '{bad[0]}' has NaN or infinite values "
-                f"({len(bad)} such maps in its balanced '{split}' split)"
-            )
-        out[split] = LabeledMaps(maps, meta["label"].to_numpy().astype("int64"), ids)
-    return out, store
-
-
-def recipe_config(max_epochs: int | None = None):
-    """The paper's training recipe, with an optional epoch cap (tests, quick looks, CPU)."""
-    from dataclasses import replace
-
-    from actmap.training import TrainConfig
-
-    return TrainConfig() if max_epochs is None else replace(TrainConfig(), max_epochs=max_epochs)
-
-
-def train_on_store(
+def train_with_progress(
     store_path: Path,
     detector: str,
     seeds: tuple[int, ...],
-    out: Path,
+    out: Path | None,
     max_epochs: int | None,
     device: str | None,
 ):
-    """The paper's recipe on a store's balanced rows, with a progress bar per seed.
+    """`actmap.experiments.runs.train_on_store` with a progress bar per seed."""
+    from actmap.experiments.runs import recipe_config, train_on_store
 
-    Returns the seed runs and the balanced splits they were trained and tested on.
-    """
-    from actmap.training import run_seeds
-
-    splits, store = load_balanced(store_path)
     config = recipe_config(max_epochs)
-    sizes = {s: len(v.ids) for s, v in splits.items()}
-    console.print(f"balanced rows: {sizes}; detector {detector}; seeds {seeds}")
+    console.print(f"detector {detector}; seeds {seeds}; store {store_path}")
     with progress_bar() as bar:
         jobs = {s: bar.add_task(f"seed {s}", total=config.max_epochs, info="") for s in seeds}
 
         def progress(epoch: int, info: dict) -> None:
-            job = jobs[int(info["seed"])]
-            text = f"loss {info.get('train_loss', float('nan')):.3f} val AUROC {info.get('val_auroc', float('nan')):.3f}"
-            bar.update(job, completed=epoch + 1, info=text)
+            loss, auroc = info.get("train_loss", float("nan")), info.get("val_auroc", float("nan"))
+            text = f"loss {loss:.3f} val AUROC {auroc:.3f}"
+            bar.update(jobs[int(info["seed"])], completed=epoch + 1, info=text)
 
-        runs = run_seeds(
-            splits["train"],
-            splits["validation"],
-            splits["test"],
-            out,
-            detector=detector,
-            config=config,
-            seeds=seeds,
-            device=device,
-            inputs={
-                "store": str(store_path),
-                "store_created_at": store.manifest.get("created_at"),
-                "store_config": store.manifest.get("config"),
-                "balanced_rows": sizes,
-            },
-            progress=progress,
-        )
+        runs, splits = train_on_store(store_path, detector, seeds, out, config, device, progress)
         for job in jobs.values():  # early-stopped seeds end before max_epochs
             bar.update(job, completed=config.max_epochs)
+    console.print(f"balanced rows: { {s: len(v.row_ids()) for s, v in splits.items()} }")
     return runs, splits
 
 
@@ -121,6 +63,7 @@ def train(
 ) -> None:
     """Train a detector with the paper's recipe, one run per seed, and test each selected checkpoint once."""
     with user_errors():
+        from actmap.experiments.runs import recipe_config
         from actmap.runs import extend_run_record, prepare_run_folder
         from actmap.training import resolve_device
 
@@ -133,7 +76,7 @@ def train(
             console.print(f"run written to {out}")
             return
         prepare_run_folder(out, detector, recipe_config(max_epochs).to_dict(), overwrite)
-        train_on_store(store, detector, parse_ints(seeds), out, max_epochs, device)
+        train_with_progress(store, detector, parse_ints(seeds), out, max_epochs, device)
         print_summary(extend_run_record(out))
         console.print(f"run written to {out}")
 
@@ -169,37 +112,9 @@ def evaluate(
 ) -> None:
     """AUROC / AUPRC / ECE per seed and their mean, written as JSON."""
     with user_errors():
-        import numpy as np
-        import pandas as pd
+        from actmap.experiments.runs import evaluate_run
 
-        from actmap.detectors.base import CorrectnessDetector
-        from actmap.metrics import compute_metrics, seed_summary
-        from actmap.runs import read_run
-
-        checked = read_run(run)  # one detector, one recipe: its seeds can be averaged
-        seed_dirs = list(checked.seed_dirs.values())
-        per_seed = {}
-        if store is not None:
-            splits, _ = load_balanced(store)
-            test = splits["test"]
-        for folder in seed_dirs:
-            if store is None:
-                scores = pd.read_parquet(folder / "test_scores.parquet")
-                probs, labels = scores["p_correct"].to_numpy(), scores["label"].to_numpy()
-            else:
-                detector = CorrectnessDetector.load(folder)
-                probs, labels = detector.predict_proba(test.maps), np.asarray(test.labels)
-            per_seed[folder.name.split("-", 1)[1]] = compute_metrics(probs, labels).__dict__
-        names = ("auroc", "auprc", "ece")
-        mean_std = {k: seed_summary([m[k] for m in per_seed.values()]) for k in names}
-        result = {
-            "run": str(run),
-            "detector": checked.detector,
-            "store": str(store) if store else None,
-            "per_seed": per_seed,
-            "mean": {k: v[0] for k, v in mean_std.items()},
-            "std": {k: v[1] for k, v in mean_std.items()},
-        }
+        result = evaluate_run(run, store)
         print_summary(result)
         target = out or run / "evaluation.json"
         atomic_write_text(target, json.dumps(result, indent=2, default=float))
