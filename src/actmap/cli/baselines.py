@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from actmap.atomic import atomic_write_text
-from actmap.cli import app
+from actmap.cli.app import app
 from actmap.cli.common import console, progress_bar, quiet_transformers, user_errors
 
 STATUS_STYLE = {"done": "green", "skipped": "cyan", "unavailable": "yellow", "failed": "red"}

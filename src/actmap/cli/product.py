@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import typer
 
 from actmap.atomic import atomic_write_text
-from actmap.cli import app
+from actmap.cli.app import app
 from actmap.cli.common import console, user_errors
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from actmap.cli import app
+from actmap.cli.app import app
 from actmap.cli.common import console, user_errors
 
 store_app = typer.Typer(

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from actmap.atomic import atomic_write_text
-from actmap.cli import app
+from actmap.cli.app import app
 from actmap.cli.common import console, parse_ints, progress_bar, user_errors
 
 
