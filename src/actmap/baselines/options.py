@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actmap.errors import ActmapUserError
+from actmap.generation import N_SAMPLES, SAMPLE_TEMPERATURE, SAMPLE_TOP_P
 
 
 @dataclass(frozen=True)
@@ -17,9 +18,9 @@ class BaselineOptions:
     judge: str | None = "qwen2.5-coder-1.5b-instruct"  # SE's LLM judge (name or path); None = none
     instruct: bool = True  # RAUQ's alpha rule; every generator in the paper is instruction-tuned
     tad_previous: int | None = None  # TAD's K; None = min(10, attention keys in the store)
-    n_samples: int = 10  # SE and EigenScore: answers sampled per prompt
-    temperature: float = 1.0  # Nature SE sampling
-    top_p: float = 0.9  # Nature SE sampling
+    n_samples: int = N_SAMPLES  # SE and EigenScore: answers sampled per prompt
+    temperature: float = SAMPLE_TEMPERATURE  # Nature SE sampling
+    top_p: float = SAMPLE_TOP_P  # Nature SE sampling
     sample_max_new_tokens: int | None = None  # None = the store's capture max_new_tokens
     sample_seed: int = 0  # each row's sampling seed derives from it and the row id
     samples_commit_every: int = 16  # prompts per samples shard (what a killed run loses)

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from actmap.generation import SAMPLE_TOP_K, SHORT_MAX_NEW_TOKENS
 from actmap.store import MapStore, decode_array, encode_array, latest_rows
 
 SAMPLES_TABLE = "samples"
@@ -31,8 +32,9 @@ def sampling_request(generator: str, options, capture: dict) -> dict:
         "n_samples": options.n_samples,
         "temperature": options.temperature,
         "top_p": options.top_p,
-        "top_k": 50,
-        "max_new_tokens": options.sample_max_new_tokens or capture.get("max_new_tokens", 32),
+        "top_k": SAMPLE_TOP_K,
+        "max_new_tokens": options.sample_max_new_tokens
+        or capture.get("max_new_tokens", SHORT_MAX_NEW_TOKENS),
         "stop_strings": list(NATURE_STOP_STRINGS),
         "logprob_source": "processed",
         "seed": options.sample_seed,

@@ -38,6 +38,14 @@ from actmap.capture.generate import stop_ids, tokenize_prompts
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig
 from actmap.capture.stopping import check_stop_strings, cut_at_stop, stop_criteria
+from actmap.generation import (
+    CONTEXT_LENGTH,
+    N_SAMPLES,
+    SAMPLE_TEMPERATURE,
+    SAMPLE_TOP_K,
+    SAMPLE_TOP_P,
+    SHORT_MAX_NEW_TOKENS,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +58,17 @@ LOGPROB_SOURCES = ("processed", "raw")
 class SamplingConfig:
     """How the N answers per prompt are drawn; stored with every `SampleSet`."""
 
-    n_samples: int = 10  # Nature SE and EigenScore: 10 answers per prompt
-    temperature: float = 1.0  # Nature SE: T = 1.0
-    top_p: float = 0.9  # Nature SE: nucleus 0.9
-    top_k: int = 50  # the HF default the Nature runs inherited; 0 disables it
-    max_new_tokens: int = 32  # paper: 32 for short answers
+    n_samples: int = N_SAMPLES
+    temperature: float = SAMPLE_TEMPERATURE
+    top_p: float = SAMPLE_TOP_P
+    top_k: int = SAMPLE_TOP_K
+    max_new_tokens: int = SHORT_MAX_NEW_TOKENS
     embedding_layer: int | None = None  # 0-based block; None = L // 2 - 1 (LM-Polygraph)
     stop_strings: tuple[str, ...] = NATURE_STOP_STRINGS  # cut from the text; end the answer
     logprob_source: str = "processed"  # "processed" (Nature code) or "raw" logits
     seed: int = 0  # torch seed for the whole call; the global RNG state is restored afterwards
     batch_size: int = 1  # prompts per generate call; each expands to n_samples rows
-    max_context: int = 4096  # prompt + answer tokens; longer prompts keep their last tokens
+    max_context: int = CONTEXT_LENGTH  # prompt + answer tokens; longer prompts keep the last
 
     def __post_init__(self) -> None:
         if self.n_samples < 1:
@@ -225,19 +233,19 @@ def sample_answers(
     model: nn.Module,
     tokenizer,
     prompts: Sequence[str],
-    n_samples: int = 10,
-    temperature: float = 1.0,
-    top_p: float = 0.9,
-    max_new_tokens: int = 32,
+    n_samples: int = N_SAMPLES,
+    temperature: float = SAMPLE_TEMPERATURE,
+    top_p: float = SAMPLE_TOP_P,
+    max_new_tokens: int = SHORT_MAX_NEW_TOKENS,
     embedding_layer: int | None = None,
     stop_strings: Sequence[str] = NATURE_STOP_STRINGS,
     seed: int = 0,
     *,
     questions: Sequence[str | None] | None = None,
-    top_k: int = 50,
+    top_k: int = SAMPLE_TOP_K,
     logprob_source: str = "processed",
     batch_size: int = 1,
-    max_context: int = 4096,
+    max_context: int = CONTEXT_LENGTH,
     layers_path: str | None = None,
 ) -> list[SampleSet]:
     """Draw ``n_samples`` answers for every prompt; one `SampleSet` per prompt, in order.

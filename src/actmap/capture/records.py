@@ -23,19 +23,20 @@ from dataclasses import dataclass, field
 import torch
 
 from actmap.errors import ActmapUserError
+from actmap.generation import CONTEXT_LENGTH, SHORT_MAX_NEW_TOKENS
 
 
 @dataclass(frozen=True)
 class CaptureConfig:
     """How one generation pass is run and what it keeps."""
 
-    max_new_tokens: int = 32  # paper: 32 for short answers and GSM8K, 384 for summaries
+    max_new_tokens: int = SHORT_MAX_NEW_TOKENS  # the task sets 384 for summaries
     # paper: greedy answers; sampling only for Semantic Entropy / EigenScore
     do_sample: bool = False
     temperature: float = 1.0  # used only when do_sample
     top_p: float = 1.0  # used only when do_sample
     pooled_dim: int = 128  # D' of the online D -> 128 pooling
-    max_context: int = 4096  # prompt + answer tokens; longer prompts are left-truncated
+    max_context: int = CONTEXT_LENGTH  # prompt + answer tokens; longer prompts are left-truncated
     # K previous generated keys kept per head (TAD uses 10, RAUQ 1); 0 = none
     attention_keys: int = 0
     keep_dense: bool = False  # keep full (unpooled) hidden states for ACT-ViT

@@ -50,10 +50,9 @@ from actmap.data.prompts import (
     uses_chat_template,
 )
 from actmap.data.splits import DEFAULT_FRACTIONS, SPLITS, assign_splits, key_uniform
+from actmap.generation import SHORT_MAX_NEW_TOKENS
 
 logger = logging.getLogger(__name__)
-
-SHORT_MAX_NEW_TOKENS = 32  # paper: 32 new tokens for short answers and GSM8K
 
 
 def default_data_dir() -> Path | None:

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from actmap.data.base import DataError
+from actmap.generation import CONTEXT_LENGTH, SUMMARY_MAX_NEW_TOKENS  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,6 @@ PROMPT_STYLES: tuple[str, ...] = ("few_shot", "zero_shot")
 QA_INSTRUCTION = "Answer the following question with a short answer only."
 GSM8K_INSTRUCTION = "Solve the following math problem. Give only the final number, no reasoning."
 SUMMARY_INSTRUCTION = "Summarize the following article in a few sentences."
-
-CONTEXT_LENGTH = 4096  # paper: 4,096-token context
-SUMMARY_MAX_NEW_TOKENS = 384  # paper: 384 new tokens for summaries
 
 
 def check_prompt_style(style: str) -> str:
