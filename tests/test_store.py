@@ -231,7 +231,7 @@ def test_generations_are_read_through_the_store(tmp_path):
 def test_ablation_maps_become_a_store_that_training_reads(tmp_path):
     import torch
 
-    from actmap.cli.train import load_balanced
+    from actmap.experiments.runs import load_balanced
     from actmap.maps import MapConfig, build_maps_from_list
     from actmap.store.derived import build_map_store
 

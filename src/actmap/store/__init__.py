@@ -47,10 +47,10 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from actmap import __version__
+from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
-from actmap.errors import ActmapUserError
 from actmap.maps import MAP_BYTES, MAP_SHAPE
+from actmap.store.errors import StoreError  # noqa: F401  (raised here and re-exported)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -89,10 +89,6 @@ SWITCHES = (
     ("capture", "keep_dense"),
     ("capture", "share_prefix"),
 )
-
-
-class StoreError(ActmapUserError, RuntimeError):
-    """A store folder, manifest or shard is missing, corrupt or of another schema."""
 
 
 @dataclass(frozen=True)
@@ -249,7 +245,7 @@ class MapStore:
         manifest = {
             "schema_version": SCHEMA_VERSION,
             "package": "actmap",
-            "package_version": __version__,
+            "package_version": package_version(),
             "created_at": datetime.now(UTC).isoformat(),
             "map_shape": [int(n) for n in map_shape],
             "map_dtype": "float16",

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from actmap.store import StoreError
+from actmap.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
