@@ -79,7 +79,3 @@ def negate(uncertainty: np.ndarray) -> np.ndarray:
     """The one place an uncertainty becomes a confidence."""
     return -np.asarray(uncertainty, dtype=np.float64)
 
-
-def sigmoid(logits: np.ndarray) -> np.ndarray:
-    """Logits -> probabilities, float64."""
-    return 1.0 / (1.0 + np.exp(-np.asarray(logits, dtype=np.float64)))

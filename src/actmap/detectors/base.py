@@ -21,7 +21,7 @@ from actmap.artifacts import package_version, write_json
 from actmap.atomic import atomic_path
 from actmap.detectors.registry import create_detector
 from actmap.errors import ActmapUserError
-from actmap.scoring import ScoreResult, sigmoid
+from actmap.scoring import ScoreResult
 from actmap.training import (
     EpochRecord,
     ProgressCallback,
@@ -199,7 +199,7 @@ class CorrectnessDetector:
         """The scorer contract (`actmap.scoring`): confidence = p(correct), raw = the logit."""
         logits = self.decision_function(maps).astype(np.float64)
         return ScoreResult(
-            confidence=sigmoid(logits),
+            confidence=1.0 / (1.0 + np.exp(-logits)),
             raw=logits,
             raw_name="logit",
             details={"detector": self.detector, "seed": self.seed},
