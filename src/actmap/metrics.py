@@ -86,6 +86,10 @@ def natural_ece(
     return ece(probs, labels, n_bins), ece(shifted, labels, n_bins)
 
 
+# the per-seed test metrics a run summarises (mean and std over seeds)
+SUMMARY_METRICS = ("auroc", "auprc", "ece", "coverage_at_5pct_risk", "risk_at_80pct_coverage")
+
+
 def seed_summary(values: Sequence[float]) -> tuple[float, float]:
     """(mean, sample standard deviation with ddof=1) over seeds; std is NaN for one value."""
     v = np.asarray(values, dtype=np.float64)

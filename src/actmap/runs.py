@@ -127,8 +127,7 @@ def prepare_run_folder(
 
 def folder_summary(run: str | Path) -> dict[str, Any]:
     """Per-seed test metrics of every seed in the folder and their mean and std (ddof=1)."""
-    from actmap.experiments.runs import SUMMARY_METRICS
-    from actmap.metrics import seed_summary
+    from actmap.metrics import SUMMARY_METRICS, seed_summary
 
     folder = read_run(run)
     per_seed = {}

@@ -78,4 +78,3 @@ def row_input(requires: Sequence[str]) -> str:
 def negate(uncertainty: np.ndarray) -> np.ndarray:
     """The one place an uncertainty becomes a confidence."""
     return -np.asarray(uncertainty, dtype=np.float64)
-

@@ -110,13 +110,10 @@ class SeedRuns:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-SUMMARY_METRICS = ("auroc", "auprc", "ece", "coverage_at_5pct_risk", "risk_at_80pct_coverage")
-
-
 def summarize_runs(runs: Sequence[SeedRun]) -> dict[str, Any]:
     """Per-seed metrics and their mean and sample std (ddof=1) over seeds."""
     mean, std = {}, {}
-    for name in SUMMARY_METRICS:
+    for name in metrics.SUMMARY_METRICS:
         mean[name], std[name] = metrics.seed_summary([r.test_metrics[name] for r in runs])
     return {
         "seeds": [r.seed for r in runs],
