@@ -21,10 +21,12 @@ def train_with_progress(
     device: str | None,
 ):
     """`actmap.experiments.runs.train_on_store` with a progress bar per seed."""
-    from actmap.experiments.runs import recipe_config, train_on_store
+    from actmap.experiments.runs import load_balanced, recipe_config, train_on_store
 
     config = recipe_config(max_epochs)
-    console.print(f"detector {detector}; seeds {seeds}; store {store_path}")
+    splits, store = load_balanced(store_path)  # bad rows fail before any progress bar
+    sizes = {s: len(v.row_ids()) for s, v in splits.items()}
+    console.print(f"balanced rows: {sizes}; detector {detector}; seeds {seeds}")
     with progress_bar() as bar:
         jobs = {s: bar.add_task(f"seed {s}", total=config.max_epochs, info="") for s in seeds}
 
@@ -33,10 +35,11 @@ def train_with_progress(
             text = f"loss {loss:.3f} val AUROC {auroc:.3f}"
             bar.update(jobs[int(info["seed"])], completed=epoch + 1, info=text)
 
-        runs, splits = train_on_store(store_path, detector, seeds, out, config, device, progress)
+        runs, splits = train_on_store(
+            store_path, detector, seeds, out, config, device, progress, (splits, store)
+        )
         for job in jobs.values():  # early-stopped seeds end before max_epochs
             bar.update(job, completed=config.max_epochs)
-    console.print(f"balanced rows: { {s: len(v.row_ids()) for s, v in splits.items()} }")
     return runs, splits
 
 

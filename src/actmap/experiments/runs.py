@@ -236,12 +236,14 @@ def train_on_store(
     config: TrainConfig | None = None,
     device: str | None = None,
     progress: ProgressCallback | None = None,
+    balanced: tuple[dict[str, LabeledMaps], Any] | None = None,
 ) -> tuple[SeedRuns, dict[str, LabeledMaps]]:
     """The paper's recipe on a store's balanced rows, one detector per seed.
 
+    ``balanced``: what `load_balanced(store_path)` returned, when already read.
     Returns the seed runs and the balanced splits they were trained and tested on.
     """
-    splits, store = load_balanced(store_path)
+    splits, store = balanced if balanced is not None else load_balanced(store_path)
     sizes = {s: len(v.row_ids()) for s, v in splits.items()}
     runs = run_seeds(
         splits["train"],
