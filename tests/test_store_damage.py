@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -276,26 +277,58 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
     assert read_holder(root) == {}
 
 
+HELD_CAPTURE = """
+import sys, time
+from pathlib import Path
+import actmap.capture.run as run
+original = run.commit_batch
+def held(*args, **kwargs):  # the first batch waits until the test lets it go on
+    go = Path({go!r})
+    for _ in range(1200):
+        if go.exists():
+            break
+        time.sleep(0.1)
+    return original(*args, **kwargs)
+run.commit_batch = held
+from actmap.cli import main
+sys.argv = ["actmap", *sys.argv[1:]]
+main()
+"""
+
+
 def test_two_concurrent_captures_end_with_no_duplicate_id(tmp_path, tiny_model_dir):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"red blue {i}", "split": "test"}) + "\n" for i in range(12))
     )
-    store = tmp_path / "store"
-    command = [sys.executable, "-m", "actmap.cli", "capture", "--prompts", str(prompts)]
-    command += ["--model", str(tiny_model_dir), "--out", str(store), "--splits", "test"]
-    command += ["--max-new-tokens", "4", "--batch-size", "2"]
+    store, go = tmp_path / "store", tmp_path / "go"
+    args = ["capture", "--prompts", str(prompts), "--model", str(tiny_model_dir), "--out"]
+    args += [str(store), "--splits", "test", "--max-new-tokens", "4", "--batch-size", "2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    runs = [subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outputs = [(run.wait(timeout=300), run.stderr.read(), run.pid) for run in runs]
+    script = HELD_CAPTURE.format(go=str(go))
+    first = subprocess.Popen(
+        [sys.executable, "-c", script, *args], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        for _ in range(1200):  # until the first capture holds the store
+            if read_holder(store).get("pid") == first.pid or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert read_holder(store).get("pid") == first.pid
+        second = subprocess.run(
+            [sys.executable, "-m", "actmap.cli", *args], env=env, capture_output=True, text=True
+        )
+    finally:
+        go.touch()
+        _, first_err = first.communicate(timeout=300)
+    assert second.returncode == 2, second.stderr
+    assert f"is being written by process {first.pid} (actmap capture" in " ".join(
+        second.stderr.split()
+    )
+    assert first.returncode == 0, first_err
     ids = MapStore.open(store).read_table("maps", ["id"]).column("id").to_pylist()
     assert len(ids) == len(set(ids)) == 12
-    assert verify_store(store).ok
-    refused = [(out, pid) for code, out, pid in outputs if code == 2]
-    for out, _ in refused:  # a refusal names the other capture's pid
-        other = next(pid for code, _, pid in outputs if code == 0)
-        assert f"being written by process {other}" in " ".join(out.split())
-    assert sum(code == 0 for code, _, _ in outputs) >= 1
+    assert verify_store(store).findings == []
 
 
 def test_configs_compare_by_meaning_and_older_stores_still_open(tmp_path):
