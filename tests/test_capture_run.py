@@ -169,3 +169,45 @@ def test_store_config_records_the_prefix_cache_only_when_on():
     on = store_config(task, SOURCE, CaptureConfig(share_prefix=32), MapConfig(), keep={})
     assert "share_prefix" not in off["capture"] and on["capture"]["share_prefix"] == 32
     assert off["capture"]["stop_strings"] == ()
+
+
+def test_capture_imports_no_baseline():
+    # capture knows no baseline: importing the capture run and the CLI's capture path
+    # must not load any actmap.baselines module
+    code = (
+        "import sys; import actmap.capture.run, actmap.capture.generate; "
+        "bad = sorted(m for m in sys.modules if m.startswith('actmap.baselines')); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": ""},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_dense_states_are_stored_layer_max_pooled(tmp_path, tiny_llama, word_tokenizer):
+    # independent reference: the max over each contiguous group of layers, zero-padded to 8
+    from actmap.capture.run import latest_rows
+    from actmap.store import decode_array
+
+    task = WordTask(4)
+    config = CaptureConfig(max_new_tokens=3, batch_size=4, keep_dense=True)
+    store = MapStore.create(tmp_path, store_config(task, SOURCE, config, MapConfig(), {}))
+    run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config)
+    direct = generate_with_capture(
+        tiny_llama, word_tokenizer, [e.question for e in task.examples], config
+    )
+    table = latest_rows(store.read_table("dense"))
+    keys = table.column("id").to_pylist()
+    for example, generation in zip(task.examples, direct, strict=True):
+        row = keys.index(f"words:{example.source_key}")
+        shape = table.column("shape")[row].as_py()
+        stored = decode_array(table.column("dense")[row].as_py(), shape)
+        dense = generation.dense.float().numpy()  # (L, N, D)
+        n_layers = dense.shape[0]
+        padded = np.concatenate([dense, np.zeros((-n_layers % 8, *dense.shape[1:]))])
+        expected = padded.reshape(8, -1, *dense.shape[1:]).max(axis=1)
+        np.testing.assert_allclose(stored.astype(np.float32), expected, atol=2e-3, rtol=1e-3)

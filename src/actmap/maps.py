@@ -10,7 +10,8 @@ rows, and every channel is standardised over its 32 x 128 entries:
 Everything is pure torch, computed in float32. `build_maps` is the batched form
 over a right-padded batch; `build_map` is that form with a batch of one, so the
 two agree by construction. The capture hooks use `pool_hidden` for the online
-D -> 128 reduction; `permute_coordinates` and `gaussian_projection` are the
+D -> 128 reduction and `pool_layers` for the layer max-pooling of the dense
+states ACT-ViT reads; `permute_coordinates` and `gaussian_projection` are the
 pooling-structure controls of the paper's ablations.
 """
 
@@ -26,8 +27,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+PadMode = Literal["zero", "replicate"]  # how `pool_layers` pads the layer axis
+
 MAP_SHAPE = (12, 32, 128)  # (C, layers, pooled coordinates) of the paper's map
 MAP_BYTES = 98_304  # 12 * 32 * 128 float16 values = 96 KiB per generation
+DENSE_LAYER_GROUPS = 8  # dense states keep the layer axis max-pooled to 8 groups (ACT-ViT's L_eff)
 
 FINAL_WINDOW = 8  # final-window mean covers the last min(8, T) tokens
 SLOPE_EPS = 1e-8  # floor of the least-squares slope's denominator
@@ -470,6 +474,36 @@ def to_float16(activation_map: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- ablation helpers
+
+
+def pool_layers(
+    x: torch.Tensor, groups: int = DENSE_LAYER_GROUPS, pad_mode: PadMode = "zero"
+) -> torch.Tensor:
+    """Pad the layer axis to a multiple of `groups`, then max over contiguous groups.
+
+    (L, N, D) -> (groups, N, D). `pad_mode="zero"` appends all-zero layers (the
+    ActMap paper's rule); `"replicate"` repeats the last layer (the authors'
+    helper). For L = 32 the two agree.
+    """
+    if x.ndim != 3:
+        raise ValueError(f"x must be (L, N, D), got shape {tuple(x.shape)}")
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    if pad_mode not in ("zero", "replicate"):
+        raise ValueError(f"pad_mode must be 'zero' or 'replicate', got {pad_mode!r}")
+    n_layers, n_tokens, d_model = x.shape
+    if n_layers == 0:
+        raise ValueError("x has no layers (L = 0)")
+    n_pad = (groups - n_layers % groups) % groups
+    if n_pad:
+        if pad_mode == "zero":
+            pad = x.new_zeros(n_pad, n_tokens, d_model)
+        else:
+            pad = x[-1:].expand(n_pad, n_tokens, d_model)
+        x = torch.cat([x, pad], dim=0)  # (L + n_pad, N, D)
+    per_group = x.shape[0] // groups
+    x = x.reshape(groups, per_group, n_tokens, d_model)  # (G, L / G, N, D)
+    return x.amax(dim=1)  # (G, N, D)
 
 
 def pool_hidden(hidden: torch.Tensor, out_dim: int = 128) -> torch.Tensor:

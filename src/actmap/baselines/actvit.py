@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from torch import nn
 from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
 from actmap.baselines.base import BaselineUnavailable
+from actmap.maps import DENSE_LAYER_GROUPS, PadMode, pool_layers
 from actmap.scoring import ScoreResult
 from actmap.training import (
     EpochOutcome,
@@ -51,12 +52,9 @@ from actmap.training import (
 logger = logging.getLogger(__name__)
 
 N_MAX = 100  # ACT-ViT's fixed token axis (first generated tokens)
-LAYER_GROUPS = 8  # ACT-ViT's L_eff: the layer axis is max-pooled to 8 contiguous groups
+LAYER_GROUPS = DENSE_LAYER_GROUPS  # ACT-ViT's L_eff: layer axis max-pooled to 8 contiguous groups
 RESULT_SCHEMA_VERSION = 1
 SHARD_SCHEMA_VERSION = 1
-
-PadMode = Literal["zero", "replicate"]
-
 
 # --------------------------------------------------------------------------- preprocessing
 
@@ -75,36 +73,6 @@ def pad_tokens(dense: torch.Tensor, n_max: int = N_MAX) -> torch.Tensor:
         return dense[:, :n_max]
     pad = dense.new_zeros(n_layers, n_max - n_tokens, d_model)
     return torch.cat([dense, pad], dim=1)  # (L, n_max, D)
-
-
-def pool_layers(
-    x: torch.Tensor, groups: int = LAYER_GROUPS, pad_mode: PadMode = "zero"
-) -> torch.Tensor:
-    """Pad the layer axis to a multiple of `groups`, then max over contiguous groups.
-
-    (L, N, D) -> (groups, N, D). `pad_mode="zero"` appends all-zero layers (the
-    ActMap paper's rule); `"replicate"` repeats the last layer (the authors'
-    helper). For L = 32 the two agree.
-    """
-    if x.ndim != 3:
-        raise ValueError(f"x must be (L, N, D), got shape {tuple(x.shape)}")
-    if groups < 1:
-        raise ValueError(f"groups must be >= 1, got {groups}")
-    if pad_mode not in ("zero", "replicate"):
-        raise ValueError(f"pad_mode must be 'zero' or 'replicate', got {pad_mode!r}")
-    n_layers, n_tokens, d_model = x.shape
-    if n_layers == 0:
-        raise ValueError("x has no layers (L = 0)")
-    n_pad = (groups - n_layers % groups) % groups
-    if n_pad:
-        if pad_mode == "zero":
-            pad = x.new_zeros(n_pad, n_tokens, d_model)
-        else:
-            pad = x[-1:].expand(n_pad, n_tokens, d_model)
-        x = torch.cat([x, pad], dim=0)  # (L + n_pad, N, D)
-    per_group = x.shape[0] // groups
-    x = x.reshape(groups, per_group, n_tokens, d_model)  # (G, L / G, N, D)
-    return x.amax(dim=1)  # (G, N, D)
 
 
 def actvit_tensor(

@@ -16,12 +16,11 @@ from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 
-from actmap.baselines.actvit import pool_layers
 from actmap.capture.forced import capture_answers_batch
 from actmap.capture.generate import generate_batch
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.data.base import Example, Task
-from actmap.maps import MapConfig, build_maps_from_list, map_shape
+from actmap.maps import MapConfig, build_maps_from_list, map_shape, pool_layers
 from actmap.models import ModelSource
 from actmap.store import MapRecord, MapStore, encode_array
 
