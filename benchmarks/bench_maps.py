@@ -1,18 +1,21 @@
-"""Throughput of the map operator Phi on the CPU: maps per second, batched vs one map at a time.
+"""Throughput of the map operator Phi on the CPU: the fused operator vs the previous one vs a loop.
 
-Reference target: 2,000 maps/s for T = 32 tokens, L = 30 layers on 2 cores.
+    PYTHONPATH=src python benchmarks/bench_maps.py [--threads 2] [--batch 256] [--repeats 5]
 
-    PYTHONPATH=src python benchmarks/bench_maps.py [--threads 2] [--batch 256] [--repeats 2]
+One row per (T, L) (default T = 32, L = 30, the issue's reference point), in
+maps per second of wall-clock time, every variant timed in the same run with
+interleaved repeats (best of `--repeats`):
 
-Prints one row per (T, L), in maps per second of wall-clock time: `build_maps`
-on a batch of full-length answers (and per second of process CPU time summed
-over threads, a figure that other processes on a shared machine disturb less),
-the same batch with mixed lengths (uniform in 1..T, right-padded), and a loop
-of `build_map` over single trajectories ("x" = batched / looped). Trajectories
-are random (L, T, 128) float32. Large (T, L) use a smaller batch so the input
-stays under `--max-batch-mib`. The machine's load average is printed too: on a shared
-machine other processes slow every figure down (with several threads, setting
-OMP_WAIT_POLICY=PASSIVE avoids threads spinning on a busy core).
+- `fused`: `actmap.maps.build_maps` on a batch of full-length answers, fresh output;
+- `fused+out`: the same into a reused output buffer (`out=`), as a streaming caller does;
+- `mixed`: `build_maps` on answers of mixed lengths (uniform in 1..T, right-padded);
+- `previous`: the operator before this version (`benchmarks/previous_maps.py`);
+- `looped`: `build_map` on one trajectory at a time (`--looped` answers).
+
+`cpu` is `fused` per second of process CPU time (all threads), which other
+processes on a shared machine disturb less. Trajectories are random (L, T, 128)
+float32. The machine's load average is printed: on a shared machine every
+figure is slower.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import time
 from functools import partial
 
 import torch
+from previous_maps import build_maps as previous_build_maps
 
 from actmap.maps import build_map, build_maps
 
-REFERENCE = {(32, 30): 2000.0}  # maps/s, 2 cores
+NOW = {(32, 30): 1328.0}  # previous operator, quiet 2-core machine, maps/s
+TARGET = {(32, 30): 5000.0}
 
 
 def build_each(trajectories: list[torch.Tensor]) -> None:
@@ -34,38 +39,38 @@ def build_each(trajectories: list[torch.Tensor]) -> None:
         build_map(trajectory)
 
 
-def best_seconds(fn, repeats: int) -> tuple[float, float]:
-    """Best wall-clock seconds and best process CPU seconds (all threads) of `fn`."""
-    fn()  # warm-up
-    wall = cpu = float("inf")
+def interleaved_best(variants: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """Best (wall, process CPU) seconds of each variant, repeats interleaved across variants."""
+    for fn in variants.values():
+        fn()  # warm-up
+    best = {name: (float("inf"), float("inf")) for name in variants}
     for _ in range(repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        fn()
-        wall = min(wall, time.perf_counter() - start)
-        cpu = min(cpu, time.process_time() - start_cpu)
-    return wall, cpu
+        for name, fn in variants.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--looped", type=int, default=16, help="answers in the build_map loop")
     parser.add_argument("--max-batch-mib", type=int, default=256)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128, 384])
-    parser.add_argument("--layers", type=int, nargs="+", default=[18, 30, 64])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32])
+    parser.add_argument("--layers", type=int, nargs="+", default=[30])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
 
     print(f"torch {torch.__version__}, {args.threads} threads, load average {os.getloadavg()}")
-    header = (
-        f"{'T':>4} {'L':>3} {'B':>4} | {'batched':>8} {'per-cpu-s':>9} {'mixed':>8} "
-        f"{'looped':>8} {'x':>5}"
-    )
-    print(header + " | reference (maps/s, 2 cores)")
-    print("-" * (len(header) + 30))
+    names = ("fused", "fused+out", "mixed", "previous", "looped")
+    header = f"{'T':>4} {'L':>3} {'B':>4} | " + " ".join(f"{n:>9}" for n in names)
+    print(header + f" {'cpu':>7} {'x prev':>6} | now (quiet) -> target, maps/s")
+    print("-" * (len(header) + 45))
     for n_tokens in args.tokens:
         for n_layers in args.layers:
             per_answer = n_layers * n_tokens * 128 * 4
@@ -73,18 +78,26 @@ def main() -> None:
             x = torch.randn(batch, n_layers, n_tokens, 128, generator=generator)
             full = torch.full((batch,), n_tokens)
             mixed = torch.randint(1, n_tokens + 1, (batch,), generator=generator)
-            wall, cpu = best_seconds(partial(build_maps, x, full), args.repeats)
-            batched, per_cpu = batch / wall, batch / cpu
-            ragged = batch / best_seconds(partial(build_maps, x, mixed), args.repeats)[0]
+            out = torch.empty(batch, 12, 32, 128)
             singles = list(x[: args.looped])
-            looped = best_seconds(partial(build_each, singles), args.repeats)[0]
-            one_by_one = len(singles) / looped
-            reference = REFERENCE.get((n_tokens, n_layers))
-            note = f"{reference:,.0f}" if reference else ""
+            best = interleaved_best(
+                {
+                    "fused": partial(build_maps, x, full),
+                    "fused+out": partial(build_maps, x, full, out=out),
+                    "mixed": partial(build_maps, x, mixed),
+                    "previous": partial(previous_build_maps, x, full),
+                    "looped": partial(build_each, singles),
+                },
+                args.repeats,
+            )
+            rate = {k: (len(singles) if k == "looped" else batch) / v[0] for k, v in best.items()}
+            cpu = batch / best["fused"][1]
+            key = (n_tokens, n_layers)
+            note = f"{NOW[key]:,.0f} -> >= {TARGET[key]:,.0f}" if key in NOW else ""
             print(
-                f"{n_tokens:>4} {n_layers:>3} {batch:>4} | {batched:>8,.0f} {per_cpu:>9,.0f} "
-                f"{ragged:>8,.0f} "
-                f"{one_by_one:>8,.0f} {batched / one_by_one:>5.1f} | {note}",
+                f"{n_tokens:>4} {n_layers:>3} {batch:>4} | "
+                + " ".join(f"{rate[n]:>9,.0f}" for n in names)
+                + f" {cpu:>7,.0f} {rate['fused'] / rate['previous']:>6.2f} | {note}",
                 flush=True,
             )
             del x

@@ -256,11 +256,10 @@ def test_channels_are_standardised():
 # ------------------------------------------------------------------ batching
 
 
-@pytest.mark.parametrize("block_bytes, group_bytes", [(1 << 19, 1 << 23), (40_000, 300_000)])
-def test_batched_equals_single_with_garbage_padding(monkeypatch, block_bytes, group_bytes):
-    # small blocks/groups: a block of (answer, layer) rows spans answers, groups split the batch
-    monkeypatch.setattr(maps_module, "_BLOCK_BYTES", block_bytes)
-    monkeypatch.setattr(maps_module, "_GROUP_BYTES", group_bytes)
+@pytest.mark.parametrize("chunk_bytes", [1 << 22, 300_000])
+def test_batched_equals_single_with_garbage_padding(monkeypatch, chunk_bytes):
+    # small chunks split the batch into several groups of answers
+    monkeypatch.setattr(maps_module, "_CHUNK_BYTES", chunk_bytes)
     lengths = [1, 2, 5, 40, 33, 8, 3, 40]
     singles = [random_trajectory(18, n, seed=i) for i, n in enumerate(lengths)]
     batch = 1e4 * torch.randn(len(lengths), 18, 40, 128)  # garbage everywhere
@@ -454,3 +453,50 @@ def test_config_is_frozen():
     config = MapConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.n_segments = 8  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------ the previous operator
+
+
+def _previous_operator():
+    """The operator as it was before the fused version (a frozen copy in benchmarks/)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "previous_maps.py"
+    spec = importlib.util.spec_from_file_location("previous_maps", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MapConfig(),
+        MapConfig(n_segments=8, layers_out=16, coords_out=64),
+        MapConfig(channels=("std", "max")),
+    ],
+)
+def test_fused_operator_equals_the_previous_one(monkeypatch, config):
+    previous = _previous_operator()
+    monkeypatch.setattr(maps_module, "_CHUNK_BYTES", 200_000)  # several chunks
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([1, 2, 7, 31, 32, 16, 5, 32, 9])
+    batch = 3.0 * torch.randn(len(lengths), 30, 32, 128, generator=generator) + 1.5
+    batch[0, :, 1:] = float("nan")  # padding garbage
+    prev_config = previous.MapConfig(**dataclasses.asdict(config))
+    expected = previous.build_maps(batch, lengths, prev_config)
+    got = build_maps(batch, lengths, config)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    # into a reused output buffer: the same maps, the buffer is the result
+    out = torch.full_like(got, 7.0)
+    assert build_maps(batch, lengths, config, out=out) is out
+    torch.testing.assert_close(out, got, rtol=0, atol=0)
+
+
+def test_out_buffer_of_the_wrong_shape_is_refused():
+    with pytest.raises(ValueError, match=r"out must be a float32 \(1, 12, 32, 128\) tensor"):
+        build_maps(torch.randn(1, 4, 3, 128), [3], out=torch.empty(1, 12, 32, 64))

@@ -36,8 +36,7 @@ DENSE_LAYER_GROUPS = 8  # dense states keep the layer axis max-pooled to 8 group
 FINAL_WINDOW = 8  # final-window mean covers the last min(8, T) tokens
 SLOPE_EPS = 1e-8  # floor of the least-squares slope's denominator
 STD_FLOOR = 1e-6  # floor of the standardisation's std, so constant channels map to 0
-_BLOCK_BYTES = 1 << 19  # CPU trajectory bytes per statistics step (see `_statistics`)
-_GROUP_BYTES = 1 << 23  # CPU trajectory bytes per group of answers (see `build_maps`)
+_CHUNK_BYTES = 1 << 22  # CPU trajectory bytes per chunk of answers (see `build_maps`)
 
 # Canonical channel order after the segment means (SPEC section 2, channels 5-12).
 _TAIL_CHANNELS = (
@@ -209,35 +208,45 @@ def _check_batch(trajectories: torch.Tensor, lengths: torch.Tensor) -> None:
 
 
 def _token_reductions(
-    x: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor, out: tuple[torch.Tensor, ...]
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor,
+    out: tuple[torch.Tensor, ...],
+    scratch: torch.Tensor,
 ) -> None:
     """The passes over the token axis of right-padded (answer, layer) rows (N, Tmax, D').
 
     Writes into `out`: the linear channels `weights @ x` (N, K, D'; the last one
     is the mean) and x[T-1], sum_t (x_t - xbar)^2, max_t x, sum_t |x_t - x_(t-1)|
-    (N, D' each), all over valid tokens only.
+    (N, D' each), all over valid tokens only. `scratch` is an (N, Tmax, D')
+    float32 buffer reused from call to call: no pass allocates a fresh batch.
     """
     linear, last, sum_sq_dev, maximum, abs_diff = out
     n_rows, t_max, width = x.shape
-    last.copy_(x[torch.arange(n_rows, device=x.device), lengths - 1])  # (N, D')
     valid = torch.arange(t_max, device=x.device) < lengths[:, None]  # (N, T)
     padded = not bool(valid.all())
-    y = x.to(torch.float32, copy=padded)  # (N, T, D'); the input itself is never written
-    if padded:
+    if padded or x.dtype != torch.float32:
         # Padding repeats the row's final token: garbage there (even NaN) never
         # reaches a statistic, the maximum is unchanged, token-to-token differences
-        # there are 0 and the linear weights give it 0. Only padded pairs are written.
-        index = (~valid).flatten().nonzero()[:, 0]  # row * Tmax + token
-        y.view(n_rows * t_max, width).index_copy_(0, index, last[index // t_max])
-    torch.matmul(weights, y, out=linear)  # (N, K, D')
-    deviation = (y - linear[:, -1:]).square_()  # (N, T, D'): two-pass, around the mean
-    if padded:
-        torch.matmul(valid.float()[:, None, :], deviation, out=sum_sq_dev[:, None, :])
+        # there are 0 and the linear weights give it 0. The input is never written.
+        y = scratch[0].copy_(x)  # (N, T, D')
+        if padded:
+            final = x[torch.arange(n_rows, device=x.device), lengths - 1].to(y.dtype)  # (N, D')
+            index = (~valid).flatten().nonzero()[:, 0]  # row * Tmax + token
+            y.view(n_rows * t_max, width).index_copy_(0, index, final[index // t_max])
     else:
-        torch.sum(deviation, dim=1, out=sum_sq_dev)
-    del deviation
+        y = x
+    work = scratch[1]  # (N, T, D')
+    last.copy_(y[:, -1])  # the final token, repeated over the padding
+    torch.bmm(weights, y, out=linear)  # (N, K, D')
     torch.amax(y, dim=1, out=maximum)
-    torch.sum((y[:, 1:] - y[:, :-1]).abs_(), dim=1, out=abs_diff)
+    steps = work[:, : t_max - 1]
+    torch.sub(y[:, 1:], y[:, :-1], out=steps).abs_()  # (N, T-1, D')
+    torch.sum(steps, dim=1, out=abs_diff)
+    torch.sub(y, linear[:, -1:], out=work).square_()  # (N, T, D'): two-pass, around the mean
+    if padded:
+        work.view(n_rows * t_max, width).index_fill_(0, index, 0.0)
+    torch.sum(work, dim=1, out=sum_sq_dev)
 
 
 def _finish_statistics(
@@ -260,13 +269,26 @@ def _finish_statistics(
     torch.cat([*channels, mean_abs_diff], dim=1, out=out)  # (N, C, D')
 
 
-def _workspace(n_rows: int, n_linear: int, n_channels: int, width: int, device) -> list:
-    """Buffers for `_statistics` over up to n_rows rows, reused from group to group."""
-    return [
-        torch.empty(n_rows, n_linear, width, device=device),  # linear channels
-        *torch.empty(4, n_rows, width, device=device),  # x[T-1], sum dev^2, max, sum |dx|
-        torch.empty(n_rows, n_channels, width, device=device),  # the statistics
-    ]
+@dataclass
+class _Workspace:
+    """Buffers for the statistics of one chunk of answers, reused from chunk to chunk."""
+
+    scratch: torch.Tensor  # (2, N, Tmax, D') float32: padded copy of the input, temporaries
+    reductions: list[torch.Tensor]  # linear (N, K, D'), then four (N, D') token reductions
+    stats: torch.Tensor  # (N, C, D')
+
+    @classmethod
+    def allocate(
+        cls, n_rows: int, t_max: int, n_linear: int, n_channels: int, width: int, device
+    ) -> _Workspace:
+        return cls(
+            torch.empty(2, n_rows, t_max, width, device=device),
+            [
+                torch.empty(n_rows, n_linear, width, device=device),
+                *torch.empty(4, n_rows, width, device=device),
+            ],
+            torch.empty(n_rows, n_channels, width, device=device),
+        )
 
 
 def _statistics(
@@ -274,30 +296,29 @@ def _statistics(
     lengths: torch.Tensor,
     weights: torch.Tensor,
     n_segments: int,
-    workspace: list | None = None,
+    workspace: _Workspace | None = None,
 ) -> torch.Tensor:
     """Unnormalised statistics of a right-padded batch: (B, L, Tmax, D') -> (B, L, C, D').
 
-    On the CPU the (answer, layer) rows go through in blocks of about
-    `_BLOCK_BYTES` of trajectory: the temporaries stay small and are reused by
-    the allocator, where whole-batch temporaries would page-fault a fresh copy
-    of the batch for every pass. The result lives in `workspace` when given.
+    Every pass covers all (answer, layer) rows at once; the result lives in
+    `workspace` when given.
     """
     batch, n_layers, t_max, width = x.shape
     device = x.device
     n_rows = batch * n_layers
     n_channels = n_segments + len(_TAIL_CHANNELS)
     if workspace is None:
-        workspace = _workspace(n_rows, weights.shape[1], n_channels, width, device)
-    *reductions, stats = (buffer[:n_rows] for buffer in workspace)
+        workspace = _Workspace.allocate(
+            n_rows, t_max, weights.shape[1], n_channels, width, device
+        )
+    reductions = tuple(buffer[:n_rows] for buffer in workspace.reductions)
+    stats = workspace.stats[:n_rows]
+    scratch = workspace.scratch[:, :n_rows, :t_max]
     rows = x.reshape(n_rows, t_max, width)  # (B*L, T, D')
-    row_answer = torch.arange(batch, device=device).repeat_interleave(n_layers)  # (B*L,)
-    row_lengths = lengths[row_answer]  # (B*L,)
-    block = n_rows if device.type != "cpu" else max(1, _BLOCK_BYTES // (t_max * width * 4))
-    for start in range(0, n_rows, block):
-        part = slice(start, start + block)
-        out = tuple(r[part] for r in reductions)
-        _token_reductions(rows[part], row_lengths[part], weights[row_answer[part]], out)
+    row_lengths = lengths.repeat_interleave(n_layers)  # (B*L,)
+    # every layer of an answer shares its token weights: (B, K, T) -> (B*L, K, T)
+    row_weights = weights[:, None].expand(-1, n_layers, -1, -1).reshape(n_rows, -1, t_max)
+    _token_reductions(rows, row_lengths, row_weights, reductions, scratch)
     _finish_statistics(reductions, row_lengths, n_segments, out=stats)
     return stats.view(batch, n_layers, n_channels, width)  # (B, L, C, D')
 
@@ -359,14 +380,16 @@ def _pool_and_normalize(stats: torch.Tensor, config: MapConfig, out: torch.Tenso
         canonical = all_channel_names(config.n_segments)
         index = torch.tensor([canonical.index(c) for c in config.channels], device=device)
         stats = stats.index_select(2, index)  # (b, L, C, D')
-    by_channel = stats.transpose(1, 2)  # (b, C, L, D')
-    # Adaptive average pooling of the ordered layer axis L -> R, as a product.
-    layer_pool = _pooling_matrix(by_channel.shape[2], config.layers_out).to(device)  # (R, L)
-    if config.coords_out == by_channel.shape[3]:
-        torch.matmul(layer_pool, by_channel, out=out)  # (b, C, R, K)
-    else:  # coarser map: pool the coordinates D' -> K too
-        coord_pool = _pooling_matrix(by_channel.shape[3], config.coords_out).T.to(device)
-        torch.matmul(torch.matmul(layer_pool, by_channel), coord_pool, out=out)
+    batch, n_layers, n_channels, width = stats.shape
+    # Adaptive average pooling of the ordered layer axis L -> R, as one product per answer
+    # over all channels and coordinates at once.
+    layer_pool = _pooling_matrix(n_layers, config.layers_out).to(device)  # (R, L)
+    pooled = torch.matmul(layer_pool, stats.reshape(batch, n_layers, n_channels * width))
+    pooled = pooled.view(batch, config.layers_out, n_channels, width)  # (b, R, C, D')
+    if config.coords_out != width:  # coarser map: pool the coordinates D' -> K too
+        coord_pool = _pooling_matrix(width, config.coords_out).T.to(device)  # (D', K)
+        pooled = torch.matmul(pooled, coord_pool)  # (b, R, C, K)
+    out.copy_(pooled.transpose(1, 2))  # (b, C, R, K)
     _standardize_(out, config.normalization)
 
 
@@ -386,6 +409,7 @@ def build_maps(
     trajectories: torch.Tensor,
     lengths: torch.Tensor | Sequence[int],
     config: MapConfig = MapConfig(),
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Maps of a right-padded batch: (B, L, Tmax, D') with lengths (B,) -> (B, C, R, K) float32.
 
@@ -393,7 +417,9 @@ def build_maps(
     only; padding values, whatever they are (NaN included), never affect the
     result. Identical to `build_map` on each trimmed trajectory. K must not
     exceed D': a coarser map pools coordinates further (adaptive average
-    pooling), a finer one needs a trajectory captured at that width.
+    pooling), a finer one needs a trajectory captured at that width. ``out``, a
+    float32 (B, C, R, K) buffer on the trajectories' device, receives the maps
+    (a caller streaming many batches reuses it instead of fresh memory).
     """
     lengths = torch.as_tensor(lengths).cpu()
     _check_batch(trajectories, lengths)
@@ -406,16 +432,26 @@ def build_maps(
     device = trajectories.device
     weights = _linear_weights(lengths, t_max, config.n_segments).to(device)  # (B, K, T)
     lengths_here = lengths.to(device)
-    maps = torch.empty(batch, *map_shape(config), device=device)  # (B, C, R, K)
-    # Answers go through in groups of about `_GROUP_BYTES` of trajectory or
-    # statistics, so that the group's buffers stay small too.
+    shape = (batch, *map_shape(config))
+    if out is None:
+        out = torch.empty(shape, device=device)  # (B, C, R, K)
+    elif out.shape != shape or out.dtype != torch.float32 or out.device != device:
+        raise ValueError(
+            f"out must be a float32 {shape} tensor on {device}, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}"
+        )
+    maps = out
+    # On the CPU answers go through in chunks of about `_CHUNK_BYTES` of
+    # trajectory: each pass over a chunk runs in cache, and the chunk's buffers
+    # are reused, where whole-batch temporaries would page-fault fresh memory.
     n_channels = config.n_segments + len(_TAIL_CHANNELS)
     per_answer = n_layers * max(t_max, n_channels) * width * 4
-    group = batch if device.type != "cpu" else max(1, _GROUP_BYTES // per_answer)
-    group = max(1, min(group, batch))
-    workspace = _workspace(group * n_layers, weights.shape[1], n_channels, width, device)
-    for start in range(0, batch, group):
-        part = slice(start, start + group)
+    chunk = batch if device.type != "cpu" else max(1, min(batch, _CHUNK_BYTES // per_answer))
+    workspace = _Workspace.allocate(
+        chunk * n_layers, t_max, weights.shape[1], n_channels, width, device
+    )
+    for start in range(0, batch, chunk):
+        part = slice(start, start + chunk)
         stats = _statistics(
             trajectories[part], lengths_here[part], weights[part], config.n_segments, workspace
         )  # (b, L, C_all, D')
