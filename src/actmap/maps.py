@@ -308,9 +308,7 @@ def _statistics(
     n_rows = batch * n_layers
     n_channels = n_segments + len(_TAIL_CHANNELS)
     if workspace is None:
-        workspace = _Workspace.allocate(
-            n_rows, t_max, weights.shape[1], n_channels, width, device
-        )
+        workspace = _Workspace.allocate(n_rows, t_max, weights.shape[1], n_channels, width, device)
     reductions = tuple(buffer[:n_rows] for buffer in workspace.reductions)
     stats = workspace.stats[:n_rows]
     scratch = workspace.scratch[:, :n_rows, :t_max]
