@@ -75,6 +75,36 @@ def test_trajectory_logprobs_entropies_match_teacher_forcing(tiny_llama, word_to
         assert record.prompt_tokens == p
 
 
+def test_map_only_capture_computes_nothing_over_the_vocabulary(tiny_llama, word_tokenizer):
+    # same tokens and trajectories as the full capture; no log-softmax runs at any step
+    full = generate_with_capture(
+        tiny_llama, word_tokenizer, PROMPTS, CaptureConfig(max_new_tokens=6)
+    )
+    calls = []
+    original = torch.log_softmax
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    torch.log_softmax = counting
+    try:
+        config = CaptureConfig(max_new_tokens=6, greybox=False)
+        plain = generate_plain(tiny_llama, word_tokenizer, PROMPTS, config)
+        assert calls == []  # generate itself (greedy) takes no log-softmax either
+        maps_only = generate_with_capture(tiny_llama, word_tokenizer, PROMPTS, config)
+    finally:
+        torch.log_softmax = original
+    assert calls == []
+    start = plain.shape[1] - config.max_new_tokens
+    for row, (record, ref) in enumerate(zip(maps_only, full, strict=True)):
+        assert record.token_ids == ref.token_ids
+        assert record.token_ids == plain[row, start : start + record.n_tokens].tolist()
+        torch.testing.assert_close(record.trajectory, ref.trajectory, atol=0, rtol=0)
+        assert record.logprobs is None and record.entropies is None and record.extras == {}
+        assert ref.logprobs is not None and ref.logprobs.shape == (ref.n_tokens,)
+
+
 def test_stop_token_is_not_part_of_the_answer(tiny_llama, word_tokenizer):
     config = CaptureConfig(max_new_tokens=10, batch_size=4)
     plain = generate_plain(tiny_llama, word_tokenizer, PROMPTS[:1], config)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from conftest import ListTask
 
@@ -169,6 +170,35 @@ def test_store_config_records_the_prefix_cache_only_when_on():
     on = store_config(task, SOURCE, CaptureConfig(share_prefix=32), MapConfig(), keep={})
     assert "share_prefix" not in off["capture"] and on["capture"]["share_prefix"] == 32
     assert off["capture"]["stop_strings"] == ()
+    # grey-box statistics are recorded only when off (map-only), so older stores resume
+    assert "greybox" not in off["capture"]
+    map_only = store_config(task, SOURCE, CaptureConfig(greybox=False), MapConfig(), keep={})
+    assert map_only["capture"]["greybox"] is False
+
+
+def test_map_only_store_keeps_no_step_statistics(tmp_path, tiny_llama, word_tokenizer):
+    from actmap.baselines.greybox import Perplexity
+
+    task = WordTask(6)
+    config = CaptureConfig(max_new_tokens=4, batch_size=3, greybox=False)
+    store = MapStore.create(tmp_path, store_config(task, SOURCE, config, MapConfig(), {}))
+    run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config)
+    full = generate_with_capture(
+        tiny_llama,
+        word_tokenizer,
+        [e.question for e in task.examples],
+        CaptureConfig(max_new_tokens=4),
+    )
+    maps, meta = store.load_maps()
+    by_id = {f"words:{e.source_key}": g for e, g in zip(task.examples, full, strict=True)}
+    for row, key in enumerate(meta["id"]):  # the same maps as a capture with statistics on
+        expected = build_map(by_id[key].trajectory).half().numpy().astype(np.float32)
+        np.testing.assert_allclose(maps[row].astype(np.float32), expected, atol=2e-3)
+    rows = read_generations(store, list(meta["id"]))
+    assert all(r.logprobs is None and r.entropies is None for r in rows)
+    assert [r.token_ids for r in rows] == [by_id[k].token_ids for k in meta["id"]]
+    with pytest.raises(ValueError, match=r"Generation.logprobs was not captured \(map-only"):
+        Perplexity().score(rows)
 
 
 def test_capture_imports_no_baseline():

@@ -103,6 +103,42 @@ def test_stop_strings_come_from_the_task_or_the_command_line(tmp_path, tiny_mode
     assert opened.metadata()["n_tokens"].tolist() == [1]
 
 
+def test_capture_keeps_what_the_methods_need():
+    from actmap.cli.capture import capture_settings
+
+    default = capture_settings(None, None, 0, False)
+    assert default == {"greybox": True, "attention_keys": 0, "keep_dense": False}
+    assert capture_settings("actmap", None, 0, False)["greybox"] is False  # map-only
+    both = capture_settings("actmap, tad, actvit", None, 0, False)
+    assert both == {"greybox": True, "attention_keys": 10, "keep_dense": True}
+    assert capture_settings("rauq", None, 12, False)["attention_keys"] == 12
+    with pytest.raises(ValueError, match="unknown method 'vitt' in --methods; known: actmap"):
+        capture_settings("vitt", None, 0, False)
+    with pytest.raises(ValueError, match="--no-greybox contradicts --methods: perplexity"):
+        capture_settings("perplexity", False, 0, False)
+
+
+def test_map_only_capture_and_the_prefix_default_of_new_and_old_stores(tmp_path, tiny_model_dir):
+    from actmap.cli.capture import AUTO_SHARE_PREFIX
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "what is the capital", "id": "a"}) + "\n")
+    base = ["capture", "--prompts", str(prompts), "--model", str(tiny_model_dir)]
+    base += ["--splits", "test", "--max-new-tokens", "3"]
+    new = tmp_path / "new"
+    result = runner.invoke(app, [*base, "--out", str(new), "--methods", "actmap"])
+    assert result.exit_code == 0, result.output
+    recorded = MapStore.open(new).manifest["config"]["capture"]
+    assert recorded["greybox"] is False and recorded["share_prefix"] == AUTO_SHARE_PREFIX
+    # a store made before the default existed records no share_prefix: it resumes with 0
+    old = tmp_path / "old"
+    result = runner.invoke(app, [*base, "--out", str(old), "--share-prefix", "0"])
+    assert result.exit_code == 0, result.output
+    assert "share_prefix" not in MapStore.open(old).manifest["config"]["capture"]
+    again = runner.invoke(app, [*base, "--out", str(old)])
+    assert again.exit_code == 0 and "0 rows" in again.output.replace("\n", " "), again.output
+
+
 def test_capture_reports_bad_input_clearly(tmp_path, tiny_model_dir):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')

@@ -30,6 +30,11 @@ SCALAR_NAMES = (
 
 def answer_scalars(logprobs, entropies) -> np.ndarray:
     """(T,) log-probs and (T,) entropies of one answer -> (6,) float64 in SCALAR_NAMES order."""
+    if logprobs is None or entropies is None:
+        raise ValueError(
+            "the answer has no log-probs or entropies (map-only capture); capture with "
+            "greybox statistics on (`actmap capture` without --no-greybox)"
+        )
     lp = np.asarray(logprobs, dtype=np.float64).reshape(-1)
     h = np.asarray(entropies, dtype=np.float64).reshape(-1)
     if len(lp) != len(h):

@@ -32,6 +32,11 @@ def answer_steps(gen: Generation, field: str, include_eos: bool = False) -> np.n
     """
     if field not in ("logprobs", "entropies"):
         raise ValueError(f"field must be 'logprobs' or 'entropies', got {field!r}")
+    if getattr(gen, field) is None:
+        raise ValueError(
+            f"Generation.{field} was not captured (map-only capture); capture with "
+            "greybox statistics on (`actmap capture` without --no-greybox)"
+        )
     values = np.asarray(getattr(gen, field), dtype=np.float64).reshape(-1)  # (T,)
     if values.shape[0] != gen.n_tokens:
         raise ValueError(

@@ -219,6 +219,7 @@ def generate_batch(
         n_heads=getattr(text_config, "num_attention_heads", 0),
         dense_steps=min(config.dense_max_tokens, config.max_new_tokens) if config.keep_dense else 0,
         hidden_size=getattr(text_config, "hidden_size", 0),
+        greybox=config.greybox,
     )
     prompt_len = encoded["input_ids"].shape[1]
     kwargs = _generate_kwargs(model, tokenizer, config, prompt_len)
@@ -257,10 +258,11 @@ def _split_rows(
         is_stop.any(1), is_stop.int().argmax(1), torch.full_like(generated[:, 0], steps)
     )
     prompt_tokens = encoded["attention_mask"].sum(1)
-    host = {
+    greybox = recorder.logprobs is not None
+    host = {  # one copy to the host per batch
         "pooled": recorder.pooled[:, :, :steps].cpu(),
-        "logprobs": recorder.logprobs[:, :steps].cpu(),
-        "entropies": recorder.entropies[:, :steps].cpu(),
+        "logprobs": recorder.logprobs[:, :steps].cpu() if greybox else None,
+        "entropies": recorder.entropies[:, :steps].cpu() if greybox else None,
         "attention": None if recorder.attention is None else recorder.attention[:, :steps].cpu(),
         "dense": None if recorder.dense is None else recorder.dense.cpu(),
     }
@@ -282,7 +284,7 @@ def _split_rows(
             answer = tokenizer.decode(token_ids, skip_special_tokens=True)
             has_stop_step = stopped
         extras = {}
-        if has_stop_step:
+        if has_stop_step and greybox:
             extras = {
                 "eos_logprob": float(host["logprobs"][row, n]),
                 "eos_entropy": float(host["entropies"][row, n]),
@@ -292,8 +294,8 @@ def _split_rows(
                 prompt=prompt,
                 answer=answer,
                 token_ids=token_ids,
-                logprobs=host["logprobs"][row, :n].clone(),
-                entropies=host["entropies"][row, :n].clone(),
+                logprobs=host["logprobs"][row, :n].clone() if greybox else None,
+                entropies=host["entropies"][row, :n].clone() if greybox else None,
                 trajectory=host["pooled"][row, :, :n].clone(),  # (L, T, D')
                 stopped=stopped,
                 prompt_tokens=int(prompt_tokens[row]),

@@ -26,7 +26,12 @@ def _first_tensor(output: object) -> torch.Tensor:
 
 
 class StepRecorder:
-    """Buffers for one batch: pooled states, log-probs, entropies, optional attention/dense."""
+    """Buffers for one batch: pooled states and, when asked, log-probs and entropies,
+    attention entries and dense states.
+
+    With ``greybox=False`` (map-only capture) nothing runs per step over the
+    vocabulary: the hooks pool the layer states and do nothing else.
+    """
 
     def __init__(
         self,
@@ -39,6 +44,7 @@ class StepRecorder:
         n_heads: int = 0,
         dense_steps: int = 0,
         hidden_size: int = 0,
+        greybox: bool = True,
     ) -> None:
         self.step = -1
         self.max_steps = max_steps
@@ -47,8 +53,9 @@ class StepRecorder:
         self.pooled = torch.zeros(
             batch, n_layers, max_steps, pooled_dim, device=device
         )  # (B, L, T, D')
-        self.logprobs = torch.zeros(batch, max_steps, device=device)  # (B, T) chosen-token log p
-        self.entropies = torch.zeros(batch, max_steps, device=device)  # (B, T)
+        # (B, T) chosen-token log p and entropy of each step; None in map-only capture
+        self.logprobs = torch.zeros(batch, max_steps, device=device) if greybox else None
+        self.entropies = torch.zeros(batch, max_steps, device=device) if greybox else None
         self._last_logp: torch.Tensor | None = None  # (B, V) newest step, until its token is known
         self._step_hidden = torch.zeros(batch, n_layers, hidden_size, device=device)  # (B, L, D)
         self.attention = (
@@ -69,7 +76,7 @@ class StepRecorder:
         self.step += 1
         if self.step >= self.max_steps:
             raise RuntimeError(f"more forward steps than max_new_tokens={self.max_steps}")
-        if self.step > 0:
+        if self.step > 0 and self.logprobs is not None:
             fed = kwargs.get("input_ids") if "input_ids" in kwargs else (args[0] if args else None)
             if fed is None:
                 raise RuntimeError("capture needs input_ids at every decode step")
@@ -77,6 +84,8 @@ class StepRecorder:
 
     def record_chosen(self, token_ids: torch.Tensor) -> None:
         """Log-prob of the token chosen at the previous step (now known)."""
+        if self.logprobs is None:  # map-only capture
+            return
         assert self._last_logp is not None
         index = token_ids.to(self._last_logp.device).view(-1, 1)
         self.logprobs[:, self.step - 1] = self._last_logp.gather(1, index).squeeze(1)
@@ -86,6 +95,8 @@ class StepRecorder:
         self.pooled[:, :, self.step] = pool_hidden(self._step_hidden, self.pooled.shape[-1])
         if self.dense is not None and self.step < self.dense_steps:
             self.dense[:, :, self.step] = self._step_hidden.to(torch.float16)
+        if self.entropies is None:  # map-only capture: nothing over the vocabulary
+            return
         logits = output.logits if hasattr(output, "logits") else _first_tensor(output)
         logp = torch.log_softmax(logits[:, -1, :].float(), dim=-1)  # (B, V) raw logits
         self.entropies[:, self.step] = -(logp.exp() * logp).sum(-1)

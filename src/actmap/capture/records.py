@@ -39,6 +39,9 @@ class CaptureConfig:
     max_context: int = CONTEXT_LENGTH  # prompt + answer tokens; longer prompts are left-truncated
     # K previous generated keys kept per head (TAD uses 10, RAUQ 1); 0 = none
     attention_keys: int = 0
+    # per-step log-probs and entropies over the vocabulary (the grey-box baselines, RAUQ,
+    # TAD); False = map-only capture: the hooks pool layer states and nothing else
+    greybox: bool = True
     keep_dense: bool = False  # keep full (unpooled) hidden states for ACT-ViT
     dense_max_tokens: int = 100  # ACT-ViT's N_max: dense states kept for the first tokens only
     batch_size: int = 32
@@ -71,8 +74,10 @@ class Generation:
     prompt: str
     answer: str
     token_ids: list[int]  # (T,) generated ids, end-of-sequence excluded
-    logprobs: torch.Tensor  # (T,) float32, log p(chosen token) from raw logits, natural log
-    entropies: torch.Tensor  # (T,) float32, entropy of the full next-token distribution (nats)
+    # (T,) float32, log p(chosen token) from raw logits, natural log; None in map-only capture
+    logprobs: torch.Tensor | None
+    # (T,) float32, entropy of the full next-token distribution (nats); None in map-only capture
+    entropies: torch.Tensor | None
     trajectory: torch.Tensor  # (L, T, 128) float32, pooled hidden states
     stopped: bool  # True when generation ended on an end-of-sequence token or a stop string
     prompt_tokens: int  # prompt length after truncation

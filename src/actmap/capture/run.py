@@ -54,8 +54,11 @@ def store_config(
     """The config a store is created with; a resumed run must match it exactly."""
     describe = getattr(task, "describe", None)
     settings = asdict(capture)
-    if not settings["share_prefix"]:  # recorded only when on: older stores resume unchanged
+    # recorded only when not at their old default: older stores resume unchanged
+    if not settings["share_prefix"]:
         del settings["share_prefix"]
+    if settings["greybox"]:
+        del settings["greybox"]
     return {
         "task": describe() if describe else {"task": task.name},
         "model": {"name": source.name, "revision": source.revision, "gguf_file": source.gguf_file},
@@ -70,6 +73,12 @@ def _label_text(task: Task, raw: str) -> str:
     return postprocess(raw) if postprocess else raw
 
 
+def _steps(records: list[Generation], field: str) -> pa.Array:
+    """Per-step values as a list column; null where they were not captured (map-only)."""
+    values = [getattr(r, field) for r in records]
+    return pa.array([None if v is None else v.tolist() for v in values], pa.list_(pa.float32()))
+
+
 def _side_tables(
     ids: list[str], examples: list[Example], records: list[Generation], label_texts: list[str]
 ) -> pa.Table:
@@ -80,8 +89,8 @@ def _side_tables(
             "references": [list(e.references) for e in examples],
             "label_text": label_texts,
             "token_ids": pa.array([r.token_ids for r in records], pa.list_(pa.int32())),
-            "logprobs": pa.array([r.logprobs.tolist() for r in records], pa.list_(pa.float32())),
-            "entropies": pa.array([r.entropies.tolist() for r in records], pa.list_(pa.float32())),
+            "logprobs": _steps(records, "logprobs"),
+            "entropies": _steps(records, "entropies"),
             "stopped": [r.stopped for r in records],
             "prompt_tokens": pa.array([r.prompt_tokens for r in records], pa.int32()),
             "eos_logprob": pa.array([r.extras.get("eos_logprob") for r in records], pa.float32()),

@@ -19,6 +19,24 @@ from actmap.cli.common import (
 from actmap.errors import ActmapUserError
 
 SPLITS = ("train", "validation", "test")
+# What each method reads from a capture (`--methods`); a method not listed needs only the map
+# and the answer (its own passes, such as sampling or P(True), run later).
+CAPTURE_NEEDS: dict[str, dict] = {
+    "actmap": {},
+    "answer_length": {},
+    "permuted_label": {},
+    "p_true": {},
+    "semantic_entropy": {},
+    "eigenscore": {},
+    "perplexity": {"greybox": True},
+    "mean_token_entropy": {"greybox": True},
+    "rauq": {"greybox": True, "attention_keys": 1},
+    "tad": {"greybox": True, "attention_keys": 10},
+    "actvit": {"keep_dense": True},
+}
+# A new store runs the token prefix every prompt of a batch shares once when it is at least
+# this long (a few-shot block; a chat template's system prompt alone is shorter).
+AUTO_SHARE_PREFIX = 64
 
 
 def load_factuality_judge(spec: str | None):
@@ -99,6 +117,18 @@ def capture(
     keep_dense: bool = typer.Option(
         False, help="Keep unpooled states of the first 100 tokens (ACT-ViT)."
     ),
+    greybox: bool = typer.Option(
+        None,
+        "--greybox/--no-greybox",
+        help="Per-step log-probs and entropies over the vocabulary (grey-box baselines, RAUQ, "
+        "TAD). Default: on, or what --methods needs; --no-greybox = map-only capture.",
+    ),
+    methods: str = typer.Option(
+        None,
+        help="Comma-separated methods the store must serve (e.g. 'actmap' for map-only, "
+        "'actmap,perplexity,tad'); switches on only the capture they need, on top of the "
+        f"flags above. Known: {', '.join(CAPTURE_NEEDS)}.",
+    ),
     data_dir: Path = typer.Option(
         None, help="Folder of local dataset files (default ../shared/data)."
     ),
@@ -131,10 +161,11 @@ def capture(
         False, "--no-stop", help="No stop strings: answers end at end-of-sequence only."
     ),
     share_prefix: int = typer.Option(
-        0,
+        None,
         min=0,
         help="Run the token prefix all prompts of a batch share (the few-shot block) once "
-        "when it has at least this many tokens; 0 = off. Same tokens, recorded in the store.",
+        "when it has at least this many tokens; 0 = off. Same tokens, recorded in the store. "
+        f"Default: {AUTO_SHARE_PREFIX} for a new store, the recorded value when resuming.",
     ),
 ) -> None:
     """Generate answers with capture on, label them, and store one 12x32x128 map per answer."""
@@ -161,13 +192,14 @@ def capture(
         examples = [e for split in wanted for e in the_task.load(split, limit)]
         if not examples:
             raise ActmapUserError(f"task '{the_task.name}' has no examples in splits {wanted}")
+        wanted_capture = capture_settings(methods, greybox, attention_keys, keep_dense)
+        attention_keys, keep_dense = wanted_capture["attention_keys"], wanted_capture["keep_dense"]
         config = CaptureConfig(
             max_new_tokens=max_new_tokens or the_task.max_new_tokens,
             batch_size=batch_size,
-            attention_keys=attention_keys,
-            keep_dense=keep_dense,
             stop_strings=stop_strings(the_task, stop, no_stop),
-            share_prefix=share_prefix,
+            share_prefix=resolve_share_prefix(out, share_prefix),
+            **wanted_capture,
         )
         keep = {
             "trajectories": keep_trajectories,
@@ -210,6 +242,44 @@ def capture(
             "natural accuracy in the store: "
             + ", ".join(f"{k} {fraction(v)}" for k, v in accuracy.items())
         )
+
+
+def capture_settings(
+    methods: str | None, greybox: bool | None, attention_keys: int, keep_dense: bool
+) -> dict:
+    """What one capture keeps: the explicit flags, plus whatever the named methods need."""
+    settings = {"greybox": greybox, "attention_keys": attention_keys, "keep_dense": keep_dense}
+    if methods is None:
+        return {**settings, "greybox": True if greybox is None else greybox}
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in CAPTURE_NEEDS]
+    if unknown or not names:
+        raise ActmapUserError(
+            f"unknown method {unknown[0]!r} in --methods; known: {', '.join(CAPTURE_NEEDS)}"
+            if unknown
+            else "--methods names no method"
+        )
+    needs = [CAPTURE_NEEDS[m] for m in names]
+    if greybox is None:
+        settings["greybox"] = any(n.get("greybox", False) for n in needs)
+    elif not greybox and any(n.get("greybox", False) for n in needs):
+        needy = [m for m in names if CAPTURE_NEEDS[m].get("greybox")]
+        raise ActmapUserError(f"--no-greybox contradicts --methods: {', '.join(needy)} need it")
+    settings["attention_keys"] = max([attention_keys] + [n.get("attention_keys", 0) for n in needs])
+    settings["keep_dense"] = keep_dense or any(n.get("keep_dense", False) for n in needs)
+    return settings
+
+
+def resolve_share_prefix(out: Path, share_prefix: int | None) -> int:
+    """``--share-prefix``, else the value a resumed store recorded (absent = 0), else the default."""
+    if share_prefix is not None:
+        return share_prefix
+    if (out / "manifest.json").is_file():
+        from actmap.store import MapStore
+
+        recorded = MapStore.open(out).manifest.get("config", {}).get("capture", {})
+        return int(recorded.get("share_prefix", 0))
+    return AUTO_SHARE_PREFIX
 
 
 def stop_strings(task, stop: list[str] | None, no_stop: bool) -> tuple[str, ...]:

@@ -50,14 +50,17 @@ def read_generations(
             return gens.column(column)[row].as_py()
 
         extras = {k: v for k in ("eos_logprob", "eos_entropy") if (v := get(k)) is not None}
+        steps = {c: get(c) for c in ("logprobs", "entropies")}  # null in map-only capture
         trajectory = tensor("trajectories", "trajectory", key)
         out.append(
             Generation(
                 prompt=maps_meta.at[key, "prompt"],
                 answer=maps_meta.at[key, "answer"],
                 token_ids=get("token_ids"),
-                logprobs=torch.tensor(get("logprobs"), dtype=torch.float32),
-                entropies=torch.tensor(get("entropies"), dtype=torch.float32),
+                **{
+                    c: None if v is None else torch.tensor(v, dtype=torch.float32)
+                    for c, v in steps.items()
+                },
                 trajectory=trajectory if trajectory is not None else torch.empty(0),
                 stopped=get("stopped"),
                 prompt_tokens=get("prompt_tokens"),
