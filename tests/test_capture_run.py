@@ -241,3 +241,44 @@ def test_dense_states_are_stored_layer_max_pooled(tmp_path, tiny_llama, word_tok
         padded = np.concatenate([dense, np.zeros((-n_layers % 8, *dense.shape[1:]))])
         expected = padded.reshape(8, -1, *dense.shape[1:]).max(axis=1)
         np.testing.assert_allclose(stored.astype(np.float32), expected, atol=2e-3, rtol=1e-3)
+
+
+def test_batches_take_prompts_in_order_of_length(tmp_path, tiny_llama, word_tokenizer, monkeypatch):
+    import actmap.capture.run as run
+
+    task = WordTask(12)
+    seen = []
+    original = run.generate_batch
+
+    def recording(model, tokenizer, prompts, config, layers_path=None):
+        seen.append([len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts])
+        return original(model, tokenizer, prompts, config, layers_path)
+
+    monkeypatch.setattr(run, "generate_batch", recording)
+    config = CaptureConfig(max_new_tokens=3, batch_size=4)
+    store = MapStore.create(
+        tmp_path / "sorted", store_config(task, SOURCE, config, MapConfig(), {})
+    )
+    run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config)
+    flat = [n for batch in seen for n in batch]
+    by_hand = sorted(len(e.question.split()) for e in task.examples)  # one token per word
+    assert flat == by_hand and [len(b) for b in seen] == [4, 4, 4]
+    # the same rows as a capture in task order, each id with its own answer
+    seen.clear()
+    unsorted = MapStore.create(
+        tmp_path / "plain", store_config(task, SOURCE, config, MapConfig(), {})
+    )
+    run_capture(
+        tiny_llama,
+        word_tokenizer,
+        SOURCE,
+        task,
+        task.examples,
+        unsorted,
+        config,
+        sort_by_length=False,
+    )
+    assert [n for batch in seen for n in batch] == [len(e.question.split()) for e in task.examples]
+    a = store.metadata().set_index("id").sort_index()
+    b = unsorted.metadata().set_index("id").sort_index()
+    assert list(a.index) == list(b.index) and list(a["answer"]) == list(b["answer"])

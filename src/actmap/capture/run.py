@@ -176,6 +176,12 @@ def commit_batch(
     return len(ids), int(sum(known)), len(known)
 
 
+def order_by_prompt_length(prompts: Sequence[str], tokenizer) -> list[int]:
+    """Indices of ``prompts`` from the fewest tokens to the most (ties keep their order)."""
+    lengths = [len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
+    return sorted(range(len(prompts)), key=lengths.__getitem__)
+
+
 def run_capture(
     model,
     tokenizer,
@@ -188,8 +194,14 @@ def run_capture(
     keep_trajectories: bool = False,
     layers_path: str | None = None,
     progress: Callable[[int], None] | None = None,
+    sort_by_length: bool = True,
 ) -> RunSummary:
-    """Capture every example not yet in ``store``, one committed batch at a time."""
+    """Capture every example not yet in ``store``, one committed batch at a time.
+
+    With ``sort_by_length`` the batches take the prompts in order of token count,
+    so a batch pads little; ids, labels and maps are those of each example
+    whatever the order, and a resumed run skips finished ids as always.
+    """
     if map_shape(map_config) != (12, 32, 128):
         raise ValueError(
             "the store keeps the paper's 12x32x128 maps; build ablation maps from trajectories"
@@ -201,9 +213,13 @@ def run_capture(
         progress(len(examples) - len(todo))
     written = correct = labelled = empty = 0
     generation_time = 0.0
+    all_prompts = [task.prompt(e, tokenizer) for e in todo]
+    if sort_by_length and all_prompts:
+        order = order_by_prompt_length(all_prompts, tokenizer)
+        todo, all_prompts = [todo[i] for i in order], [all_prompts[i] for i in order]
     for start in range(0, len(todo), capture.batch_size):
         batch = todo[start : start + capture.batch_size]
-        prompts = [task.prompt(e, tokenizer) for e in batch]
+        prompts = all_prompts[start : start + capture.batch_size]
         tick = time.perf_counter()
         if getattr(task, "teacher_forced", False):  # answers given: read them, generate nothing
             answers = [e.meta["answer"] for e in batch]
