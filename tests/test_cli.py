@@ -58,7 +58,8 @@ def test_capture_from_prompts_file_and_rebuild_maps(tmp_path, tiny_model_dir):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     frame = pd.read_parquet(store / "maps")
-    assert sorted(frame["id"]) == sorted(["prompts:a", f"prompts:{frame['source_key'][1]}"])
+    other = frame.loc[frame["source_key"] != "a", "source_key"].item()  # a hash of its text
+    assert sorted(frame["id"]) == sorted(["prompts:a", f"prompts:{other}"])
     assert frame.set_index("source_key").loc["a", "label"] in (0, 1)  # has answers -> labelled
     assert pd.isna(frame[frame["source_key"] != "a"]["label"]).all()  # no answers -> unknown
     again = runner.invoke(app, args)  # resume: nothing new
