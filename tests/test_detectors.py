@@ -19,7 +19,7 @@ from actmap.detectors import (
 )
 from actmap.detectors.mlp import mlp_parameters
 from actmap.detectors.vit import Attention, drop_path
-from actmap.training import TrainConfig
+from actmap.training import TrainConfig, predict_logits
 
 PAPER_TOTAL = 2_401_985
 IN_FEATURES = 12 * 32 * 128  # 49,152
@@ -191,6 +191,7 @@ def test_init_only_stores_arguments():
         "config": FAST,
         "seed": 3,
         "device": "cpu",
+        "precision": "float32",
     }
     with pytest.raises(NotFittedError):
         det.predict_proba(np.zeros((1, 12, 32, 128), np.float32))
@@ -208,6 +209,39 @@ def test_fit_learns_and_scores_are_confidences(fitted):
     np.testing.assert_allclose(p, 1 / (1 + np.exp(-det.decision_function(test_maps))), rtol=1e-5)
     # float16 input is cast, so it scores exactly as its float32 copy
     np.testing.assert_array_equal(p, det.predict_proba(torch.from_numpy(test_maps).float()))
+
+
+def test_float16_maps_score_in_batches_exactly_like_one_float32_pass():
+    torch.manual_seed(0)
+    model = create_detector("vit").eval()
+    maps16 = torch.randn(11, 12, 32, 128).half()
+    with torch.inference_mode():
+        expected = model(maps16.float())  # one plain float32 forward
+    got = predict_logits(model, maps16, batch_size=4)  # 4 + 4 + 3, one reused buffer
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not model.training
+
+
+def test_bf16_scoring_runs_in_bf16_and_keeps_the_ranking(fitted, tmp_path):
+    det, test_maps, test_labels = fitted
+    seen = []
+    handle = det.model_.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    try:
+        fast = CorrectnessDetector.load(det.save(tmp_path / "d"), precision="bfloat16")
+        fast.model_.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+        p_fast = fast.predict_proba(test_maps)
+    finally:
+        handle.remove()
+    assert seen == [torch.bfloat16]
+    p = det.predict_proba(test_maps)
+    np.testing.assert_allclose(p_fast, p, atol=2e-2)
+    from sklearn.metrics import roc_auc_score
+
+    assert abs(roc_auc_score(test_labels, p_fast) - roc_auc_score(test_labels, p)) < 0.01
+    with pytest.raises(
+        ValueError, match="precision must be one of .'float32', 'bfloat16'., got 'fp8'"
+    ):
+        predict_logits(det.model_, torch.zeros(1, 12, 32, 128), precision="fp8")
 
 
 def test_save_load_round_trip(fitted, tmp_path):

@@ -243,22 +243,52 @@ class TrainResult:
 # --- loops --------------------------------------------------------------------
 
 
+SCORING_PRECISIONS = ("float32", "bfloat16")
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether bf16 matrix products run natively here (AVX512-BF16 / AMX CPUs, most GPUs)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 @torch.inference_mode()
 def predict_logits(
-    model: nn.Module, maps: torch.Tensor, batch_size: int = 256, device: torch.device | None = None
+    model: nn.Module,
+    maps: torch.Tensor,
+    batch_size: int = 256,
+    device: torch.device | None = None,
+    precision: str = "float32",
 ) -> torch.Tensor:
-    """Eval-mode logits for (N, C, H, W) maps of any float dtype; returns (N,) float32 on CPU."""
+    """Eval-mode logits for (N, C, H, W) maps of any float dtype; returns (N,) float32 on CPU.
+
+    Stored float16 maps are converted batch by batch into one reused buffer.
+    ``precision="bfloat16"`` runs the model under bf16 autocast (the inputs go
+    to bf16 directly); "float32" computes exactly as the model was trained.
+    """
+    if precision not in SCORING_PRECISIONS:
+        raise ValueError(f"precision must be one of {SCORING_PRECISIONS}, got {precision!r}")
     device = device or next(model.parameters()).device
+    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
     was_training = model.training
     model.eval()
+    logits = torch.empty(len(maps))
+    buffer = None
     try:
-        out = [
-            model(maps[i : i + batch_size].to(device, torch.float32)).float().cpu()
-            for i in range(0, len(maps), batch_size)
-        ]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            for start in range(0, len(maps), batch_size):
+                chunk = maps[start : start + batch_size]
+                if chunk.dtype == dtype and chunk.device == device:
+                    x = chunk
+                else:
+                    if buffer is None or buffer.shape != chunk.shape:
+                        buffer = torch.empty(chunk.shape, dtype=dtype, device=device)
+                    x = buffer.copy_(chunk)  # (B, C, H, W), one pass, no fresh batch
+                logits[start : start + len(chunk)] = model(x).float().cpu()
     finally:
         model.train(was_training)
-    return torch.cat(out) if out else torch.empty(0)
+    return logits
 
 
 def train_one_epoch(

@@ -121,12 +121,14 @@ class CorrectnessDetector:
         config: TrainConfig | None = None,
         seed: int = 42,
         device: str | None = None,
+        precision: str = "float32",  # scoring: "bfloat16" = bf16 autocast (see bf16_supported)
     ) -> None:
         self.detector = detector
         self.detector_kwargs = detector_kwargs
         self.config = config
         self.seed = seed
         self.device = device
+        self.precision = precision
 
     # --- fitting -------------------------------------------------------------
 
@@ -187,7 +189,7 @@ class CorrectnessDetector:
         if tuple(x.shape[1:]) != expected:
             raise ValueError(f"maps have shape {tuple(x.shape[1:])}, detector expects {expected}")
         batch = self.config_.eval_batch_size
-        return predict_logits(self.model_, x, batch, self.device_).numpy()
+        return predict_logits(self.model_, x, batch, self.device_, self.precision).numpy()
 
     def predict_proba(self, maps: Any) -> np.ndarray:
         """(N,) float32 p(correct) in [0, 1]."""
@@ -233,8 +235,11 @@ class CorrectnessDetector:
         return out
 
     @classmethod
-    def load(cls, directory: str | Path, device: str | None = None) -> CorrectnessDetector:
-        """Restore a saved detector; it predicts exactly as the one saved.
+    def load(
+        cls, directory: str | Path, device: str | None = None, precision: str = "float32"
+    ) -> CorrectnessDetector:
+        """Restore a saved detector; it predicts exactly as the one saved (``precision``
+        "bfloat16" scores under bf16 autocast instead).
 
         A damaged folder (missing or garbled file, a field missing from config.json,
         weights of another shape) raises `ActmapUserError` naming the file.
@@ -248,7 +253,7 @@ class CorrectnessDetector:
             k: tuple(v) if isinstance(v, list) else v for k, v in cfg["detector_kwargs"].items()
         }  # JSON turns tuples into lists
         train_config = TrainConfig.from_dict(cfg["train_config"])
-        est = cls(cfg["detector"], kwargs, train_config, cfg["seed"], device)
+        est = cls(cfg["detector"], kwargs, train_config, cfg["seed"], device, precision)
         est.device_ = _scoring_device(device, train_config.device)
         model = create_detector(cfg["detector"], **kwargs)
         model.load_state_dict(_read_weights(src / "model.safetensors", model), strict=True)
