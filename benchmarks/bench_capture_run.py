@@ -29,12 +29,11 @@ import torch
 from actmap.capture import CaptureConfig
 from actmap.capture.generate import generate_plain
 from actmap.capture.run import order_by_prompt_length, run_capture, store_config
+from actmap.cli.capture import AUTO_SHARE_PREFIX  # `actmap capture`'s default for a new store
 from actmap.data import get_task
 from actmap.maps import MapConfig
 from actmap.models import load_model
 from actmap.store import MapStore
-
-AUTO_SHARE_PREFIX = 64  # `actmap capture`'s default for a new store
 
 
 def main() -> None:
@@ -103,7 +102,9 @@ def main() -> None:
         rates = [len(examples) / s for s in seconds[name]]
         print(f"{name:>24}: rows/s {' '.join(f'{r:.2f}' for r in rates)}")
     for name in names[1:]:
-        ratio = statistics.median(p / c for c, p in zip(seconds[name], seconds["plain"], strict=True))
+        ratio = statistics.median(
+            p / c for c, p in zip(seconds[name], seconds["plain"], strict=True)
+        )
         print(f"{name:>24} / plain rows/s = {ratio:.3f}  (now: not measured; target >= 0.9)")
 
 

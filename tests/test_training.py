@@ -46,7 +46,7 @@ def test_train_config_defaults_are_the_papers():
     assert (cfg.lr, cfg.weight_decay, cfg.batch_size, cfg.max_epochs) == (1e-3, 0.05, 64, 80)
     assert (cfg.warmup_epochs, cfg.final_lr_multiplier, cfg.patience) == (5, 0.01, 20)
     assert (cfg.grad_clip, cfg.input_noise_sigma, cfg.mixup_alpha) == (1.0, 0.08, 0.2)
-    assert cfg.seeds == (42, 123, 456) and cfg.deterministic
+    assert cfg.seeds == (42, 123, 456) and cfg.deterministic and cfg.precision == "float32"
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
@@ -58,6 +58,7 @@ def test_train_config_defaults_are_the_papers():
         ("mixup_alpha", -1.0),
         ("final_lr_multiplier", 2.0),
         ("seeds", ()),
+        ("precision", "float16"),
     ],
 )
 def test_train_config_rejects_bad_values(field, value):
@@ -200,6 +201,21 @@ def test_small_vit_training_is_reproducible():
         return [(r.train_loss, r.val_loss, r.val_auroc) for r in det.history_]
 
     assert history(5) == history(5)
+
+
+def test_bf16_training_runs_its_products_in_bf16_and_still_learns():
+    x, y = separable(128, 0)
+    vx, vy = separable(64, 1)
+    model = create_detector("mlp")
+    dtypes = set()
+    model.fc1.register_forward_hook(lambda m, args, out: dtypes.add((m.training, out.dtype)))
+    fp32 = TrainConfig(max_epochs=4, warmup_epochs=1, device="cpu")
+    cfg = TrainConfig(max_epochs=4, warmup_epochs=1, device="cpu", precision="bfloat16")
+    result = train_detector(model, x, y, vx, vy, cfg, seed=42)
+    assert dtypes == {(True, torch.bfloat16), (False, torch.bfloat16)}  # training, validation
+    assert result.best_val_auroc > 0.85
+    reference = train_detector(create_detector("mlp"), x, y, vx, vy, fp32, seed=42)
+    assert abs(result.best_val_auroc - reference.best_val_auroc) < 0.05
 
 
 def test_deterministic_torch_restores_previous_settings():
