@@ -79,3 +79,21 @@ def test_forced_capture_equals_generation_capture_on_smollm2(smollm2):
     # the answer text alone (as a server log gives it) tokenizes back to the same tokens
     from_text = capture_answers(model, tokenizer, prompts, [g.answer for g in generated], config)
     assert [f.token_ids for f in from_text] == [g.token_ids for g in generated]
+
+
+def test_map_only_forced_capture_keeps_the_trajectories_and_no_step_statistics(
+    tiny_llama, word_tokenizer
+):
+    generated = generate_with_capture(
+        tiny_llama, word_tokenizer, PROMPTS, CaptureConfig(max_new_tokens=5)
+    )
+    forced = capture_answers(
+        tiny_llama,
+        word_tokenizer,
+        PROMPTS,
+        [g.token_ids for g in generated],
+        CaptureConfig(greybox=False),
+    )
+    for g, f in zip(generated, forced, strict=True):
+        assert f.token_ids == g.token_ids and f.logprobs is None and f.entropies is None
+        torch.testing.assert_close(f.trajectory, g.trajectory, atol=1e-4, rtol=1e-4)

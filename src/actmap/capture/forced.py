@@ -64,6 +64,8 @@ class ForcedRecorder(StepRecorder):
             raise RuntimeError("teacher-forced capture expects exactly one forward pass")
 
     def on_model_end(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if self.entropies is None:  # map-only capture: nothing over the vocabulary
+            return
         logits = output.logits if hasattr(output, "logits") else _first_tensor(output)
         logp = torch.log_softmax(self._rows(logits).float(), dim=-1)  # (B, S, V) raw logits
         self.entropies[:] = -(logp.exp() * logp).sum(-1)
@@ -158,6 +160,7 @@ def capture_answers_batch(
         n_heads=getattr(text_config, "num_attention_heads", 0),
         dense_steps=min(config.dense_max_tokens, longest + 1) if config.keep_dense else 0,
         hidden_size=getattr(text_config, "hidden_size", 0),
+        greybox=config.greybox,
     )
     with (
         _eager_attention(model, config.attention_keys > 0),
