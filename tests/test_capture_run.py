@@ -220,8 +220,7 @@ def test_capture_imports_no_baseline():
 
 def test_dense_states_are_stored_layer_max_pooled(tmp_path, tiny_llama, word_tokenizer):
     # independent reference: the max over each contiguous group of layers, zero-padded to 8
-    from actmap.capture.run import latest_rows
-    from actmap.store import decode_array
+    from actmap.store import decode_array, latest_rows
 
     task = WordTask(4)
     config = CaptureConfig(max_new_tokens=3, batch_size=4, keep_dense=True)

@@ -123,7 +123,8 @@ def test_map_only_capture_and_the_prefix_default_of_new_and_old_stores(tmp_path,
     from actmap.cli.capture import AUTO_SHARE_PREFIX
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "what is the capital", "id": "a"}) + "\n")
+    line = {"prompt": "what is the capital", "id": "a", "split": "test"}
+    prompts.write_text(json.dumps(line) + "\n")
     base = ["capture", "--prompts", str(prompts), "--model", str(tiny_model_dir)]
     base += ["--splits", "test", "--max-new-tokens", "3"]
     new = tmp_path / "new"
