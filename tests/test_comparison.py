@@ -116,6 +116,13 @@ def test_train_actmap_plus_cli_saves_a_loadable_run(tiny_store, tmp_path, monkey
     np.testing.assert_allclose(
         scores["p_correct"], est.predict_proba(test.maps, test.scalars), rtol=1e-6
     )
+    evaluated = CliRunner().invoke(
+        app,
+        ["evaluate", "--run", str(out), "--store", str(root), "--out", str(tmp_path / "e.json")],
+    )
+    assert evaluated.exit_code == 0, evaluated.output
+    frozen = json.loads((tmp_path / "e.json").read_text())["per_seed"]["0"]["auroc"]
+    assert frozen == pytest.approx(roc_auc_score(test.labels, scores["p_correct"]))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["per_seed"]["0"]["auroc"] == pytest.approx(
         roc_auc_score(test.labels, scores["p_correct"])

@@ -273,20 +273,28 @@ def evaluate_run(run: str | Path, store: str | Path | None = None) -> dict[str, 
     """
     import pandas as pd
 
+    from actmap.answer_features import scalars_from_store
+    from actmap.detectors import ActMapPlus, load_detector
     from actmap.runs import read_run
 
     run = Path(run)
     checked = read_run(run)  # one detector, one recipe: its seeds can be averaged
     seed_dirs = list(checked.seed_dirs.values())
-    test = load_balanced(store)[0]["test"] if store is not None else None
+    splits, the_store = load_balanced(store) if store is not None else (None, None)
+    test = splits["test"] if splits is not None else None
     per_seed = {}
     for folder in seed_dirs:
         if test is None:
             scores = pd.read_parquet(folder / "test_scores.parquet")
             probs, labels = scores["p_correct"].to_numpy(), scores["label"].to_numpy()
         else:
-            detector = CorrectnessDetector.load(folder)
-            probs, labels = detector.predict_proba(test.maps), np.asarray(test.labels)
+            detector = load_detector(folder)
+            if isinstance(detector, ActMapPlus):  # it also reads the per-answer scalars
+                scalars = scalars_from_store(the_store, test.row_ids())
+                probs = detector.predict_proba(test.maps, scalars)
+            else:
+                probs = detector.predict_proba(test.maps)
+            labels = np.asarray(test.labels)
         per_seed[folder.name.split("-", 1)[1]] = metrics.compute_metrics(probs, labels).__dict__
     names = ("auroc", "auprc", "ece")
     mean_std = {k: metrics.seed_summary([m[k] for m in per_seed.values()]) for k in names}
