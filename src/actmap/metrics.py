@@ -15,6 +15,8 @@ import numpy as np
 from scipy.optimize import minimize_scalar
 from sklearn.metrics import average_precision_score, roc_auc_score
 
+from actmap.prior import shift_to_prevalence, sigmoid
+
 
 def _check_scores_labels(scores, labels, *, both_classes: bool = False) -> tuple[np.ndarray, ...]:
     s = np.asarray(scores, dtype=np.float64)
@@ -80,8 +82,6 @@ def natural_ece(
     ``deployment_prevalence`` first (`actmap.prior.shift_to_prevalence`), which should be
     known without these rows' labels (e.g. the training split's accuracy).
     """
-    from actmap.prior import shift_to_prevalence
-
     shifted = shift_to_prevalence(probs, deployment_prevalence, calibrated_prevalence)
     return ece(probs, labels, n_bins), ece(shifted, labels, n_bins)
 
@@ -131,10 +131,6 @@ def risk_at_coverage(scores, labels, coverage: float = 0.8) -> float:
     return float(risk[np.argmax(cov >= coverage - 1e-12)])
 
 
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * z))  # overflow-free logistic
-
-
 def _nll(logits: np.ndarray, labels: np.ndarray, temperature: float) -> float:
     z = logits / temperature
     return float(np.mean(np.logaddexp(0.0, z) - labels * z))  # BCE with logits
@@ -162,8 +158,8 @@ def temperature_scaled_ece(logits, labels, seed: int = 0, n_bins: int = 10) -> d
     t = fit_temperature(z[fit_rows], y[fit_rows])
     return {
         "temperature": t,
-        "ece_before": ece(_sigmoid(z[eval_rows]), y[eval_rows], n_bins),
-        "ece_after": ece(_sigmoid(z[eval_rows] / t), y[eval_rows], n_bins),
+        "ece_before": ece(sigmoid(z[eval_rows]), y[eval_rows], n_bins),
+        "ece_after": ece(sigmoid(z[eval_rows] / t), y[eval_rows], n_bins),
         "n_fit": len(fit_rows),
         "n_eval": len(eval_rows),
     }
