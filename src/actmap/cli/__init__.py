@@ -11,6 +11,7 @@ from actmap.cli import baselines as _baselines  # noqa: F401  (each registers it
 from actmap.cli import capture as _capture  # noqa: F401
 from actmap.cli import demo as _demo  # noqa: F401
 from actmap.cli import product as _product  # noqa: F401
+from actmap.cli import report as _report  # noqa: F401
 from actmap.cli import serve as _serve  # noqa: F401
 from actmap.cli import store as _store  # noqa: F401
 from actmap.cli import train as _train  # noqa: F401

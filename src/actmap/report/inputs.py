@@ -1,0 +1,54 @@
+"""What a report reads: store references and the `actmap train` runs laid out beside them.
+
+Runs live as ``<runs>/<store name>/<detector>/seed-<s>/`` (what `actmap reproduce` writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from actmap.errors import ActmapUserError
+from actmap.report.sections import StoreRef
+
+
+def store_ref(path: str | Path, name: str | None = None) -> StoreRef:
+    """A store's name (its folder's name unless given), generator and task, from its manifest."""
+    from actmap.store import read_manifest
+
+    path = Path(path)
+    config = read_manifest(path).get("config", {})
+    generator = str(config.get("model", {}).get("name") or "unknown")
+    task = str(config.get("task", {}).get("task") or "unknown")
+    return StoreRef(name or path.name, path, generator, task)
+
+
+def store_refs(paths: Iterable[str | Path]) -> dict[str, StoreRef]:
+    refs: dict[str, StoreRef] = {}
+    for path in paths:
+        ref = store_ref(path)
+        if ref.name in refs:
+            raise ActmapUserError(
+                f"two stores are named '{ref.name}': {refs[ref.name].path}, {path}"
+            )
+        refs[ref.name] = ref
+    return refs
+
+
+def find_runs(runs_dir: str | Path | None, stores: Iterable[str]) -> dict[str, dict[str, Path]]:
+    """``{store name: {detector: run folder}}`` for every ``<runs>/<store>/<detector>/`` that
+    holds at least one ``seed-*`` folder."""
+    if runs_dir is None:
+        return {}
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        raise ActmapUserError(f"runs folder {runs_dir} does not exist")
+    found: dict[str, dict[str, Path]] = {}
+    for name in stores:
+        folder = runs_dir / name
+        if not folder.is_dir():
+            continue
+        for run in sorted(p for p in folder.iterdir() if p.is_dir()):
+            if any(run.glob("seed-*/config.json")):
+                found.setdefault(name, {})[run.name] = run
+    return found

@@ -1,0 +1,1 @@
+"""One module per report section, each exposing ``SECTION`` (see actmap.report.sections)."""
