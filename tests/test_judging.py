@@ -11,7 +11,8 @@ from actmap.capture import CaptureConfig
 from actmap.capture.run import run_capture, store_config
 from actmap.data.datasets import CNNDMTask
 from actmap.data.factuality import split_sentences
-from actmap.judging import JUDGMENTS, judge_store, judged_labels
+from actmap.errors import ActmapUserError
+from actmap.judging import JUDGMENTS, claim_pairs, judge_check, judge_store, judged_labels
 from actmap.maps import MapConfig
 from actmap.models import ModelSource
 from actmap.store import MapStore, StoreError
@@ -89,3 +90,120 @@ def test_judging_refuses_a_store_that_is_not_summaries(tmp_path):
     store = MapStore.create(tmp_path / "qa", {"task": {"task": "triviaqa"}})
     with pytest.raises(StoreError, match="cnn_dm"):
         judge_store(store, tmp_path / "out", FirstWordJudge())
+
+
+# ---------------------------------------------------------------- judge check
+
+
+class OverlapJudge:
+    """Support = share of the claim's words found in the document; counts calls."""
+
+    name = "overlap"
+
+    def __init__(self):
+        self.calls = 0
+
+    def support_probability(self, document: str, claim: str) -> float:
+        self.calls += 1
+        words = claim.lower().split()
+        return sum(w in document.lower().split() for w in words) / len(words)
+
+
+def article_rows(n: int):
+    from actmap.data.datasets import SourceRow
+
+    rng = np.random.default_rng(1)
+    vocab = [f"w{i}" for i in range(200)]
+    rows = []
+    for i in range(n):
+        article = " ".join(rng.choice(vocab, 30))
+        own = " ".join(article.split()[:3])
+        rows.append(SourceRow(f"a{i}", "train", article, (f"{own} . Second line .",), {}))
+    return rows
+
+
+def test_claim_pairs_take_the_negative_from_another_article():
+    rows = article_rows(12)
+    pairs = claim_pairs(rows, 8, seed=3)
+    assert len(pairs) == 8 and len({p.article_id for p in pairs}) == 8
+    by_id = {r.source_key: r for r in rows}
+    for p in pairs:
+        assert p.negative_from != p.article_id
+        assert p.positive == split_sentences(by_id[p.article_id].references[0])[0]
+        assert p.negative == split_sentences(by_id[p.negative_from].references[0])[0]
+    assert claim_pairs(rows, 8, seed=3) == pairs  # seeded
+    assert len(claim_pairs(rows, 50)) == 12  # capped at the articles there are
+
+
+def test_judge_check_metrics_match_sklearn_and_resume(tmp_path):
+    from sklearn.metrics import roc_auc_score
+
+    pairs = claim_pairs(article_rows(20), 20)
+    judge = OverlapJudge()
+    first = judge_check(judge, pairs[:7], tmp_path)
+    assert judge.calls == 14 and first.pairs == 7
+    result = judge_check(judge, pairs, tmp_path)
+    assert judge.calls == 40  # the 7 cached pairs are not scored again
+    support = [judge.support_probability(p.article, c) for p in pairs for c in (p.positive,)]
+    support += [judge.support_probability(p.article, p.negative) for p in pairs]
+    labels = [1] * 20 + [0] * 20
+    assert result.auroc.estimate == pytest.approx(roc_auc_score(labels, support))
+    expected = np.mean([(s >= 0.5) == bool(y) for s, y in zip(support, labels, strict=True)])
+    assert result.accuracy == pytest.approx(expected)
+    assert result.claims == 40 and result.seconds_per_claim >= 0
+    assert result.auroc.low <= result.auroc.estimate <= result.auroc.high
+
+
+def test_judge_check_refuses_a_cache_of_another_judge(tmp_path):
+    pairs = claim_pairs(article_rows(4), 4)
+    judge_check(OverlapJudge(), pairs, tmp_path)
+    other = FirstWordJudge()
+    with pytest.raises(ActmapUserError, match="holds judge 'overlap'"):
+        judge_check(other, pairs, tmp_path)
+
+
+def judge_model_dir(tmp_path):
+    """A tiny random Llama whose word vocabulary has "Yes" and "No", saved as a model folder."""
+    from test_factuality import WORDS as JUDGE_WORDS
+    from test_factuality import word_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(JUDGE_WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    folder = tmp_path / "judge-model"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_cli_judge_check_runs_a_real_causal_lm_judge(tmp_path):
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+
+    tiny_model_dir = judge_model_dir(tmp_path)
+
+    folder = tmp_path / "data" / "cnn_dm"
+    folder.mkdir(parents=True)
+    rows = [
+        {"id": f"v{i}", "article": " ".join(WORDS[i % 5 :]), "highlights": f"{WORDS[i]} ."}
+        for i in range(6)
+    ]
+    (folder / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "test.jsonl").write_text(json.dumps(rows[0] | {"id": "t0"}) + "\n")
+    out = tmp_path / "check"
+    args = ["judge", "check", "--judge", str(tiny_model_dir), "--pairs", "4", "--out", str(out)]
+    result = CliRunner().invoke(app, [*args, "--data-dir", str(tmp_path / "data")])
+    assert result.exit_code == 0, result.output
+    written = json.loads((out / "check.json").read_text())
+    assert written["pairs"] == 4 and written["claims"] == 8
+    assert 0.0 <= written["auroc"]["estimate"] <= 1.0
+    bare = CliRunner().invoke(app, ["judge", "--store", str(tmp_path)])
+    assert bare.exit_code != 0 and "--judge" in bare.output

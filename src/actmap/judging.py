@@ -15,18 +15,36 @@ killed pass continues where it stopped; at the end of every pass the store's
 maps are rewritten with the labels judged so far (rows not judged yet: None).
 Sentences are judged in order and a summary stops at its first unsupported
 sentence (the label is then known), as in ``summary_is_factual``.
+
+Before a judge labels anything, ``judge_check`` (``actmap judge check``) measures it on
+a task with a known answer: per CNN/DM validation article, the first highlight sentence
+of that article (supported) and that of another article (not supported). It reports
+accuracy at the support threshold, AUROC with a bootstrap interval, and seconds per
+claim, so judges can be chosen by quality per second; every CNN/DM figure is read next
+to its judge's check.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
-from actmap.data.factuality import SUPPORT_THRESHOLD, SummaryFactualityJudge, judge_summary
+from actmap.atomic import atomic_write_text
+from actmap.data.factuality import (
+    SUPPORT_THRESHOLD,
+    SummaryFactualityJudge,
+    judge_summary,
+    split_sentences,
+)
 from actmap.errors import ActmapUserError
+from actmap.intervals import Interval, bootstrap
 from actmap.relabel import write_labelled_copy
 from actmap.store import MapStore, StoreError
 
@@ -115,3 +133,139 @@ def judged_labels(store: MapStore) -> dict[str, int]:
         return {}
     table = store.read_latest(JUDGMENTS, ["label"])
     return dict(zip(table.column("id").to_pylist(), table.column("label").to_pylist(), strict=True))
+
+
+# ---------------------------------------------------------------- judge check
+
+CHECK_CACHE = "judge-check.json"
+
+
+@dataclass(frozen=True)
+class ClaimPair:
+    """One article with a highlight sentence of its own and one of another article."""
+
+    article_id: str
+    article: str
+    positive: str  # a highlight sentence of this article: supported
+    negative: str  # a highlight sentence of another article: not supported
+    negative_from: str  # the other article's id
+
+
+def claim_pairs(rows: Sequence, n_pairs: int, seed: int = 0) -> list[ClaimPair]:
+    """``n_pairs`` (article, own highlight, foreign highlight) triples from CNN/DM rows.
+
+    ``rows`` are ``SourceRow``s (article in ``question``, highlights in ``references[0]``).
+    Articles are taken in a seeded order; each one's negative is a highlight sentence of
+    the next article in that order (a cyclic shift, so never its own), and both claims are
+    the first sentence of the highlights.
+    """
+    usable = [r for r in rows if r.references and split_sentences(r.references[0])]
+    if len(usable) < 2:
+        raise ActmapUserError(
+            f"a judge check needs at least 2 articles with highlights, got {len(usable)}"
+        )
+    if n_pairs < 1:
+        raise ActmapUserError(f"n_pairs must be >= 1, got {n_pairs}")
+    order = np.random.default_rng(seed).permutation(len(usable))[: min(n_pairs, len(usable))]
+    picked = [usable[i] for i in order]
+    pairs = []
+    for i, row in enumerate(picked):
+        other = picked[(i + 1) % len(picked)] if len(picked) > 1 else usable[order[0] - 1]
+        pairs.append(
+            ClaimPair(
+                article_id=row.source_key,
+                article=row.question,
+                positive=split_sentences(row.references[0])[0],
+                negative=split_sentences(other.references[0])[0],
+                negative_from=other.source_key,
+            )
+        )
+    return pairs
+
+
+@dataclass(frozen=True)
+class JudgeCheck:
+    """How well a judge tells an article's own highlight from another article's."""
+
+    judge: str
+    pairs: int
+    claims: int
+    accuracy: float  # both claims of all pairs, support >= threshold means "supported"
+    auroc: Interval  # support probability vs own (1) / foreign (0), bootstrap interval
+    seconds_per_claim: float  # judge wall time per claim, prefix reuse included
+    threshold: float
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "auroc": self.auroc.to_json()}
+
+
+def _read_check_cache(path: Path, judge: str) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ActmapUserError(f"{path}: not a judge-check cache ({err}); move it away") from None
+    if data.get("judge") != judge:
+        raise ActmapUserError(
+            f"{path} holds judge {data.get('judge')!r}, not {judge!r}; use another --out folder"
+        )
+    return {item["article_id"]: item for item in data.get("items", [])}
+
+
+def judge_check(
+    judge: SummaryFactualityJudge,
+    pairs: Sequence[ClaimPair],
+    out: str | Path | None = None,
+    threshold: float = SUPPORT_THRESHOLD,
+    save_every: int = 10,
+    progress: Callable[[int], None] | None = None,
+) -> JudgeCheck:
+    """Score every pair's two claims with ``judge``; resumable through ``out/judge-check.json``.
+
+    The cache records per pair both support probabilities and the seconds they took; a
+    rerun with the same ``out`` scores only the pairs not cached yet.
+    """
+    path = Path(out) / CHECK_CACHE if out is not None else None
+    done = _read_check_cache(path, judge.name) if path is not None else {}
+
+    def save() -> None:
+        if path is not None:
+            items = [done[p.article_id] for p in pairs if p.article_id in done]
+            atomic_write_text(path, json.dumps({"judge": judge.name, "items": items}, indent=1))
+
+    if progress is not None and done:
+        progress(sum(p.article_id in done for p in pairs))
+    fresh = 0
+    for pair in pairs:
+        if pair.article_id in done:
+            continue
+        start = time.perf_counter()
+        positive = judge.support_probability(pair.article, pair.positive)
+        negative = judge.support_probability(pair.article, pair.negative)
+        done[pair.article_id] = {
+            "article_id": pair.article_id,
+            "negative_from": pair.negative_from,
+            "positive": float(positive),
+            "negative": float(negative),
+            "seconds": time.perf_counter() - start,
+        }
+        fresh += 1
+        if fresh % save_every == 0:
+            save()
+        if progress is not None:
+            progress(1)
+    save()
+    items = [done[p.article_id] for p in pairs]
+    support = np.array([i["positive"] for i in items] + [i["negative"] for i in items])
+    labels = np.array([1] * len(items) + [0] * len(items))
+    correct = (support >= threshold) == labels.astype(bool)
+    return JudgeCheck(
+        judge=judge.name,
+        pairs=len(items),
+        claims=len(support),
+        accuracy=float(correct.mean()),
+        auroc=bootstrap(support, labels),
+        seconds_per_claim=float(sum(i["seconds"] for i in items) / len(support)),
+        threshold=threshold,
+    )

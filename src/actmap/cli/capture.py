@@ -353,25 +353,42 @@ def relabel(
         )
 
 
-@app.command("judge")
+judge_app = typer.Typer(
+    help="Label summaries with a factuality judge, or check a judge first (`actmap judge check`).",
+    invoke_without_command=True,
+)
+app.add_typer(judge_app, name="judge")
+
+
+@judge_app.callback()
 def judge_command(
-    store: Path = typer.Option(..., help="A CNN/DM store captured without a judge."),
+    ctx: typer.Context,
+    store: Path = typer.Option(None, help="A CNN/DM store captured without a judge."),
     judge: str = typer.Option(
-        ..., help="A causal LM (e.g. a .gguf path of Qwen2.5-Coder-1.5B) or 'minicheck:<path>'."
+        None, help="A causal LM (e.g. a .gguf path of Qwen2.5-Coder-1.5B) or 'minicheck:<path>'."
     ),
     out: Path = typer.Option(
-        ..., "--out", "-o", help="Judged store folder (created, or resumed when it exists)."
+        None, "--out", "-o", help="Judged store folder (created, or resumed when it exists)."
     ),
     threshold: float = typer.Option(0.5, help="Support a sentence needs (MiniCheck: 0.5)."),
     batch_size: int = typer.Option(8, min=1, help="Summaries per committed batch."),
     limit: int = typer.Option(None, min=1, help="Judge at most this many summaries in this call."),
 ) -> None:
     """Label the summaries of a store with a factuality judge (resumable, separate pass)."""
+    if ctx.invoked_subcommand is not None:
+        return
     with user_errors():
         from actmap.capture.run import natural_accuracy
         from actmap.judging import judge_store, judged_labels
         from actmap.store import MapStore
 
+        missing = [
+            f"--{n}" for n, v in (("store", store), ("judge", judge), ("out", out)) if v is None
+        ]
+        if missing:
+            raise ActmapUserError(
+                f"actmap judge needs {', '.join(missing)} (or `actmap judge check` to check a judge)"
+            )
         source = MapStore.open(store)
         console.print(f"loading judge [bold]{judge}[/bold] ...")
         the_judge = load_factuality_judge(judge)
@@ -391,4 +408,40 @@ def judge_command(
         console.print(
             f"{len(judged_labels(judged))} of {total} summaries judged into {out}; "
             "factual fraction " + ", ".join(f"{k} {fraction(v)}" for k, v in accuracy.items())
+        )
+
+
+@judge_app.command("check")
+def judge_check_command(
+    judge: str = typer.Option(
+        ..., help="A causal LM (e.g. a .gguf path of Qwen2.5-Coder-1.5B) or 'minicheck:<path>'."
+    ),
+    pairs: int = typer.Option(500, min=1, help="CNN/DM validation articles, two claims each."),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Folder for the resumable cache and check.json."
+    ),
+    threshold: float = typer.Option(0.5, help="Support that counts as 'supported'."),
+    seed: int = typer.Option(0, help="Seed of the article order and the foreign claims."),
+    data_dir: Path = typer.Option(None, help="Folder holding cnn_dm/ (default ../shared/data)."),
+) -> None:
+    """Can the judge tell an article's own highlight from another article's? Accuracy, AUROC, s/claim."""
+    with user_errors():
+        from actmap.artifacts import write_json
+        from actmap.data.datasets import load_cnn_dm
+        from actmap.judging import claim_pairs, judge_check
+
+        rows = [r for r in load_cnn_dm(data_dir) if r.meta.get("source_split") == "validation"]
+        the_pairs = claim_pairs(rows, pairs, seed)
+        console.print(f"loading judge [bold]{judge}[/bold] ...")
+        the_judge = load_factuality_judge(judge)
+        with progress_bar() as bar:
+            job = bar.add_task("judge check", total=len(the_pairs), info="")
+            result = judge_check(
+                the_judge, the_pairs, out, threshold, progress=lambda n: bar.advance(job, n)
+            )
+        write_json(Path(out) / "check.json", result.to_json())
+        console.print(
+            f"judge {result.judge}: {result.pairs} pairs, accuracy {result.accuracy:.3f}, "
+            f"AUROC {result.auroc}, {result.seconds_per_claim:.2f} s per claim; "
+            f"written to {Path(out) / 'check.json'}"
         )
