@@ -10,6 +10,7 @@ from __future__ import annotations
 from actmap.cli import baselines as _baselines  # noqa: F401  (each registers its commands)
 from actmap.cli import capture as _capture  # noqa: F401
 from actmap.cli import demo as _demo  # noqa: F401
+from actmap.cli import monitor as _monitor  # noqa: F401
 from actmap.cli import product as _product  # noqa: F401
 from actmap.cli import report as _report  # noqa: F401
 from actmap.cli import serve as _serve  # noqa: F401
