@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -191,3 +192,28 @@ def test_permuted_actmap_plus_falls_to_chance_where_length_predicts_the_label(le
         assert control.scorer_.model_.C_ == pytest.approx(honest.model_.C_)
         aucs.append(roc_auc_score(yte, control.score(te).confidence))
     assert abs(np.mean(aucs) - 0.5) < 0.1
+
+
+def test_from_fitted_shares_one_real_label_fit_and_scores_as_the_full_control(length_store):
+    """Choices taken from a scorer already fit on the real labels: the same control, cheaper."""
+    from actmap.baselines.tad import TAD
+    from actmap.comparison import PlusScorer
+    from actmap.detectors.plus import PlusConfig
+
+    (tr, str_, ytr), (va, sva, yva), (te, ste, yte) = length_store
+    grid = [PlusConfig(n_components=4, n_strengths=4), PlusConfig(n_components=0, n_strengths=4)]
+    cases = [
+        (TAD(n_previous=3), tr, va, te),
+        (PlusScorer(grid), str_, sva, ste),
+    ]
+    for template, train, val, test in cases:
+        fitted = copy.deepcopy(template).fit(train, ytr, val, yva)
+        for seed in (0, 1):
+            full = PermutedLabelControl(template, seed=seed).fit(train, ytr, val, yva)
+            cheap = PermutedLabelControl.from_fitted(fitted, seed=seed).fit(train, ytr, val, yva)
+            assert cheap.fixed_ == full.fixed_
+            np.testing.assert_allclose(
+                cheap.score(test).confidence, full.score(test).confidence, rtol=1e-9
+            )
+    with pytest.raises(TypeError, match="no fixed_choices"):
+        PermutedLabelControl.from_fitted(AnswerLengthPredictor())

@@ -144,6 +144,13 @@ class PlusScorer:
             self.model_, _ = select_plus(train, replace(val, labels=np.asarray(y_val)), self.grid)
         return self
 
+    @classmethod
+    def of(cls, estimator: ActMapPlus) -> PlusScorer:
+        """A fitted scorer around an already fitted actmap-plus."""
+        scorer = cls([estimator.config_])
+        scorer.model_ = estimator
+        return scorer
+
     def fixed_choices(self) -> PlusScorer:
         return PlusScorer([replace(self.model_.config_, C=self.model_.C_)])
 
@@ -186,17 +193,32 @@ def plus_scored(sets: dict[str, Rows], grid: Sequence[PlusConfig] | None = None)
         },
         score_test=lambda rows: est.predict_proba(rows.maps, rows.scalars),
         estimator=est,
-        control=lambda seed: permuted_auroc(PlusScorer([est.config_]), sets, seed, train=name),
+        control=lambda seed: permuted_auroc(PlusScorer.of(est), sets, seed, train=name),
     )
 
 
-def baseline_scored(store, sets: dict[str, Rows], method: str) -> Scored:
-    """One single-pass baseline fit (when supervised) on balanced train, selected on validation."""
-    from actmap.store.generations import read_generations
+class GenerationReader:
+    """The captured generations of a row set, read from the store once per set."""
 
-    def gens(rows: Rows):
-        return read_generations(store, rows.ids)
+    def __init__(self, store) -> None:
+        self.store = store
+        self._cache: dict[tuple[str, ...], list] = {}
 
+    def __call__(self, rows: Rows) -> list:
+        from actmap.store.generations import read_generations
+
+        key = tuple(rows.ids)
+        if key not in self._cache:
+            self._cache[key] = read_generations(self.store, rows.ids)
+        return self._cache[key]
+
+
+def baseline_scored(store, sets: dict[str, Rows], method: str, gens=None) -> Scored:
+    """One single-pass baseline fit (when supervised) on balanced train, selected on validation.
+
+    ``gens``: a `GenerationReader` shared between methods (default: a new one).
+    """
+    gens = gens or GenerationReader(store)
     scorer = scorer_template(method)
     if getattr(scorer, "supervised", False):
         train, val = sets["train"], sets["validation"]
@@ -213,7 +235,7 @@ def baseline_scored(store, sets: dict[str, Rows], method: str) -> Scored:
         score_test=lambda rows: scorer.score(gens(rows)).confidence,
         control=None
         if not getattr(scorer, "supervised", False)
-        else (lambda seed: permuted_auroc(scorer_template(method), sets, seed, gens)),
+        else (lambda seed: permuted_auroc(scorer, sets, seed, gens)),
     )
 
 
@@ -224,13 +246,21 @@ def scorer_template(method: str):
 
 
 def permuted_auroc(
-    template, sets: dict[str, Rows], seed: int, inputs=lambda rows: rows, train="train"
+    fitted, sets: dict[str, Rows], seed: int, inputs=lambda rows: rows, train="train"
 ) -> float:
-    """Balanced-test AUROC of ``template`` refit on permuted training labels (`PermutedLabelControl`)."""
+    """Balanced-test AUROC of ``fitted`` refit on permuted training labels (`PermutedLabelControl`).
+
+    ``fitted`` was fit on the real labels of ``sets[train]``; a scorer with
+    ``fixed_choices()`` keeps the choices it made there (one real-label fit shared by
+    every permutation seed), any other is refit from scratch on the permuted labels.
+    """
     from actmap.baselines.controls import PermutedLabelControl
 
     tr, val, test = sets[train], sets["validation"], sets["test"]
-    control = PermutedLabelControl(template, seed=seed)
+    if hasattr(fitted, "fixed_choices"):
+        control = PermutedLabelControl.from_fitted(fitted, seed=seed)
+    else:
+        control = PermutedLabelControl(fitted, seed=seed)
     control.fit(inputs(tr), tr.labels, inputs(val), val.labels)
     return metrics.auroc(control.score(inputs(test)).confidence, test.labels)
 
@@ -365,9 +395,10 @@ def compare_product(
     sets = store_rows(store)
     plus = plus_scored(sets, plus_grid)
     others = []
+    gens = GenerationReader(store)
     for method in baselines:
         try:
-            others.append(baseline_scored(store, sets, method))
+            others.append(baseline_scored(store, sets, method, gens))
         except Exception as err:  # e.g. a store without attention: the others still compare
             log.warning("%s cannot run on %s: %s", method, store.root, err)
     if not others:

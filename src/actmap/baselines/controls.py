@@ -91,6 +91,10 @@ class PermutedLabelControl:
     Otherwise (an ActMap detector, the length control) the scorer itself is fit on
     permuted training labels, and its validation labels are permuted too, so
     early stopping or any other selection sees no real label either.
+    ``PermutedLabelControl.from_fitted(scorer)`` takes the choices of a scorer
+    already fit on the real labels, so several permutation seeds share that one
+    real-label fit (the same choices: the fit is deterministic) instead of
+    repeating it per seed.
 
     What the control measures: the AUROC the method reaches without any link
     between rows and labels. A method that learns its signal from labels lands
@@ -103,10 +107,27 @@ class PermutedLabelControl:
     supervised: ClassVar[bool] = True
     requires: tuple[str, ...] = ()  # per instance: what the inner scorer reads
 
-    def __init__(self, inner: Scorer | Callable[[], Scorer], seed: int = 0) -> None:
+    def __init__(
+        self, inner: Scorer | Callable[[], Scorer], seed: int = 0, choices_fixed: bool = False
+    ) -> None:
         self.inner = inner
         self.seed = seed  # permutation seed, recorded with the scores
         self.requires = tuple(getattr(inner, "requires", ()))  # what the inner scorer reads
+        # inner already carries the choices made on the real labels (`from_fitted`)
+        self.choices_fixed = choices_fixed
+
+    @classmethod
+    def from_fitted(cls, fitted: Scorer, seed: int = 0) -> PermutedLabelControl:
+        """The control of a scorer already fit on the real labels, with its choices fixed.
+
+        ``fitted.fixed_choices()`` (an unfitted copy with the choices made on the real
+        labels) is refit on permuted training labels; the real-label fit is not repeated.
+        """
+        if not hasattr(fitted, "fixed_choices"):
+            raise TypeError(
+                f"{type(fitted).__name__} has no fixed_choices(); use PermutedLabelControl(...)"
+            )
+        return cls(fitted.fixed_choices(), seed=seed, choices_fixed=True)
 
     @property
     def probability(self) -> bool:
@@ -140,7 +161,10 @@ class PermutedLabelControl:
         self.y_train_permuted_ = permute_labels(y_train, rng)
         scorer = self._make()
         self.fixed_ = {}
-        if hasattr(scorer, "fixed_choices"):
+        if self.choices_fixed:
+            self.fixed_ = {k: v for k, v in vars(scorer).items() if not k.endswith("_")}
+            self.scorer_ = scorer.fit(train, self.y_train_permuted_)
+        elif hasattr(scorer, "fixed_choices"):
             fixed = scorer.fit(train, y_train, val, y_val).fixed_choices()  # choices: real labels
             self.fixed_ = {k: v for k, v in vars(fixed).items() if not k.endswith("_")}
             self.scorer_ = fixed.fit(train, self.y_train_permuted_)
