@@ -29,6 +29,21 @@ def save_tiny_detector(folder: Path, seed: int = 0) -> Path:
     return detector.save(folder / f"seed-{seed}")
 
 
+def save_tiny_plus(folder: Path, seed: int = 0) -> Path:
+    """An actmap-plus (4 map components + the six scalars) fitted on random maps whose label
+    follows the scalars: a real scorer that reads both inputs."""
+    from actmap.answer_features import SCALAR_NAMES
+    from actmap.detectors.plus import ActMapPlus, PlusConfig
+
+    rng = np.random.default_rng(seed)
+    maps = rng.normal(size=(40, 12, 32, 128)).astype(np.float16)
+    scalars = rng.normal(size=(40, len(SCALAR_NAMES)))
+    labels = (scalars[:, 2] + 0.5 * rng.normal(size=40) > 0).astype(int)
+    config = PlusConfig(n_components=4, n_strengths=3, cv_folds=2)
+    plus = ActMapPlus(config).fit(maps, labels, scalars)
+    return plus.save(folder / f"seed-{seed}", metadata={"validation_auroc": 0.5})
+
+
 def tiny_generator():
     """A fresh tiny Llama and word tokenizer with a chat template (the session fixtures stay
     untouched: a chat template changes how capture tokenizes)."""

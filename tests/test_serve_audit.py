@@ -177,7 +177,9 @@ def test_retention_by_count_and_age(tmp_path):
 class TableDetector:
     """A scorer with a known closed form: the mean of the first channel, squashed."""
 
-    def predict_proba(self, maps):
+    needs_scalars = False  # reads the map only, like a LoadedDetector of a paper detector
+
+    def predict_proba(self, maps, scalars=None):
         x = np.asarray(maps, dtype=np.float64)[:, 0].mean(axis=(1, 2))
         return 1 / (1 + np.exp(-x))
 

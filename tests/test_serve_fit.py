@@ -23,7 +23,9 @@ from actmap.serve.policy import threshold_for_risk
 class ChannelDetector:
     """p(correct) from the mean of channel 0 (the synthetic store puts the label there)."""
 
-    def predict_proba(self, maps):
+    needs_scalars = False  # reads the map only, like a LoadedDetector of a paper detector
+
+    def predict_proba(self, maps, scalars=None):
         x = np.asarray(maps, dtype=np.float64)[:, 0].mean(axis=(1, 2))
         return 1 / (1 + np.exp(-40 * (x - 0.15)))
 

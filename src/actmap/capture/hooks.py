@@ -90,6 +90,21 @@ class StepRecorder:
         index = token_ids.to(self._last_logp.device).view(-1, 1)
         self.logprobs[:, self.step - 1] = self._last_logp.gather(1, index).squeeze(1)
 
+    def statistics_so_far(
+        self, rows: list[int], newest: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(len(rows), t) log-probs and entropies of the t = step + 1 tokens generated so far.
+
+        For a step callback: the newest token (``newest``, (len(rows),) ids) is not fed back
+        yet, so its log-prob is read from the step's log-softmax. Needs grey-box capture.
+        """
+        if self.logprobs is None or self._last_logp is None:
+            raise RuntimeError("running statistics need grey-box capture (greybox=True)")
+        t = self.step + 1
+        index = torch.as_tensor(rows, device=self.logprobs.device)
+        last = self._last_logp[index].gather(1, newest.to(self.logprobs.device).view(-1, 1))
+        return torch.cat([self.logprobs[index, : t - 1], last], 1), self.entropies[index, :t]
+
     def on_model_end(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         # every layer has run: pool this step's states in one call, (B, L, D) -> (B, L, D')
         self.pooled[:, :, self.step] = pool_hidden(self._step_hidden, self.pooled.shape[-1])

@@ -31,7 +31,8 @@ def train_plus_run(store_path: Path, out: Path) -> dict:
     plus = plus_scored(sets)
     est, test = plus.estimator, sets["test"]
     folder = out / "seed-0"
-    est.save(folder, metadata={"store": str(store_path), **plus.details})
+    inputs = {"store_config": store.manifest.get("config")}  # the map settings serving reads
+    est.save(folder, metadata={"store": str(store_path), "inputs": inputs, **plus.details})
     logits = est.decision_function(test.maps, test.scalars)
     scores = RowScores(
         test.ids,

@@ -22,7 +22,11 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @app.command()
 def serve(
-    detector: Path = typer.Option(..., help="Run folder from `actmap train` (or one seed-<s>/)."),
+    detector: Path = typer.Option(
+        ...,
+        help="Run folder from `actmap train` (or one seed-<s>/); actmap-plus is the one to "
+        "deploy (`actmap train --detector actmap-plus`).",
+    ),
     model: str = typer.Option(
         "smollm2-135m-instruct", help="Generator: short name, .gguf, folder or hub id."
     ),

@@ -4,7 +4,9 @@ An audit store is an ordinary `actmap.store.MapStore` (same Parquet layout, so
 every store tool reads it) whose manifest config says ``kind = "audit"``. Each
 served answer with a map becomes one row of ``maps`` (label unknown; the prompt
 and answer text only when ``keep_text``; ``source_key`` is the prompt's SHA-256)
-and one row of the side table ``audit`` (scores, decision, detector id, timing).
+and one row of the side table ``audit`` (scores, decision, detector id, timing);
+when the detector reads the per-answer scalars (actmap-plus), they go to the side
+table ``audit_scalars``, so `rescore` can reproduce the served score.
 
 Writes are batched: answers are buffered and a writer thread flushes them every
 ``flush_rows`` answers or ``flush_interval_s`` seconds. A flush writes the
@@ -35,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from actmap.answer_features import SCALAR_NAMES
 from actmap.errors import ActmapUserError
 from actmap.maps import MapConfig
 from actmap.store import MapRecord, MapStore, StoreError
@@ -42,6 +45,7 @@ from actmap.store import MapRecord, MapStore, StoreError
 log = logging.getLogger(__name__)
 
 AUDIT_TABLE = "audit"
+SCALARS_TABLE = "audit_scalars"  # id + the six per-answer scalars, when the detector reads them
 AUDIT_KIND = "audit"
 AUDIT_SCHEMA = pa.schema(
     [
@@ -79,6 +83,7 @@ class AuditEntry:
     prevalence: float | None
     decision: str
     detector: str
+    scalars: np.ndarray | None = None  # (6,) in SCALAR_NAMES order, when the detector reads them
 
 
 def audit_config(map_config: MapConfig = MapConfig()) -> dict:
@@ -160,6 +165,7 @@ class AuditTrail:
             prevalence=answer.prevalence,
             decision=answer.decision,
             detector=detector_id,
+            scalars=answer.scalars,
         )
 
     # -- writing ---------------------------------------------------------------------------
@@ -197,6 +203,12 @@ class AuditTrail:
                 schema=AUDIT_SCHEMA,
             )
             self.store.write_table(AUDIT_TABLE, side)
+            with_scalars = [e for e in entries if e.scalars is not None]
+            if with_scalars:
+                values = np.stack([e.scalars for e in with_scalars]).astype(np.float64)
+                columns = {"id": [e.record.id for e in with_scalars]}
+                columns.update({name: values[:, j] for j, name in enumerate(SCALAR_NAMES)})
+                self.store.write_table(SCALARS_TABLE, pa.table(columns))
             self.store.write_maps([e.record for e in entries])  # last: the commit
             self.committed += len(entries)
         return len(entries)
@@ -258,11 +270,13 @@ class AuditTrail:
                 self.store.forget_shards("maps", [path], unlink=True)
                 kept_rows -= len(ids)
                 dropped.update(ids)
-            if dropped and self.store.has_table(AUDIT_TABLE):
-                for path in self.store.shards(AUDIT_TABLE):
+            for table in (AUDIT_TABLE, SCALARS_TABLE):
+                if not dropped or not self.store.has_table(table):
+                    continue
+                for path in self.store.shards(table):
                     ids = set(pq.read_table(path, columns=["id"]).column("id").to_pylist())
                     if ids <= dropped:
-                        self.store.forget_shards(AUDIT_TABLE, [path], unlink=True)
+                        self.store.forget_shards(table, [path], unlink=True)
         if dropped:
             log.info("audit retention dropped %d rows from %s", len(dropped), self.store.root)
         return len(dropped)
@@ -289,14 +303,34 @@ def rescore(store: MapStore, detector, batch_size: int = 256) -> pd.DataFrame:
     p_correct_raw_new, decision (served).
     """
     ids, scores = [], []
+    scalars = audit_scalars(store) if detector.needs_scalars else None
     for maps, meta in store.iter_maps(batch_size=batch_size, columns=("id",)):
-        ids.extend(meta.column("id").to_pylist())
-        scores.append(detector.predict_proba(maps))
+        batch = meta.column("id").to_pylist()
+        ids.extend(batch)
+        rows = None
+        if scalars is not None:
+            missing = [key for key in batch if key not in scalars]
+            if missing:
+                raise ActmapUserError(
+                    f"{store.root}: {len(missing)} answers have no per-answer scalars "
+                    f"(served by a maps-only detector?), e.g. {missing[0]}; {detector.id} reads them"
+                )
+            rows = np.stack([scalars[key] for key in batch])
+        scores.append(detector.predict_proba(maps, rows))
     new = pd.DataFrame(
         {"id": ids, "p_correct_raw_new": np.concatenate(scores) if scores else np.zeros(0)}
     ).drop_duplicates("id", keep="last")
     served = read_audit(store)[["id", "served_at", "detector", "p_correct_raw", "decision"]]
     return served.merge(new, on="id", how="inner")
+
+
+def audit_scalars(store: MapStore) -> dict[str, np.ndarray]:
+    """{answer id: (6,) per-answer scalars} of the answers served by a detector that reads them."""
+    if not store.has_table(SCALARS_TABLE):
+        return {}
+    table = store.read_table(SCALARS_TABLE)
+    values = np.column_stack([table.column(n).to_numpy() for n in SCALAR_NAMES])
+    return dict(zip(table.column("id").to_pylist(), values, strict=True))
 
 
 def summarize(frame: pd.DataFrame, every: str = "1h") -> pd.DataFrame:

@@ -3,8 +3,10 @@
 `Engine.run` is what the server's micro-batcher calls off the event loop: the
 prompts of a batch go through `actmap.capture.generate_batch` together; each
 answer's trajectory becomes a map (`actmap.maps`), rounded to the store's
-float16 form, scored by the detector, shifted to the deployment prevalence and
-decided by the policy (`actmap.serve.policy`). While generating, a step watch
+float16 form, scored by the detector (with the answer's six per-answer scalars
+when the detector reads them, `actmap.answer_features`: the capture then keeps
+the grey-box statistics, else it is map-only), shifted to the deployment
+prevalence and decided by the policy (`actmap.serve.policy`). While generating, a step watch
 streams text and running scores to requests that asked for them and ends rows
 whose running score falls below their ``abort_below``.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from actmap.answer_features import answer_scalars, scalars_of_generations
 from actmap.capture.generate import generate_batch, stop_ids
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import stop_position
@@ -75,6 +78,7 @@ class Answer:
     map_id: str | None
     map: np.ndarray | None  # (C, H, W) float16, the stored form
     queued_s: float = 0.0
+    scalars: np.ndarray | None = None  # (6,) per-answer scalars, when the detector reads them
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ class _StepWatch:
         self.aborted = [False] * len(jobs)
         self.sent = [""] * len(jobs)
         self.holdback = max((len(s) for s in jobs[0].stop), default=1) - 1
+        self.scalars = engine.detector.needs_scalars
 
     def __call__(self, recorder, generated: torch.Tensor) -> torch.Tensor:
         t = generated.shape[1]  # tokens so far; trajectory rows 0..t-1 are filled
@@ -145,7 +150,8 @@ class _StepWatch:
                     recorder.pooled[scored, :, :t], [t] * len(scored), self.engine.map_config
                 )
             )
-            raw = self.engine.detector.predict_proba(maps)
+            scalars = prefix_scalars(recorder, generated, scored) if self.scalars else None
+            raw = self.engine.detector.predict_proba(maps, scalars)
             p = correct_prior(raw, self.engine.policy.prior, self.engine.prevalence.prevalence)
             running = dict(zip(scored, p.tolist(), strict=True))
         for i in live:
@@ -183,14 +189,23 @@ class _StepWatch:
             generation,
             token_ids=ids,
             answer=self.engine.tokenizer.decode(ids, skip_special_tokens=True),
-            logprobs=generation.logprobs[:n],
-            entropies=generation.entropies[:n],
+            logprobs=None if generation.logprobs is None else generation.logprobs[:n],
+            entropies=None if generation.entropies is None else generation.entropies[:n],
             trajectory=generation.trajectory[:, :n],
             stopped=True,
         )
 
     def ends_naturally(self, i: int) -> bool:
         return not self.aborted[i] and not self.jobs[i].cancelled
+
+
+def prefix_scalars(recorder, generated: torch.Tensor, rows: Sequence[int]) -> np.ndarray:
+    """(len(rows), 6) per-answer scalars of the tokens generated so far by ``rows``."""
+    logprobs, entropies = recorder.statistics_so_far(list(rows), generated[list(rows), -1])
+    if logprobs.shape[1] != generated.shape[1]:
+        raise RuntimeError(f"{logprobs.shape[1]} steps recorded for {generated.shape[1]} tokens")
+    pairs = zip(logprobs.double().cpu(), entropies.double().cpu(), strict=True)
+    return np.stack([answer_scalars(lp, h) for lp, h in pairs])
 
 
 class Engine:
@@ -240,6 +255,7 @@ class Engine:
             stop_strings=jobs[0].stop,
             max_context=self.max_context,
             batch_size=len(jobs),
+            greybox=self.detector.needs_scalars,  # map-only capture when maps are all it reads
         )
         watch = _StepWatch(self, jobs) if any(j.watched for j in jobs) else None
         generations = generate_batch(
@@ -260,10 +276,12 @@ class Engine:
     def _score(self, jobs, generations, watch, started) -> list[Answer]:
         scored = [i for i, g in enumerate(generations) if g.n_tokens > 0]
         raw = np.full(len(jobs), np.nan)
-        maps = None
+        maps = scalars = None
         if scored:
             maps = answer_maps([generations[i].trajectory for i in scored], self.map_config)
-            raw[scored] = self.detector.predict_proba(maps)
+            if self.detector.needs_scalars:
+                scalars = scalars_of_generations([generations[i] for i in scored])
+            raw[scored] = self.detector.predict_proba(maps, scalars)
         prevalence = self.prevalence.update(raw[scored])
         corrected = correct_prior(raw, self.policy.prior, prevalence)
         answers, records = [], []
@@ -290,6 +308,7 @@ class Engine:
                 map_id=map_id,
                 map=maps[map_index[i]] if has_map else None,
                 queued_s=started - job.enqueued_at,
+                scalars=scalars[map_index[i]] if has_map and scalars is not None else None,
             )
             answers.append(answer)
             if map_id is not None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from actmap.answer_features import scalars_from_store
 from actmap.data.splits import balanced_ids
 from actmap.errors import ActmapUserError
 from actmap.metrics import ece, fit_temperature
@@ -50,8 +51,15 @@ def natural_scores(store: MapStore, detector, split: str = "validation") -> Natu
     if len(np.unique(labels)) < 2:
         raise ActmapUserError(f"split '{split}' of {store.root} holds a single label; need both")
     ids = rows["id"].tolist()
+    return NaturalScores(ids, labels, score_rows(store, detector, ids), split)
+
+
+def score_rows(store: MapStore, detector, ids: list[str]) -> np.ndarray:
+    """Raw p(correct) of the store rows ``ids``: their maps, and their per-answer scalars
+    (from the store's ``generations`` table) when the detector reads them."""
     maps, _ = store.load_maps(ids)
-    return NaturalScores(ids, labels, detector.predict_proba(maps), split)
+    scalars = scalars_from_store(store, ids) if detector.needs_scalars else None
+    return detector.predict_proba(maps, scalars)
 
 
 def balanced_scores(store: MapStore, detector, split: str = "validation") -> NaturalScores:
@@ -67,10 +75,8 @@ def balanced_scores(store: MapStore, detector, split: str = "validation") -> Nat
         raise ActmapUserError(
             f"the balanced '{split}' split of {store.root} is empty (need both labels)"
         )
-    maps, rows = store.load_maps(ids)
-    return NaturalScores(
-        ids, rows["label"].to_numpy().astype(np.int64), detector.predict_proba(maps), split
-    )
+    labels = meta.set_index("id").loc[ids, "label"].to_numpy().astype(np.int64)
+    return NaturalScores(ids, labels, score_rows(store, detector, ids), split)
 
 
 def fit_balanced_temperature(scores: NaturalScores) -> float:

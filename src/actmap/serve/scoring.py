@@ -3,7 +3,11 @@
 A served answer is scored from its map rounded to float16, the form the store
 keeps and detectors are trained on, so re-scoring an audit store with the same
 detector reproduces the served raw score. `load_detector_run` opens a run folder
-written by ``actmap train`` (or one of its ``seed-<s>/`` folders).
+written by ``actmap train`` (or one of its ``seed-<s>/`` folders): a paper
+detector (`vit`, `mlp`, `mlp4x`, `logreg`, maps only) or ``actmap-plus``, the one
+to deploy, which also reads the six per-answer scalars of the same pass
+(`actmap.answer_features`). ``LoadedDetector.requires`` says which: the server
+captures the grey-box statistics exactly when the detector reads them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from actmap.detectors.plus import ActMapPlus
 from actmap.maps import MapConfig, build_maps, build_maps_from_list
 from actmap.models import file_digest
 
@@ -27,13 +32,26 @@ log = logging.getLogger(__name__)
 class LoadedDetector:
     """A trained detector, the id answers record it under, and the map settings it reads."""
 
-    detector: object  # a fitted actmap.detectors.CorrectnessDetector
+    detector: object  # a fitted CorrectnessDetector or ActMapPlus
     id: str  # "<name>:<run>/seed-<s>:<weights sha256 prefix>"
     map_config: MapConfig
     path: Path
 
-    def predict_proba(self, maps: np.ndarray) -> np.ndarray:
-        """(N, C, H, W) float16 maps -> (N,) float64 raw p(correct)."""
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """What the detector reads per answer: ("maps",) or ("maps", "scalars")."""
+        if isinstance(self.detector, ActMapPlus) and self.detector.config_.use_scalars:
+            return ("maps", "scalars")
+        return ("maps",)
+
+    @property
+    def needs_scalars(self) -> bool:
+        return "scalars" in self.requires
+
+    def predict_proba(self, maps: np.ndarray, scalars: np.ndarray | None = None) -> np.ndarray:
+        """(N, C, H, W) float16 maps (+ (N, 6) scalars when required) -> (N,) raw p(correct)."""
+        if isinstance(self.detector, ActMapPlus):
+            return self.detector.predict_proba(maps, scalars).astype(np.float64)
         return self.detector.predict_proba(maps).astype(np.float64)
 
 
@@ -56,7 +74,8 @@ def _seed_folder(run: Path, seed: int | None) -> Path:
         return wanted
 
     def val_auroc(folder: Path) -> float:
-        value = json.loads((folder / "config.json").read_text()).get("best_val_auroc")
+        config = json.loads((folder / "config.json").read_text())
+        value = config.get("best_val_auroc", config.get("metadata", {}).get("validation_auroc"))
         return float("-inf") if value is None else float(value)
 
     return max(folders, key=val_auroc)  # the seed selected on validation, never on test
@@ -66,17 +85,18 @@ def load_detector_run(
     run: str | Path, seed: int | None = None, device: str | None = "cpu"
 ) -> LoadedDetector:
     """The detector of a run folder: ``seed`` when given, else the best validation AUROC."""
-    from actmap.detectors.base import CorrectnessDetector
+    from actmap.detectors import load_detector
 
     run = Path(run)
     if not run.exists():
         raise FileNotFoundError(f"detector run {run} does not exist")
     folder = _seed_folder(run, seed)
-    detector = CorrectnessDetector.load(folder, device=device)
+    detector = load_detector(folder, device=device)
+    kind = detector.name if isinstance(detector, ActMapPlus) else detector.detector
     store_config = detector.metadata_.get("inputs", {}).get("store_config") or {}
     map_config = MapConfig(**store_config.get("map", {}))
     name = f"{run.name}/{folder.name}" if folder != run else folder.name
-    ident = f"{detector.detector}:{name}:{file_digest(folder / 'model.safetensors')[:12]}"
+    ident = f"{kind}:{name}:{file_digest(folder / 'model.safetensors')[:12]}"
     log.info("detector %s from %s", ident, folder)
     return LoadedDetector(detector, ident, map_config, folder)
 

@@ -2,7 +2,8 @@
 
 While streaming, the server scores the answer so far: the map of the first k
 tokens' trajectory (`actmap.serve.scoring.prefix_maps`), read by the same
-detector. `running_auroc` replays that on a store kept with trajectories
+detector (with the prefix's per-answer scalars when the detector reads them).
+`running_auroc` replays that on a store kept with trajectories
 (``actmap capture --keep-trajectories``): for each answer position k it scores
 every labelled answer of a split at ``min(k, T)`` tokens (an answer that has
 ended is scored whole, as a stream would have been) and reports the AUROC, plus
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from actmap.answer_features import answer_scalars
 from actmap.errors import ActmapUserError
 from actmap.metrics import auroc
 from actmap.store import MapStore, decode_array
@@ -54,14 +56,28 @@ def default_positions(max_tokens: int) -> list[int]:
 
 
 def running_scores(
-    detector, trajectories: Sequence[torch.Tensor], positions: Sequence[int], map_config
+    detector,
+    trajectories: Sequence[torch.Tensor],
+    positions: Sequence[int],
+    map_config,
+    statistics: Sequence[tuple[Sequence[float], Sequence[float]]] | None = None,
 ) -> np.ndarray:
-    """(N, P) running p(correct) of each trajectory at each position (clamped to its length)."""
+    """(N, P) running p(correct) of each trajectory at each position (clamped to its length).
+
+    ``statistics``: per answer, its (log-probs, entropies), for a detector that reads the
+    per-answer scalars; each position's scalars are those of the prefix.
+    """
     from actmap.serve.scoring import prefix_maps
 
-    return np.stack(
-        [detector.predict_proba(prefix_maps(t, positions, map_config)) for t in trajectories]
-    )
+    out = []
+    for i, t in enumerate(trajectories):
+        scalars = None
+        if statistics is not None:
+            lp, h = statistics[i]
+            ends = [min(max(int(k), 1), t.shape[1]) for k in positions]
+            scalars = np.stack([answer_scalars(lp[:k], h[:k]) for k in ends])
+        out.append(detector.predict_proba(prefix_maps(t, positions, map_config), scalars))
+    return np.stack(out)
 
 
 def running_auroc(
@@ -91,10 +107,16 @@ def running_auroc(
         blob = table.column("trajectory")[i].as_py()
         trajectories.append(torch.from_numpy(decode_array(blob, shape).astype(np.float32)))
     lengths = np.array([t.shape[1] for t in trajectories])
+    statistics = None
+    if getattr(detector, "needs_scalars", False):
+        stats = store.read_latest("generations", ["logprobs", "entropies"])
+        at = {key: i for i, key in enumerate(stats.column("id").to_pylist())}
+        lp, h = stats.column("logprobs"), stats.column("entropies")
+        statistics = [(lp[at[key]].as_py(), h[at[key]].as_py()) for key in rows["id"]]
     labels = rows["label"].to_numpy().astype(np.int64)
     positions = list(positions or default_positions(int(lengths.max())))
     scores = running_scores(
-        detector, trajectories, [*positions, int(lengths.max())], detector.map_config
+        detector, trajectories, [*positions, int(lengths.max())], detector.map_config, statistics
     )
     results = []
     for j, k in enumerate(positions):
