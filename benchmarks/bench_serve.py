@@ -159,6 +159,7 @@ def added_latency(args, prompts: list[str], batch: int, repeats: int) -> dict:
     """Plain generation vs generation + capture + maps + detector, same prompts, interleaved."""
     import torch
 
+    from actmap.answer_features import scalars_of_generations
     from actmap.capture import CaptureConfig, generate_batch, generate_plain
     from actmap.models import load_model
     from actmap.serve.scoring import answer_maps, load_detector_run
@@ -171,7 +172,9 @@ def added_latency(args, prompts: list[str], batch: int, repeats: int) -> dict:
         )
         for p in prompts[:batch]
     ]
-    config = CaptureConfig(max_new_tokens=args.max_tokens, batch_size=batch)
+    config = CaptureConfig(  # what the server captures for this detector
+        max_new_tokens=args.max_tokens, batch_size=batch, greybox=detector.needs_scalars
+    )
     # wall seconds and this process's CPU seconds (less sensitive to other processes' load)
     plain, captured, scoring, plain_cpu, captured_cpu = [], [], [], [], []
     generate_plain(model, tokenizer, chats, config)  # warm-up
@@ -183,8 +186,11 @@ def added_latency(args, prompts: list[str], batch: int, repeats: int) -> dict:
         tick, cpu = time.perf_counter(), time.process_time()
         generations = generate_batch(model, tokenizer, chats, config)
         middle = time.perf_counter()
-        kept = [g.trajectory for g in generations if g.n_tokens]
-        detector.predict_proba(answer_maps(kept, detector.map_config))
+        kept = [g for g in generations if g.n_tokens]
+        scalars = scalars_of_generations(kept) if detector.needs_scalars else None
+        detector.predict_proba(
+            answer_maps([g.trajectory for g in kept], detector.map_config), scalars
+        )
         done = time.perf_counter()
         captured.append(done - tick)
         captured_cpu.append(time.process_time() - cpu)
