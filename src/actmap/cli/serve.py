@@ -76,6 +76,12 @@ def serve(
     ),
     score_every: int = typer.Option(1, help="Tokens between running scores while streaming."),
     device: str = typer.Option("cpu", help="cpu | cuda"),
+    monitor: Path = typer.Option(
+        None,
+        help="Shift monitor (`actmap monitor fit`; its folder or the run holding it): every "
+        "answer gets actmap.shift, /metrics gets actmap_shift_* gauges.",
+    ),
+    monitor_window: int = typer.Option(50, min=2, help="Answers per shift-monitor window test."),
 ) -> None:
     """Serve an OpenAI-compatible API whose every answer carries p(correct) and a decision."""
     with user_errors():
@@ -91,6 +97,7 @@ def serve(
             max_body_bytes=max_body_bytes, max_context=max_context, max_batch=batch_size,
             batch_window_ms=batch_window_ms, max_queue=queue_size, timeout_s=timeout,
             stream_scores=stream_scores, score_every=score_every, device=device,
+            monitor=monitor, monitor_window=monitor_window,
         )  # fmt: skip
         if host not in LOOPBACK and not settings.api_key:
             console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")

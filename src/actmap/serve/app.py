@@ -48,6 +48,7 @@ from actmap.serve.protocol import (
     ModelCard,
     ModelList,
     RunningScore,
+    ShiftInfo,
     UsageInfo,
     random_id,
 )
@@ -83,6 +84,8 @@ class ServeSettings:
     stream_scores: bool = False  # running p(correct) in every streamed chunk by default
     score_every: int = 1  # tokens between running scores
     device: str = "cpu"
+    monitor: Path | None = None  # shift monitor folder (or a run folder holding monitor/)
+    monitor_window: int = 50  # answers per window test
 
     @property
     def model_name(self) -> str:
@@ -147,7 +150,21 @@ def build_engine(settings: ServeSettings) -> Engine:
         max_context=settings.max_context or int(limit),
         score_every=settings.score_every,
         audit=audit,
+        monitor=load_streaming_monitor(settings.monitor, settings.monitor_window),
     )
+
+
+def load_streaming_monitor(path: Path | None, window: int):
+    """The monitor of ``--monitor`` (its folder, or a run folder holding ``monitor/``)."""
+    if path is None:
+        return None
+    from actmap.monitor import ShiftMonitor
+    from actmap.monitor.stream import StreamingMonitor
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file() and (folder / "monitor" / "config.json").is_file():
+        folder = folder / "monitor"
+    return StreamingMonitor(ShiftMonitor.load(folder), window)
 
 
 # -- request checks ---------------------------------------------------------------------------
@@ -264,6 +281,8 @@ class ServerState:
     def __init__(self, settings: ServeSettings, engine: Engine) -> None:
         self.settings, self.engine = settings, engine
         self.metrics = ServeMetrics()
+        if engine.monitor is not None:
+            self.metrics.add_shift_gauges()
         self.batcher = MicroBatcher(
             engine.run,
             max_batch=settings.max_batch,
@@ -293,6 +312,7 @@ class ServerState:
             detector=self.engine.detector.id,
             map_id=answer.map_id,
             prevalence=answer.prevalence,
+            shift=None if answer.shift is None else ShiftInfo(**answer.shift.to_json()),
         )
 
 
@@ -404,6 +424,8 @@ def create_app(
     async def metrics(request: Request) -> Response:
         state: ServerState = request.app.state.actmap
         state.metrics.queue_depth.set(state.batcher.depth)
+        if state.engine.monitor is not None:
+            state.metrics.observe_shift(state.engine.monitor.state())
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -30,6 +30,7 @@ from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import stop_position
 from actmap.maps import build_maps
 from actmap.models import ModelSource
+from actmap.monitor.stream import MapShift, StreamingMonitor
 from actmap.prior import em_prevalence
 from actmap.serve.policy import Policy, PriorSetting, calibrate, correct_prior, decide
 from actmap.serve.scoring import LoadedDetector, answer_maps, stored_form
@@ -79,6 +80,7 @@ class Answer:
     map: np.ndarray | None  # (C, H, W) float16, the stored form
     queued_s: float = 0.0
     scalars: np.ndarray | None = None  # (6,) per-answer scalars, when the detector reads them
+    shift: MapShift | None = None  # the shift monitor's view (None without a monitor)
 
 
 @dataclass(frozen=True)
@@ -222,8 +224,10 @@ class Engine:
         score_every: int = 1,
         audit=None,
         layers_path: str | None = None,
+        monitor: StreamingMonitor | None = None,
     ) -> None:
         self.model, self.tokenizer, self.source = model, tokenizer, source
+        self.monitor = monitor
         self.detector = detector
         self.map_config = detector.map_config
         self.policy = policy
@@ -282,6 +286,7 @@ class Engine:
             if self.detector.needs_scalars:
                 scalars = scalars_of_generations([generations[i] for i in scored])
             raw[scored] = self.detector.predict_proba(maps, scalars)
+        shifts = self.monitor.observe(maps) if self.monitor is not None and scored else None
         prevalence = self.prevalence.update(raw[scored])
         corrected = correct_prior(raw, self.policy.prior, prevalence)
         answers, records = [], []
@@ -309,6 +314,7 @@ class Engine:
                 map=maps[map_index[i]] if has_map else None,
                 queued_s=started - job.enqueued_at,
                 scalars=scalars[map_index[i]] if has_map and scalars is not None else None,
+                shift=shifts[map_index[i]] if shifts is not None and has_map else None,
             )
             answers.append(answer)
             if map_id is not None:

@@ -55,6 +55,34 @@ class ServeMetrics:
         )
         self.queue_depth = Gauge("actmap_queue_depth", "Requests waiting", registry=r)
 
+    def add_shift_gauges(self) -> None:
+        """Gauges of the shift monitor (``actmap serve --monitor``), set by `observe_shift`."""
+        r = self.registry
+        self.shift_p = Gauge(
+            "actmap_shift_window_p_value", "p-value of the latest window test", registry=r
+        )
+        self.shift_alarm = Gauge(
+            "actmap_shift_alarm", "1 when the latest window test alarmed, else 0", registry=r
+        )
+        self.shift_windows = Gauge("actmap_shift_windows_tested", "Window tests run", registry=r)
+        self.shift_alarms = Gauge(
+            "actmap_shift_window_alarms", "Window tests that alarmed", registry=r
+        )
+        self.shift_maps = Gauge("actmap_shift_maps_seen", "Maps the monitor scored", registry=r)
+        self.shift_flagged = Gauge(
+            "actmap_shift_maps_flagged", "Maps flagged out of domain one by one", registry=r
+        )
+
+    def observe_shift(self, state: dict) -> None:
+        """Copy the monitor's `StreamingMonitor.state()` into the gauges."""
+        p = state["window_p_value"]
+        self.shift_p.set(float("nan") if p is None else p)
+        self.shift_alarm.set(int(state["alarm"]))
+        self.shift_windows.set(state["windows_tested"])
+        self.shift_alarms.set(state["window_alarms"])
+        self.shift_maps.set(state["maps_seen"])
+        self.shift_flagged.set(state["maps_flagged"])
+
     def observe_batch(self, timings) -> None:
         self.generation.observe(timings.generation_s)
         self.scoring.observe(timings.scoring_s)

@@ -95,6 +95,16 @@ class CompletionRequest(_SamplingFields):
 # -- responses ------------------------------------------------------------------------------
 
 
+class ShiftInfo(OpenAIBaseModel):
+    """The shift monitor's view of one answer (``actmap serve --monitor``)."""
+
+    map_distance: float  # squared Mahalanobis distance of the answer's map to the in-domain mean
+    map_p_value: float  # conformal p-value among in-domain maps (small = unusual)
+    flagged: bool  # map_p_value <= the monitor's map_alpha
+    window_p_value: float | None  # latest window test over recent answers (None before one)
+    alarm: bool  # the latest window test alarmed: traffic left the detector's domain
+
+
 class ActmapInfo(OpenAIBaseModel):
     """What actmap adds to every answer."""
 
@@ -104,6 +114,7 @@ class ActmapInfo(OpenAIBaseModel):
     detector: str  # detector id: name, run folder, seed, weights digest
     map_id: str | None  # id of the answer's map in the audit store
     prevalence: float | None = None  # the prevalence p_correct was shifted to, if any
+    shift: ShiftInfo | None = None  # the shift monitor's view, when the server runs one
 
 
 class RunningScore(OpenAIBaseModel):
