@@ -181,6 +181,24 @@ def load_model(
     return model, tokenizer, source
 
 
+def load_tokenizer(name: str = DEFAULT_MODEL, revision: str = "main"):
+    """(tokenizer, source) of a generator without loading its weights (a capture driver
+    renders and sorts prompts with it while model replicas run elsewhere)."""
+    from transformers import AutoTokenizer
+
+    source = check_model(name, revision)
+    if source.gguf_file:
+        cached = cache_dir() / f"{Path(source.gguf_file).stem}-{source.revision}"
+        if (cached / "config.json").is_file():
+            return AutoTokenizer.from_pretrained(cached), source
+        return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file), source
+    try:
+        return AutoTokenizer.from_pretrained(source.path, revision=source.revision), source
+    except OSError as error:
+        reason = " ".join(str(error).split())
+        raise ActmapUserError(f"cannot load the tokenizer of '{name}': {reason}") from None
+
+
 def _save_atomically(model, tokenizer, target: Path) -> None:
     # GGUF weights are already de-quantized to float tensors; only the loader's marker remains
     model.hf_quantizer = None

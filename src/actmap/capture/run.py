@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
@@ -182,6 +182,97 @@ def order_by_prompt_length(prompts: Sequence[str], tokenizer) -> list[int]:
     return sorted(range(len(prompts)), key=lengths.__getitem__)
 
 
+@dataclass(frozen=True)
+class CapturePlan:
+    """What a capture run has left to do: the batches of examples not yet in the store."""
+
+    batches: list[list[Example]]
+    prompts: list[list[str]]  # the rendered prompt of every example, batch by batch
+    total: int  # examples asked for
+    skipped_existing: int  # already committed (or recorded as skipped) by an earlier run
+
+
+def plan_capture(
+    task: Task,
+    examples: Sequence[Example],
+    store: MapStore,
+    tokenizer,
+    batch_size: int,
+    sort_by_length: bool = True,
+) -> CapturePlan:
+    """The examples not yet in ``store``, rendered and cut into batches (shortest prompts first
+    with ``sort_by_length``). Every engine captures exactly these batches."""
+    done = store.ids("maps") | store.ids("skipped")
+    todo = [e for e in examples if example_id(e) not in done]
+    prompts = [task.prompt(e, tokenizer) for e in todo]
+    if sort_by_length and prompts:
+        order = order_by_prompt_length(prompts, tokenizer)
+        todo, prompts = [todo[i] for i in order], [prompts[i] for i in order]
+    starts = range(0, len(todo), batch_size)
+    return CapturePlan(
+        batches=[todo[i : i + batch_size] for i in starts],
+        prompts=[prompts[i : i + batch_size] for i in starts],
+        total=len(examples),
+        skipped_existing=len(examples) - len(todo),
+    )
+
+
+def commit_all(
+    store: MapStore,
+    task: Task,
+    source: ModelSource,
+    plan: CapturePlan,
+    captured: Iterable[tuple[list[Example], list[Generation], float]],
+    map_config: MapConfig = MapConfig(),
+    keep_trajectories: bool = False,
+    progress: Callable[[int], None] | None = None,
+    engine: dict | None = None,
+) -> RunSummary:
+    """Commit every (examples, generations, seconds spent generating) batch of ``captured`` as
+    it arrives, then record the run in the manifest. Shared by every capture engine."""
+    started = time.perf_counter()
+    if progress is not None and plan.skipped_existing:
+        progress(plan.skipped_existing)
+    written = correct = labelled = empty = 0
+    generation_time = 0.0
+    for batch, records, seconds in captured:
+        generation_time += seconds
+        w, c, n = commit_batch(store, task, source, batch, records, map_config, keep_trajectories)
+        written, correct, labelled = written + w, correct + c, labelled + n
+        empty += len(batch) - w
+        if progress is not None:
+            progress(len(batch))
+    summary = RunSummary(
+        written=written,
+        skipped_existing=plan.skipped_existing,
+        skipped_empty=empty,
+        correct=correct,
+        labelled=labelled,
+        wall_time_s=time.perf_counter() - started,
+        generation_time_s=generation_time,
+    )
+    run = {**asdict(summary), "finished_at": time.time(), **({"engine": engine} if engine else {})}
+    store.edit_manifest(lambda manifest: manifest.setdefault("runs", []).append(run))
+    return summary
+
+
+def given_answers(task: Task, batch: list[Example]) -> list[str] | None:
+    """The answers to read for a task of given answers (teacher forcing); None = generate."""
+    if getattr(task, "teacher_forced", False):
+        return [e.meta["answer"] for e in batch]
+    return None
+
+
+def capture_batch(
+    model, tokenizer, prompts: list[str], answers: list[str] | None,
+    capture: CaptureConfig, layers_path: str | None,
+) -> list[Generation]:  # fmt: skip
+    """One batch through the model: generation, or one teacher-forced pass for given answers."""
+    if answers is not None:
+        return capture_answers_batch(model, tokenizer, prompts, answers, capture, layers_path)
+    return generate_batch(model, tokenizer, prompts, capture, layers_path)
+
+
 def run_capture(
     model,
     tokenizer,
@@ -196,60 +287,32 @@ def run_capture(
     progress: Callable[[int], None] | None = None,
     sort_by_length: bool = True,
 ) -> RunSummary:
-    """Capture every example not yet in ``store``, one committed batch at a time.
+    """Capture every example not yet in ``store``, one committed batch at a time (this process).
 
     With ``sort_by_length`` the batches take the prompts in order of token count,
     so a batch pads little; ids, labels and maps are those of each example
     whatever the order, and a resumed run skips finished ids as always.
     """
+    check_map_config(map_config)
+    plan = plan_capture(task, examples, store, tokenizer, capture.batch_size, sort_by_length)
+
+    def captured() -> Iterator[tuple[list[Example], list[Generation], float]]:
+        for batch, prompts in zip(plan.batches, plan.prompts, strict=True):
+            tick = time.perf_counter()
+            answers = given_answers(task, batch)
+            records = capture_batch(model, tokenizer, prompts, answers, capture, layers_path)
+            yield batch, records, time.perf_counter() - tick
+
+    return commit_all(
+        store, task, source, plan, captured(), map_config, keep_trajectories, progress
+    )
+
+
+def check_map_config(map_config: MapConfig) -> None:
     if map_shape(map_config) != (12, 32, 128):
         raise ValueError(
             "the store keeps the paper's 12x32x128 maps; build ablation maps from trajectories"
         )
-    started = time.perf_counter()
-    done = store.ids("maps") | store.ids("skipped")
-    todo = [e for e in examples if example_id(e) not in done]
-    if progress is not None and len(examples) > len(todo):
-        progress(len(examples) - len(todo))
-    written = correct = labelled = empty = 0
-    generation_time = 0.0
-    all_prompts = [task.prompt(e, tokenizer) for e in todo]
-    if sort_by_length and all_prompts:
-        order = order_by_prompt_length(all_prompts, tokenizer)
-        todo, all_prompts = [todo[i] for i in order], [all_prompts[i] for i in order]
-    for start in range(0, len(todo), capture.batch_size):
-        batch = todo[start : start + capture.batch_size]
-        prompts = all_prompts[start : start + capture.batch_size]
-        tick = time.perf_counter()
-        if getattr(task, "teacher_forced", False):  # answers given: read them, generate nothing
-            answers = [e.meta["answer"] for e in batch]
-            records = capture_answers_batch(
-                model, tokenizer, prompts, answers, capture, layers_path
-            )
-        else:
-            records = generate_batch(model, tokenizer, prompts, capture, layers_path)
-        generation_time += time.perf_counter() - tick
-        w, c, n = commit_batch(store, task, source, batch, records, map_config, keep_trajectories)
-        written, correct, labelled, empty = (
-            written + w,
-            correct + c,
-            labelled + n,
-            empty + len(batch) - w,
-        )
-        if progress is not None:
-            progress(len(batch))
-    summary = RunSummary(
-        written=written,
-        skipped_existing=len(examples) - len(todo),
-        skipped_empty=empty,
-        correct=correct,
-        labelled=labelled,
-        wall_time_s=time.perf_counter() - started,
-        generation_time_s=generation_time,
-    )
-    run = {**asdict(summary), "finished_at": time.time()}
-    store.edit_manifest(lambda manifest: manifest.setdefault("runs", []).append(run))
-    return summary
 
 
 def natural_accuracy(store: MapStore) -> dict[str, float]:

@@ -160,6 +160,20 @@ def capture(
     no_stop: bool = typer.Option(
         False, "--no-stop", help="No stop strings: answers end at end-of-sequence only."
     ),
+    engine: str = typer.Option(
+        "local",
+        help="local (this process) | ray (Ray Data: an actor pool of model replicas; "
+        "pip install 'actmap[ray]'). Same store either way.",
+    ),
+    workers: int = typer.Option(1, min=1, help="--engine ray: model replicas."),
+    gpus_per_worker: float = typer.Option(
+        None, min=0, help="--engine ray: GPUs per replica (default: 1 with --device cuda, else 0)."
+    ),
+    ray_address: str = typer.Option(
+        None,
+        help="--engine ray: an existing cluster ('auto' after `ray start`, or ray://HEAD:10001); "
+        "default: a local Ray instance for this run.",
+    ),
     share_prefix: int = typer.Option(
         None,
         min=0,
@@ -173,7 +187,7 @@ def capture(
         from actmap.capture import CaptureConfig
         from actmap.capture.run import natural_accuracy, run_capture, store_config
         from actmap.maps import MapConfig
-        from actmap.models import ModelSource, check_model, load_model
+        from actmap.models import ModelSource, check_model, load_model, load_tokenizer
         from actmap.store import MapStore, claim_store
         from actmap.training import check_device
 
@@ -208,30 +222,50 @@ def capture(
         }
         # a missing path, an unreachable hub id or an absent device: refused before any write
         check_model(model, revision)
-        check_device(device)
+        if engine not in ("local", "ray"):
+            raise ActmapUserError(f"--engine must be 'local' or 'ray', got {engine!r}")
+        if engine == "ray":
+            from actmap.capture.ray_engine import RayOptions, require_ray
+
+            require_ray()  # says how to install it when missing
+            options = RayOptions(
+                workers=workers,
+                gpus_per_worker=(1.0 if device.startswith("cuda") else 0.0)
+                if gpus_per_worker is None
+                else gpus_per_worker,
+                address=ray_address,
+            )
+        else:
+            check_device(device)  # a Ray replica checks its own device on its own node
         # refuse a config mismatch or a second writer before the model's load time is spent
         asked = ModelSource(model, model, None, revision)
         claim = claim_store(out, store_config(the_task, asked, config, MapConfig(), keep))
         try:
             with console.status(f"loading {model} ..."), quiet_transformers():
-                lm, tokenizer, source = load_model(model, revision=revision, device=device)
+                if engine == "ray":
+                    lm, (tokenizer, source) = None, load_tokenizer(model, revision)
+                else:
+                    lm, tokenizer, source = load_model(model, revision=revision, device=device)
             store = MapStore.create(out, store_config(the_task, source, config, MapConfig(), keep))
         finally:
             claim.release()
         with progress_bar() as bar:
             job = bar.add_task(f"capture {the_task.name}", total=len(examples), info="")
-            summary = run_capture(
-                lm,
-                tokenizer,
-                source,
-                the_task,
-                examples,
-                store,
-                config,
+            common = dict(
+                capture=config,
                 keep_trajectories=keep_trajectories,
                 layers_path=layers_path,
                 progress=lambda n: bar.advance(job, n),
             )
+            if engine == "ray":
+                from actmap.capture.ray_engine import run_capture_ray
+
+                summary = run_capture_ray(
+                    model, revision, device, tokenizer, source, the_task, examples, store,
+                    options=options, **common,
+                )  # fmt: skip
+            else:
+                summary = run_capture(lm, tokenizer, source, the_task, examples, store, **common)
         console.print(
             f"wrote {summary.written} rows ({summary.skipped_existing} already stored, "
             f"{summary.skipped_empty} empty answers) in {summary.wall_time_s:.1f} s; "
