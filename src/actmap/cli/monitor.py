@@ -56,7 +56,9 @@ def monitor_check(
     run: Path = typer.Option(..., help="Run folder holding a monitor (`actmap monitor fit`)."),
     store: Path = typer.Option(..., help="Store whose maps are checked against the run's domain."),
     window: str = typer.Option("50,200", help="Comma-separated window sizes (maps per window)."),
-    split: str = typer.Option(None, help="Only the rows of this split (default: all rows)."),
+    split: str = typer.Option(
+        None, help="Only the rows of these splits, comma-separated (default: all rows)."
+    ),
     prevalence: float = typer.Option(
         None,
         help="Resample the labelled rows to this fraction correct first (a prevalence change).",

@@ -36,16 +36,18 @@ def window_rows(
     prevalence: float | None = None,
     seed: int = 0,
 ) -> list[str]:
-    """Ids of ``split`` (all rows when None). With ``prevalence``: the labelled rows, resampled
+    """Ids of ``split`` (comma-separated names; all rows when None). With ``prevalence``: the labelled rows, resampled
     without replacement to that fraction correct, as many as the rarer side allows."""
     meta = store.metadata()
     if split is not None:
         known = sorted(meta["split"].unique())
-        if split not in known:
-            raise ActmapUserError(
-                f"{store.root} has no rows of split '{split}'; splits there: {', '.join(known)}"
-            )
-        meta = meta[meta["split"] == split]
+        wanted = [s.strip() for s in split.split(",") if s.strip()]
+        for name in wanted:
+            if name not in known:
+                raise ActmapUserError(
+                    f"{store.root} has no rows of split '{name}'; splits there: {', '.join(known)}"
+                )
+        meta = meta[meta["split"].isin(wanted)]
     if prevalence is None:
         return meta["id"].tolist()
     if not 0 < prevalence < 1:
