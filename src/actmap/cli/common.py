@@ -8,6 +8,7 @@ from contextvars import ContextVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -63,7 +64,7 @@ def user_errors() -> Iterator[None]:
     except (ActmapUserError, FileNotFoundError) as error:
         if SHOW_TRACEBACKS.get():
             raise
-        console.print(f"[red]error:[/red] {one_line(error)}", soft_wrap=True, highlight=False)
+        console.print(f"[red]error:[/red] {escape(one_line(error))}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None
 
 
