@@ -64,7 +64,9 @@ def user_errors() -> Iterator[None]:
     except (ActmapUserError, FileNotFoundError) as error:
         if SHOW_TRACEBACKS.get():
             raise
-        console.print(f"[red]error:[/red] {escape(one_line(error))}", soft_wrap=True, highlight=False)
+        console.print(
+            f"[red]error:[/red] {escape(one_line(error))}", soft_wrap=True, highlight=False
+        )
         raise typer.Exit(2) from None
 
 
