@@ -10,6 +10,7 @@ false-alarm rate averaged over monitors (the exact `alpha` of the permutation te
 and its spread over repeats shows how far one monitor strays from it.
 
     python experiments/monitor_crossfit.py --store stores/smollm2-builtin --window 50,200
+    python experiments/monitor_crossfit.py --store stores/smollm2-builtin --prevalence 0.1
 
 Prints JSON: per window size, alarms / windows pooled, an exact binomial 95% interval
 (it treats windows as independent, which holds across repeats, not within one), and
@@ -35,8 +36,13 @@ def main() -> None:
     parser.add_argument("--fit", type=float, default=0.6, help="fraction of rows fitted on")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--alpha", type=float, default=0.05)
+    parser.add_argument(
+        "--prevalence", type=float, default=None,
+        help="resample the held-out rows to this fraction correct (a prevalence change only)",
+    )  # fmt: skip
     opts = parser.parse_args()
-    maps, _ = MapStore.open(opts.store).load_maps()
+    maps, meta = MapStore.open(opts.store).load_maps()
+    labels = meta["label"].to_numpy(dtype=float)
     sizes = [int(w) for w in opts.window.split(",")]
     alarms = {w: [] for w in sizes}
     for repeat in range(opts.repeats):
@@ -45,7 +51,10 @@ def main() -> None:
         cut = int(opts.fit * len(maps))
         config = MonitorConfig(alpha=opts.alpha, seed=repeat)
         monitor = ShiftMonitor(config).fit(maps[np.sort(order[:cut])])
-        held = monitor.transform(maps[order[cut:]])
+        held_rows = order[cut:]
+        if opts.prevalence is not None:
+            held_rows = resample(held_rows, labels, opts.prevalence, rng)
+        held = monitor.transform(maps[held_rows])
         for w in sizes:
             alarms[w].append(
                 [
@@ -53,8 +62,9 @@ def main() -> None:
                     for i in range(0, len(held) - w + 1, w)
                 ]
             )
-    result = {"store": opts.store, "rows": len(maps), "fit_rows": cut, "held_out_rows": len(maps) - cut,
-              "repeats": opts.repeats, "alpha": opts.alpha, "windows": {}}  # fmt: skip
+    result = {"store": opts.store, "rows": len(maps), "fit_rows": cut, "held_out_rows": len(held),
+              "prevalence": opts.prevalence, "repeats": opts.repeats, "alpha": opts.alpha,
+              "windows": {}}  # fmt: skip
     for w in sizes:
         flat = [a for rep in alarms[w] for a in rep]
         ci = binomtest(sum(flat), len(flat)).proportion_ci(0.95, method="exact")
@@ -66,6 +76,18 @@ def main() -> None:
             "per_repeat": [float(np.mean(rep)) for rep in alarms[w]],
         }
     print(json.dumps(result, indent=2))
+
+
+def resample(rows: np.ndarray, labels: np.ndarray, prevalence: float, rng) -> np.ndarray:
+    """``rows`` cut to ``prevalence`` correct without replacement (as many as the rarer side allows)."""
+    correct = rows[labels[rows] == 1]
+    wrong = rows[labels[rows] == 0]
+    total = min(len(correct) / prevalence, len(wrong) / (1 - prevalence))
+    n_correct, n_wrong = int(total * prevalence), int(total * (1 - prevalence))
+    chosen = np.concatenate(
+        [rng.choice(correct, n_correct, replace=False), rng.choice(wrong, n_wrong, replace=False)]
+    )
+    return rng.permutation(chosen)
 
 
 if __name__ == "__main__":
