@@ -23,6 +23,7 @@ COMMANDS = [
     "demo",
     "baselines",
     "compare",
+    "monitor",
 ]
 
 
