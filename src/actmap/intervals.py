@@ -7,6 +7,10 @@ difference keeps the correlation between them (two methods that rank the same
 rows well differ by much less than their separate intervals suggest).
 Intervals are percentile intervals; resamples with a single class (AUROC
 undefined) are drawn again, and their count is reported.
+
+A method trained with several seeds on the same rows passes its scores as an
+(S, n) array: the metric is the mean over seeds, on each resample as on all rows
+(so the interval covers the seed-averaged figure a table reports).
 """
 
 from __future__ import annotations
@@ -110,18 +114,30 @@ def paired_bootstrap(
     return _bootstrap([scores_a, scores_b], labels, metric, n_resamples, level, seed)
 
 
+def _seed_rows(scores) -> np.ndarray:
+    """(n,) one method's scores or (S, n) one per seed -> (S, n) float64."""
+    array = np.asarray(scores, dtype=np.float64)
+    if array.ndim not in (1, 2):
+        raise ValueError(f"scores must be (n,) or (seeds, n), got shape {array.shape}")
+    return np.atleast_2d(array)
+
+
 def _bootstrap(scores, labels, metric, n_resamples, level, seed) -> Interval:
-    """One method's metric, or (two methods) the difference of theirs, on shared resamples."""
-    columns = [np.asarray(s, dtype=np.float64) for s in scores]
+    """One method's metric, or (two methods) the difference of theirs, on shared resamples;
+    a method given as (S, n) scores contributes its metric averaged over the S seeds."""
+    columns = [_seed_rows(s) for s in scores]
     y = np.asarray(labels).astype(np.int64)
-    if any(len(c) != len(y) for c in columns):
-        sizes = ", ".join(str(len(c)) for c in columns)
+    if any(c.shape[1] != len(y) for c in columns):
+        sizes = ", ".join(str(c.shape[1]) for c in columns)
         raise ValueError(f"scores have {sizes} rows but labels have {len(y)}")
     draws, redrawn = resample_indices(y, n_resamples, np.random.default_rng(seed), True)
     signs = (1.0, -1.0)[: len(columns)]
-    values = sum(
-        sign * _metric_values(metric, c, y, draws) for sign, c in zip(signs, columns, strict=True)
-    )
     full = metric or metrics.auroc
-    estimate = sum(sign * full(c, y) for sign, c in zip(signs, columns, strict=True))
+    values = sum(
+        sign * np.mean([_metric_values(metric, row, y, draws) for row in c], axis=0)
+        for sign, c in zip(signs, columns, strict=True)
+    )
+    estimate = sum(
+        sign * np.mean([full(row, y) for row in c]) for sign, c in zip(signs, columns, strict=True)
+    )
     return _interval(estimate, values, len(y), n_resamples, level, redrawn)

@@ -91,3 +91,25 @@ def _record(key: str, row, array: np.ndarray) -> MapRecord:
         else int(label),
         map=array,
     )
+
+
+def read_arrays(store: MapStore, table: str, ids: list[str]) -> dict[str, np.ndarray]:
+    """{id: float16 array} of a side table of arrays (``trajectories``, ``dense``) for ``ids``
+    (the latest row of each id); an id without a row raises `StoreError`."""
+    column = {"trajectories": "trajectory"}.get(table, table)
+    wanted = set(ids)
+    out: dict[str, np.ndarray] = {}
+    data = store.read_latest(table)
+    for batch in data.to_batches(max_chunksize=256):
+        keys, shapes = batch.column("id").to_pylist(), batch.column("shape").to_pylist()
+        blobs = batch.column(column)
+        for i, (key, shape) in enumerate(zip(keys, shapes, strict=True)):
+            if key in wanted:
+                out[key] = decode_array(blobs[i].as_py(), shape)
+    missing = [key for key in ids if key not in out]
+    if missing:
+        raise StoreError(
+            f"{store.root}: {len(missing)} rows have no {table} (e.g. {missing[:3]}); "
+            f"{data.num_rows} rows stored"
+        )
+    return out

@@ -1,0 +1,418 @@
+"""Ablations and controls (paper section "Ablations"): what each part of the map and the
+detector buys, on one store's balanced rows, every variant with the same seeds on the same rows.
+
+    run_ablations(store, AblationConfig()) -> AblationResult (to_json, to_markdown)
+
+Map variants are rebuilt from the store's pooled trajectories (`actmap.maps.MapConfig`:
+channels, segments, resolution, normalization) and compared with the store's own maps.
+The pooling-structure controls (coordinate permutation before pooling, a Gaussian random
+projection instead of pooling) need the hidden states before pooling: they are built from
+the stored dense states (ACT-ViT's input: the layer axis max-pooled to 8 groups, the first
+100 tokens) and compared with contiguous pooling of those same dense states. Classifier
+variants read the store's maps; the permuted-label control fits the ActMap detector itself
+on shuffled train and validation labels (`PermutedLabelControl`); answer length is the
+length-only logistic regression. A variant whose input is missing (no trajectories, no
+dense states, a resolution wider than the captured width) is reported unavailable with
+the reason, and the others still run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from actmap.experiments.common import AurocSummary, SeedScores, auroc_summary, train_seeds
+from actmap.experiments.runs import LabeledMaps, recipe_config
+from actmap.intervals import N_RESAMPLES
+from actmap.maps import (
+    GROUP_NAMES,
+    LAST_TOKEN_CHANNELS,
+    MapConfig,
+    build_maps_from_list,
+    gaussian_projection,
+    map_shape,
+    mean_pooled_final_layer,
+    permute_coordinates,
+    pool_hidden,
+    without_group,
+)
+
+log = logging.getLogger(__name__)
+
+REFERENCE = "full"  # the store's maps with the configured detector
+DENSE_REFERENCE = "dense_contiguous"  # the reference of the pooling-structure controls
+CLASSIFIERS = ("logreg", "mlp", "mlp4x", "vit")
+
+# name -> (group, what it changes)
+VARIANTS: dict[str, tuple[str, str]] = {
+    REFERENCE: ("reference", "the store's 12x32x128 maps"),
+    "last_token_channels": ("map", "final and final-window channels only"),
+    "mean_pooled_final_layer": ("map", "the mean-pooled final-layer state (128 values)"),
+    **{f"without_{g}": ("map", f"channel group '{g}' removed") for g in GROUP_NAMES},
+    "segments_1": ("map", "1 segment mean (9 channels)"),
+    "segments_8": ("map", "8 segment means (16 channels)"),
+    "resolution_16x64": ("map", "16 layer rows x 64 coordinates"),
+    "resolution_64x256": ("map", "64 layer rows x 256 coordinates"),
+    "global_normalization": ("map", "one mean/std over all channels"),
+    DENSE_REFERENCE: ("pooling", "dense states (8 layer groups), contiguous pooling"),
+    "coordinate_permutation": ("pooling", "dense states, coordinates permuted before pooling"),
+    "gaussian_projection": ("pooling", "dense states, Gaussian projection instead of pooling"),
+    **{f"classifier_{c}": ("classifier", f"{c} on the store's maps") for c in CLASSIFIERS},
+    "permuted_labels": ("control", "the detector fit on permuted train/validation labels"),
+    "answer_length": ("control", "logistic regression on the answer's token count"),
+}
+DEFAULT_VARIANTS = tuple(VARIANTS)
+
+# map variants rebuilt from the pooled trajectories
+MAP_CONFIGS: dict[str, MapConfig] = {
+    "last_token_channels": MapConfig(channels=LAST_TOKEN_CHANNELS),
+    **{f"without_{g}": without_group(MapConfig(), g) for g in GROUP_NAMES},
+    "segments_1": MapConfig(n_segments=1),
+    "segments_8": MapConfig(n_segments=8),
+    "resolution_16x64": MapConfig(layers_out=16, coords_out=64),
+    "resolution_64x256": MapConfig(layers_out=64, coords_out=256),
+    "global_normalization": MapConfig(normalization="global"),
+}
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    """The ablation grid; the defaults are the paper's (three seeds, the matched MLP)."""
+
+    detector: str = "mlp"  # trained on every map variant; "vit" is the paper's main detector
+    seeds: tuple[int, ...] = (42, 123, 456)  # every variant trains these seeds on the same rows
+    max_epochs: int | None = None  # recipe epoch cap (CPU budgets); None = the paper's 80
+    vit_max_epochs: int | None = None  # a separate cap for ViT variants; None = max_epochs
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
+    projection_seed: int = 0  # the fixed coordinate permutation / Gaussian matrix
+    n_resamples: int = N_RESAMPLES
+
+    def __post_init__(self) -> None:
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown:
+            raise ValueError(f"unknown ablation variants {unknown}; known: {tuple(VARIANTS)}")
+        object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
+
+    def recipe(self, detector: str):
+        cap = self.vit_max_epochs if detector == "vit" and self.vit_max_epochs else self.max_epochs
+        return recipe_config(cap)
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    """One ablation row: its seed-mean AUROC, interval and paired difference to its reference."""
+
+    name: str
+    group: str
+    description: str
+    status: str  # "done" | "unavailable"
+    reason: str = ""
+    detector: str | None = None
+    map_shape: tuple[int, ...] | None = None
+    summary: AurocSummary | None = None
+    scores: SeedScores | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "group": self.group,
+            "description": self.description,
+            "status": self.status,
+            "reason": self.reason,
+            "detector": self.detector,
+            "map_shape": None if self.map_shape is None else list(self.map_shape),
+            "summary": None if self.summary is None else self.summary.to_json(),
+            "scores": None if self.scores is None else self.scores.to_json(),
+        }
+
+
+@dataclass(frozen=True)
+class AblationResult:
+    store: str
+    config: AblationConfig
+    rows: dict[str, int]  # balanced rows per split
+    variants: list[VariantResult] = field(default_factory=list)
+
+    def variant(self, name: str) -> VariantResult:
+        return next(v for v in self.variants if v.name == name)
+
+    def to_json(self) -> dict:
+        return {
+            "store": self.store,
+            "config": {**dataclasses.asdict(self.config), "seeds": list(self.config.seeds)},
+            "rows": self.rows,
+            "variants": [v.to_json() for v in self.variants],
+        }
+
+    def to_markdown(self) -> str:
+        lines = [
+            "| variant | group | detector | map | AUROC per seed | mean [95% CI] | "
+            "Δ vs reference [95% CI] | n test |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for v in self.variants:
+            if v.summary is None:
+                lines.append(
+                    f"| {v.name} | {v.group} | {v.detector or ''} | | unavailable: {v.reason} "
+                    "| | | |"
+                )
+                continue
+            s = v.summary
+            seeds = ", ".join(f"{a:.3f}" for a in s.per_seed)
+            shape = "x".join(map(str, v.map_shape)) if v.map_shape else ""
+            delta = f"{s.difference} vs {s.reference}" if s.difference is not None else ""
+            lines.append(
+                f"| {v.name} | {v.group} | {v.detector} | {shape} | {seeds} | {s.auroc} | "
+                f"{delta} | {s.auroc.n} |"
+            )
+        return "\n".join(lines) + "\n"
+
+
+class Unavailable(Exception):
+    """A variant's input is missing; its message says what to capture."""
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Inputs:
+    """The balanced rows of one store, read once and shared by every variant."""
+
+    store: object
+    ids: dict[str, list[str]]  # split -> balanced ids
+    labels: dict[str, np.ndarray]
+    n_tokens: dict[str, np.ndarray]
+    maps: dict[str, np.ndarray]  # the store's maps
+    _arrays: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, store) -> _Inputs:
+        from actmap.rows import balanced_splits
+
+        ids = {s: list(v) for s, v in balanced_splits(store).items()}
+        empty = [s for s, v in ids.items() if not v]
+        if empty:
+            raise ValueError(f"{store.root}: the balanced {empty} split(s) are empty")
+        labels, n_tokens, maps = {}, {}, {}
+        for split, keys in ids.items():
+            maps[split], meta = store.load_maps(keys)
+            labels[split] = meta["label"].to_numpy(dtype=np.int64)
+            n_tokens[split] = meta["n_tokens"].to_numpy(dtype=np.int64)
+        return cls(store, ids, labels, n_tokens, maps)
+
+    def split(self, maps: dict[str, np.ndarray], name: str) -> LabeledMaps:
+        return LabeledMaps(maps[name], self.labels[name], self.ids[name])
+
+    def arrays(self, table: str) -> dict[str, np.ndarray]:
+        """{id: array} of a side table (trajectories, dense) for every balanced row."""
+        from actmap.store.derived import read_arrays
+
+        if table not in self._arrays:
+            if not self.store.has_table(table):
+                hint = {"trajectories": "--keep-trajectories", "dense": "--keep-dense"}[table]
+                raise Unavailable(f"the store has no {table} (capture with {hint})")
+            wanted = [key for keys in self.ids.values() for key in keys]
+            self._arrays[table] = read_arrays(self.store, table, wanted)
+        return self._arrays[table]
+
+    def rebuilt(self, build: Callable[[list[torch.Tensor]], torch.Tensor], table: str) -> dict:
+        """{split: maps} built by ``build`` from the side table's arrays, 128 rows a batch."""
+        arrays = self.arrays(table)
+        out = {}
+        for split, keys in self.ids.items():
+            parts = []
+            for start in range(0, len(keys), 128):
+                batch = [torch.from_numpy(arrays[k].astype(np.float32)) for k in keys[start:][:128]]
+                parts.append(build(batch).half().numpy())
+            out[split] = np.concatenate(parts)
+        return out
+
+
+# --- the variants ------------------------------------------------------------------------------
+
+
+def _map_variant(inputs: _Inputs, name: str) -> dict[str, np.ndarray]:
+    config = MAP_CONFIGS[name]
+    arrays = inputs.arrays("trajectories")
+    width = next(iter(arrays.values())).shape[-1]
+    if config.coords_out > width:
+        raise Unavailable(
+            f"{config.coords_out} coordinates exceed the captured width D'={width} "
+            f"(re-capture with pooled_dim={config.coords_out})"
+        )
+    return inputs.rebuilt(lambda batch: build_maps_from_list(batch, config), "trajectories")
+
+
+def _final_layer_variant(inputs: _Inputs) -> dict[str, np.ndarray]:
+    """(N, 1, 1, D') vectors, each coordinate standardised with the train rows' mean and std."""
+
+    def build(batch):
+        return torch.stack([mean_pooled_final_layer(t) for t in batch])[:, None, None, :]
+
+    vectors = inputs.rebuilt(build, "trajectories")
+    train = vectors["train"].astype(np.float32)
+    mean, std = train.mean(axis=0), np.maximum(train.std(axis=0), 1e-6)
+    return {s: ((v.astype(np.float32) - mean) / std).astype(np.float16) for s, v in vectors.items()}
+
+
+def pooling_transform(name: str, seed: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Dense states (..., D) -> (..., 128): contiguous pooling, pooling after a fixed coordinate
+    permutation, or a fixed Gaussian projection."""
+    if name == DENSE_REFERENCE:
+        return lambda x: pool_hidden(x, 128)
+    if name == "coordinate_permutation":
+        return lambda x: pool_hidden(permute_coordinates(x, seed), 128)
+    if name == "gaussian_projection":
+        return lambda x: gaussian_projection(x, 128, seed)
+    raise ValueError(f"unknown pooling control {name!r}")
+
+
+def _pooling_variant(inputs: _Inputs, name: str, seed: int) -> dict[str, np.ndarray]:
+    transform = pooling_transform(name, seed)
+    return inputs.rebuilt(
+        lambda batch: build_maps_from_list([transform(x) for x in batch]), "dense"
+    )
+
+
+def _permuted_labels(inputs: _Inputs, config: AblationConfig) -> SeedScores:
+    from actmap.baselines.controls import PermutedLabelControl
+    from actmap.detectors import CorrectnessDetector
+
+    maps = inputs.maps
+    confidence, logits = [], []
+    for seed in config.seeds:
+        detector = CorrectnessDetector(
+            config.detector, config=config.recipe(config.detector), seed=seed
+        )
+        control = PermutedLabelControl(detector, seed=seed).fit(
+            maps["train"], inputs.labels["train"], maps["validation"], inputs.labels["validation"]
+        )
+        result = control.score(maps["test"])
+        confidence.append(result.confidence)
+        logits.append(result.raw)
+    return SeedScores(
+        "permuted_labels",
+        inputs.labels["test"],
+        np.stack(confidence),
+        config.seeds,
+        True,
+        np.stack(logits),
+    )
+
+
+def _answer_length(inputs: _Inputs) -> SeedScores:
+    from actmap.baselines.controls import AnswerLengthPredictor
+
+    def rows(split):
+        return [SimpleNamespace(n_tokens=int(n)) for n in inputs.n_tokens[split]]
+
+    scorer = AnswerLengthPredictor().fit(rows("train"), inputs.labels["train"])
+    p = scorer.score(rows("test")).confidence
+    return SeedScores("answer_length", inputs.labels["test"], p[None], (0,), True)
+
+
+def _variant_maps(inputs: _Inputs, name: str, config: AblationConfig) -> dict[str, np.ndarray]:
+    if name in MAP_CONFIGS:
+        return _map_variant(inputs, name)
+    if name == "mean_pooled_final_layer":
+        return _final_layer_variant(inputs)
+    if VARIANTS[name][0] == "pooling":
+        return _pooling_variant(inputs, name, config.projection_seed)
+    return inputs.maps  # the reference and the classifiers read the store's maps
+
+
+def _detector_of(name: str, config: AblationConfig) -> str | None:
+    if name.startswith("classifier_"):
+        return name.removeprefix("classifier_")
+    return None if name == "answer_length" else config.detector
+
+
+def _reference_of(name: str) -> str | None:
+    group = VARIANTS[name][0]
+    if name in (REFERENCE, DENSE_REFERENCE):
+        return None
+    return DENSE_REFERENCE if group == "pooling" else REFERENCE
+
+
+def _scores(inputs: _Inputs, name: str, config: AblationConfig, done: dict) -> SeedScores:
+    detector = _detector_of(name, config)
+    if name == "answer_length":
+        return _answer_length(inputs)
+    if name == "permuted_labels":
+        return _permuted_labels(inputs, config)
+    if name == f"classifier_{config.detector}" and REFERENCE in done:
+        return dataclasses.replace(done[REFERENCE], method=name)  # the same fits; not retrained
+    maps = _variant_maps(inputs, name, config)
+    return train_seeds(
+        inputs.split(maps, "train"),
+        inputs.split(maps, "validation"),
+        inputs.split(maps, "test"),
+        detector,
+        config.seeds,
+        config.recipe(detector),
+        method=name,
+    )
+
+
+def variant_map_shape(name: str, config: AblationConfig) -> tuple[int, ...] | None:
+    if name in MAP_CONFIGS:
+        return map_shape(MAP_CONFIGS[name])
+    if name == "mean_pooled_final_layer":
+        return (1, 1, 128)
+    return None if name == "answer_length" else map_shape()
+
+
+def run_ablations(
+    store, config: AblationConfig = AblationConfig(), progress: Callable[[str], None] | None = None
+) -> AblationResult:
+    """Every variant of ``config`` on ``store``'s balanced rows; references run first."""
+    inputs = _Inputs.read(store)
+    order = sorted(config.variants, key=lambda v: v not in (REFERENCE, DENSE_REFERENCE))
+    done: dict[str, SeedScores] = {}
+    results = {}
+    for name in order:
+        group, description = VARIANTS[name]
+        detector = _detector_of(name, config)
+        if progress is not None:
+            progress(name)
+        try:
+            scores = _scores(inputs, name, config, done)
+        except Unavailable as reason:
+            log.info("ablation %s unavailable: %s", name, reason)
+            results[name] = VariantResult(name, group, description, "unavailable", str(reason))
+            continue
+        done[name] = scores
+        reference = done.get(_reference_of(name)) if _reference_of(name) else None
+        summary = auroc_summary(scores, reference, config.n_resamples)
+        results[name] = VariantResult(
+            name,
+            group,
+            description,
+            "done",
+            "" if reference is not None or _reference_of(name) is None else "reference missing",
+            detector,
+            variant_map_shape(name, config),
+            summary,
+            scores,
+        )
+        log.info("ablation %s: AUROC %s", name, summary.auroc)
+    rows = {s: len(v) for s, v in inputs.ids.items()}
+    return AblationResult(
+        str(store.root), config, rows, [results[n] for n in config.variants if n in results]
+    )
+
+
+def seed_means(result: AblationResult, names: Sequence[str] | None = None) -> dict[str, float]:
+    """{variant: seed-mean AUROC} of the variants that ran (for plots and claims)."""
+    return {
+        v.name: v.summary.auroc.estimate
+        for v in result.variants
+        if v.summary is not None and (names is None or v.name in names)
+    }

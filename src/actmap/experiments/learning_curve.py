@@ -1,0 +1,207 @@
+"""Labels needed (the learning curve): test AUROC against the number of labelled training rows.
+
+    run_learning_curve(store, LearningCurveConfig()) -> LearningCurve (to_json, to_markdown)
+
+For each fraction (10 / 25 / 50 / 100% by default) and seed, a class-balanced subsample of
+the store's balanced training rows (drawn with that seed) trains each method; validation
+and test rows are always the full balanced splits, so every point is scored on the same
+rows. ActMap detectors (MLP, logistic regression) train with the paper's recipe; the
+supervised baselines (TAD, ACT-ViT) are fitted through their own scorers on the same
+subsample. A baseline whose inputs the store lacks is reported unavailable with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from actmap.experiments.common import AurocSummary, SeedScores, auroc_summary, train_seeds
+from actmap.experiments.runs import LabeledMaps, recipe_config
+from actmap.intervals import N_RESAMPLES
+
+log = logging.getLogger(__name__)
+
+ACTMAP_DETECTORS = ("mlp", "logreg", "vit", "mlp4x")
+SUPERVISED_BASELINES = ("tad", "actvit", "answer_length")
+
+
+@dataclass(frozen=True)
+class LearningCurveConfig:
+    fractions: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)  # of the balanced training rows
+    seeds: tuple[int, ...] = (42, 123, 456)  # each seed draws its own subsample and init
+    methods: tuple[str, ...] = ("mlp", "logreg", "tad")  # ActMap detectors and baselines
+    max_epochs: int | None = None  # ActMap recipe epoch cap; None = the paper's 80
+    n_resamples: int = N_RESAMPLES
+
+    def __post_init__(self) -> None:
+        if not self.fractions or any(not 0.0 < f <= 1.0 for f in self.fractions):
+            raise ValueError(f"fractions must lie in (0, 1], got {self.fractions}")
+        unknown = [m for m in self.methods if m not in ACTMAP_DETECTORS + SUPERVISED_BASELINES]
+        if unknown:
+            raise ValueError(
+                f"unknown learning-curve methods {unknown}; known: "
+                f"{ACTMAP_DETECTORS + SUPERVISED_BASELINES}"
+            )
+
+
+def balanced_subsample(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """Sorted row indices: ``round(fraction * n_c)`` rows of each class c (at least 1), drawn
+    without replacement with ``seed``; class counts keep their ratio (balanced stays balanced)."""
+    y = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    chosen = []
+    for cls in (0, 1):
+        rows = np.flatnonzero(y == cls)
+        if len(rows) == 0:
+            raise ValueError(f"the training rows hold no row of class {cls}")
+        k = max(1, int(round(fraction * len(rows))))
+        chosen.append(rng.choice(rows, size=k, replace=False))
+    return np.sort(np.concatenate(chosen))
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    method: str
+    fraction: float
+    n_train: int  # labelled training rows used (same for every seed)
+    summary: AurocSummary
+
+    def to_json(self) -> dict:
+        return {
+            "method": self.method,
+            "fraction": self.fraction,
+            "n_train": self.n_train,
+            **self.summary.to_json(),
+        }
+
+
+@dataclass(frozen=True)
+class LearningCurve:
+    store: str
+    config: LearningCurveConfig
+    rows: dict[str, int]
+    points: list[CurvePoint] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)  # method -> why
+
+    def curve(self, method: str) -> list[CurvePoint]:
+        return sorted((p for p in self.points if p.method == method), key=lambda p: p.fraction)
+
+    def to_json(self) -> dict:
+        return {
+            "store": self.store,
+            "config": dataclasses.asdict(self.config),
+            "rows": self.rows,
+            "points": [p.to_json() for p in self.points],
+            "unavailable": self.unavailable,
+        }
+
+    def to_markdown(self) -> str:
+        fractions = self.config.fractions
+        head = " | ".join(f"{100 * f:g}%" for f in fractions)
+        lines = [f"| method | {head} |", "|---" * (len(fractions) + 1) + "|"]
+        for method in dict.fromkeys(p.method for p in self.points):
+            cells = [
+                f"{p.summary.auroc} (n={p.n_train})"
+                for f in fractions
+                for p in self.curve(method)
+                if p.fraction == f
+            ]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        for method, reason in self.unavailable.items():
+            lines.append(f"| {method} | unavailable: {reason} |" + " |" * (len(fractions) - 1))
+        return "\n".join(lines) + "\n"
+
+
+class _Baseline:
+    """A supervised baseline's rows from the store (read once) and one fit per subsample."""
+
+    def __init__(self, store, splits: dict[str, list[str]], method: str) -> None:
+        from actmap.baselines.inputs import StoreInputs
+        from actmap.baselines.options import BaselineOptions
+
+        self.inputs = StoreInputs(store, BaselineOptions(), splits)
+        self.method = method
+        scorer = self.inputs.make_scorer(method)  # BaselineUnavailable when inputs are missing
+        self.rows = {s: self.inputs.rows(scorer.requires, ids, method) for s, ids in splits.items()}
+
+    def scores(self, train_rows: np.ndarray, labels: dict[str, np.ndarray], seed: int):
+        scorer = self.inputs.make_scorer(self.method)
+        train = self.rows["train"]
+        subset = train[train_rows] if hasattr(train, "shape") else [train[i] for i in train_rows]
+        scorer.fit(
+            subset, labels["train"][train_rows], self.rows["validation"], labels["validation"]
+        )
+        return scorer.score(self.rows["test"]), getattr(scorer, "probability", False)
+
+
+def run_learning_curve(
+    store,
+    config: LearningCurveConfig = LearningCurveConfig(),
+    progress: Callable[[str, float], None] | None = None,
+) -> LearningCurve:
+    """Every (method, fraction) point of ``config`` on ``store``'s balanced rows."""
+    from actmap.baselines.base import BaselineUnavailable
+    from actmap.rows import balanced_splits
+    from actmap.store import StoreError
+
+    splits = balanced_splits(store)
+    maps, labels = {}, {}
+    for split, ids in splits.items():
+        maps[split], meta = store.load_maps(ids)
+        labels[split] = meta["label"].to_numpy(dtype=np.int64)
+    val = LabeledMaps(maps["validation"], labels["validation"], splits["validation"])
+    test = LabeledMaps(maps["test"], labels["test"], splits["test"])
+    points, unavailable = [], {}
+    for method in config.methods:
+        baseline = None
+        if method in SUPERVISED_BASELINES:
+            try:
+                baseline = _Baseline(store, splits, method)
+            except (BaselineUnavailable, StoreError) as reason:
+                unavailable[method] = str(reason)
+                continue
+        for fraction in config.fractions:
+            if progress is not None:
+                progress(method, fraction)
+            subsamples = [balanced_subsample(labels["train"], fraction, s) for s in config.seeds]
+            if baseline is None:
+                scores = _actmap_point(method, subsamples, maps, labels, splits, val, test, config)
+            else:
+                scores = _baseline_point(baseline, method, subsamples, labels, config.seeds)
+            summary = auroc_summary(scores, n_resamples=config.n_resamples)
+            points.append(CurvePoint(method, fraction, len(subsamples[0]), summary))
+            log.info("learning curve %s at %g: %s", method, fraction, summary.auroc)
+    rows = {s: len(v) for s, v in splits.items()}
+    return LearningCurve(str(store.root), config, rows, points, unavailable)
+
+
+def _actmap_point(method, subsamples, maps, labels, splits, val, test, config) -> SeedScores:
+    """One seed per subsample: seed s trains on subsample s."""
+    per_seed = []
+    for seed, rows in zip(config.seeds, subsamples, strict=True):
+        train = LabeledMaps(
+            maps["train"][rows], labels["train"][rows], [splits["train"][i] for i in rows]
+        )
+        per_seed.append(
+            train_seeds(train, val, test, method, (seed,), recipe_config(config.max_epochs))
+        )
+    return SeedScores(
+        method,
+        test.labels,
+        np.concatenate([s.confidence for s in per_seed]),
+        config.seeds,
+        True,
+        np.concatenate([s.logits for s in per_seed]),
+    )
+
+
+def _baseline_point(baseline: _Baseline, method, subsamples, labels, seeds) -> SeedScores:
+    confidence, probability = [], False
+    for seed, rows in zip(seeds, subsamples, strict=True):
+        result, probability = baseline.scores(rows, labels, seed)
+        confidence.append(result.confidence)
+    return SeedScores(method, labels["test"], np.stack(confidence), tuple(seeds), probability)
