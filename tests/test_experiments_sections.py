@@ -352,7 +352,7 @@ def test_natural_accuracy_reads_every_labelled_train_row(store):
 
 
 def test_figures_render(store, logreg, tmp_path):
-    from actmap.report.plots import save
+    from actmap.report.plots import save_figure
     from actmap.report.plots.ablations import plot_ablations
     from actmap.report.plots.calibration import plot_reliability, plot_risk_coverage
     from actmap.report.plots.learning import plot_learning_curve
@@ -399,7 +399,7 @@ def test_figures_render(store, logreg, tmp_path):
     assert len(figures["learning"].axes[0].lines) == 2  # logreg and the chance line
     assert len(figures["risk"].axes[0].lines) >= 2
     for name, figure in figures.items():
-        path = save(figure, tmp_path / f"{name}.png")
+        path = save_figure(figure, tmp_path / f"{name}.png")
         assert path.stat().st_size > 5000
 
 
@@ -415,3 +415,28 @@ def test_auroc_summary_refuses_different_rows():
         auroc_summary(a, b, n_resamples=10)
     assert math.isnan(auroc_summary(a, n_resamples=10).std)
     assert auroc_rows(np.array([[0.1, 0.9, 0.2, 0.8]]), np.array([[0, 1, 0, 1]]))[0] == 1.0
+
+
+def test_claim_helpers_pick_the_worst_variant_and_the_peak_band(store, logreg):
+    result = run_ablations(
+        store,
+        AblationConfig(
+            detector="logreg",
+            seeds=(1,),
+            max_epochs=3,
+            n_resamples=50,
+            variants=("full", "segments_1", "last_token_channels", "classifier_logreg"),
+        ),
+    )
+    worst = result.most_damaging()
+    diffs = {
+        v: result.variant(v).summary.difference.estimate
+        for v in ("segments_1", "last_token_channels")
+    }
+    assert worst.name == min(diffs, key=diffs.get)
+    assert result.classifier_spread()["spread"] == 0.0  # one classifier
+    detector, test = logreg
+    location = localize(detector, test, LocalizationConfig(ig_steps=2))
+    first, last = location.peak_depth_band()
+    band = int(np.argmax(location.occlusion_drop.sum(axis=1)))
+    assert (first, last) == (4 * band, 4 * band + 3)

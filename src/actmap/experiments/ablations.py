@@ -142,6 +142,27 @@ class AblationResult:
     def variant(self, name: str) -> VariantResult:
         return next(v for v in self.variants if v.name == name)
 
+    def most_damaging(self) -> VariantResult | None:
+        """The map or pooling variant whose paired AUROC difference to its reference is the
+        most negative (the claims section reads it with its interval)."""
+        ranked = [
+            v
+            for v in self.variants
+            if v.group in ("map", "pooling") and v.summary and v.summary.difference is not None
+        ]
+        return min(ranked, key=lambda v: v.summary.difference.estimate, default=None)
+
+    def classifier_spread(self) -> dict | None:
+        """{classifier: seed-mean AUROC} on the identical maps, and their max - min."""
+        found = {
+            v.name.removeprefix("classifier_"): v.summary.auroc.estimate
+            for v in self.variants
+            if v.group == "classifier" and v.summary is not None
+        }
+        if not found:
+            return None
+        return {"auroc": found, "spread": max(found.values()) - min(found.values())}
+
     def to_json(self) -> dict:
         return {
             "store": self.store,

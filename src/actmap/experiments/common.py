@@ -169,7 +169,6 @@ def scores_from_run(run_dir: str | Path, ids: Sequence[str], labels: np.ndarray)
 def scores_from_results(store, method: str, ids: Sequence[str], labels: np.ndarray) -> SeedScores:
     """A baseline's stored results (``results/<method>`` of ``store``) on ``ids``; a method
     stored with one confidence column per seed (ACT-ViT) keeps its seeds."""
-    from actmap.report.compare import is_probability
     from actmap.store import latest_rows
 
     name = f"results/{method}"
@@ -186,4 +185,8 @@ def scores_from_results(store, method: str, ids: Sequence[str], labels: np.ndarr
     confidence = np.stack([frame.loc[list(ids), c].to_numpy(dtype=np.float64) for c in columns])
     record = store.manifest.get("results", {}).get(method, {})
     seeds = tuple(int(c.rsplit("_", 1)[1]) for c in columns) if len(columns) > 1 else (0,)
-    return SeedScores(method, labels, confidence, seeds, is_probability(record, confidence))
+    # a probability when the scorer said so when it stored its results (and values fit)
+    probability = bool(record.get("probability")) and bool(
+        np.all((confidence >= 0) & (confidence <= 1))
+    )
+    return SeedScores(method, labels, confidence, seeds, probability)

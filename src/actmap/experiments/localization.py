@@ -66,6 +66,11 @@ class Localization:
         """(depth bands,) a view summed over coordinate bands."""
         return np.asarray(getattr(self, view)).sum(axis=1)
 
+    def peak_depth_band(self, view: str = "occlusion_drop") -> tuple[int, int]:
+        """(first, last) map row of the depth band where ``view`` sums highest."""
+        band = int(np.argmax(self.depth_profile(view)))
+        return self.row_edges[band], self.row_edges[band + 1] - 1
+
     def to_json(self) -> dict:
         def arr(a):
             return None if a is None else np.asarray(a).round(6).tolist()
@@ -83,6 +88,7 @@ class Localization:
             "rollout": arr(self.rollout),
             "depth_profile_occlusion": arr(self.depth_profile()),
             "depth_profile_ig": arr(self.depth_profile("integrated_gradients")),
+            "peak_depth_rows_occlusion": list(self.peak_depth_band()),
         }
 
     def to_markdown(self) -> str:

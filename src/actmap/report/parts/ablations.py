@@ -1,0 +1,59 @@
+"""The ablation section: `actmap.experiments.ablations` on the store with the most balanced
+rows that holds trajectories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from actmap.report.parts.choice import largest_stores, open_store
+from actmap.report.sections import (
+    ReportContext,
+    Section,
+    Skipped,
+    figure_markdown,
+    skipped_markdown,
+)
+
+
+def compute_ablations(context: ReportContext):
+    from actmap.experiments.ablations import DEFAULT_VARIANTS, AblationConfig, run_ablations
+
+    refs = largest_stores(context, "ablations", table="trajectories")
+    if not refs:
+        return Skipped("no store with trajectories (capture with --keep-trajectories)")
+    variants = context.option("ablations", "variants", DEFAULT_VARIANTS)
+    config = AblationConfig(
+        detector=context.option("ablations", "detector", "mlp"),
+        seeds=context.seeds,
+        max_epochs=context.max_epochs,
+        vit_max_epochs=context.option("ablations", "vit_max_epochs"),
+        variants=tuple(variants),
+        n_resamples=context.n_resamples,
+    )
+    with context.timings.measure("ablations/" + refs[0].name):
+        return run_ablations(open_store(refs[0]), config)
+
+
+def render_ablations(result, figure_dir: Path) -> str:
+    from actmap.report.plots import save_figure
+    from actmap.report.plots.ablations import plot_ablations
+
+    if isinstance(result, Skipped):
+        return skipped_markdown(result)
+    path = save_figure(plot_ablations(result), figure_dir / "ablations.png")
+    c = result.config
+    caption = (
+        f"Seed-mean test AUROC per variant ({len(c.seeds)} seeds, {c.detector} on the map "
+        f"variants), 95% bootstrap interval over the {result.rows['test']} balanced test rows."
+    )
+    return (
+        f"Store `{Path(result.store).name}`, balanced rows {result.rows}. Every variant trains "
+        f"seeds {list(c.seeds)} on the same rows (recipe epochs: "
+        f"{c.max_epochs or 80}; ViT {c.vit_max_epochs or c.max_epochs or 80}). Δ is the "
+        "paired bootstrap interval of the seed-mean AUROC difference to the reference "
+        "(the store's maps; for the pooling controls, contiguous pooling of the same dense "
+        "states).\n\n" + result.to_markdown() + "\n" + figure_markdown(path, caption)
+    )
+
+
+SECTION = Section("ablations", "Ablations and controls", compute_ablations, render_ablations)
