@@ -108,7 +108,7 @@ def test_ablations_run_rows_refs_and_unavailable(store):
             "full",
             "segments_1",
             "resolution_64x256",
-            "dense_contiguous",
+            "contiguous_pooling",
             "coordinate_permutation",
             "classifier_logreg",
             "permuted_labels",
@@ -125,7 +125,7 @@ def test_ablations_run_rows_refs_and_unavailable(store):
     assert seg.map_shape == (9, 32, 128) and seg.summary.reference == "full"
     expected = np.mean(seg.summary.per_seed) - np.mean(full.summary.per_seed)
     assert seg.summary.difference.estimate == pytest.approx(expected)
-    assert result.variant("coordinate_permutation").summary.reference == "dense_contiguous"
+    assert result.variant("coordinate_permutation").summary.reference == "contiguous_pooling"
     # the classifier equal to the configured detector reuses the reference's fits
     same = result.variant("classifier_logreg").scores.confidence
     np.testing.assert_array_equal(same, full.scores.confidence)
@@ -440,3 +440,37 @@ def test_claim_helpers_pick_the_worst_variant_and_the_peak_band(store, logreg):
     first, last = location.peak_depth_band()
     band = int(np.argmax(location.occlusion_drop.sum(axis=1)))
     assert (first, last) == (4 * band, 4 * band + 3)
+
+
+def test_recaptured_hidden_states_pool_back_to_the_stored_trajectories(
+    tmp_path, tiny_llama, word_tokenizer
+):
+    from test_capture_run import SOURCE, WordTask
+
+    from actmap.capture import CaptureConfig
+    from actmap.capture.run import run_capture, store_config
+    from actmap.experiments.ablations import recapture_hidden
+    from actmap.maps import pool_hidden
+    from actmap.store import MapStore
+
+    task = WordTask(9)
+    config = CaptureConfig(max_new_tokens=5, batch_size=4)
+    store = MapStore.create(tmp_path, store_config(task, SOURCE, config, MapConfig(), {}))
+    run_capture(
+        tiny_llama,
+        word_tokenizer,
+        SOURCE,
+        task,
+        task.examples,
+        store,
+        config,
+        keep_trajectories=True,
+    )
+    ids = sorted(store.ids())[:5]
+    hidden = recapture_hidden(store, ids, tiny_llama, word_tokenizer, batch_size=2)
+    stored = read_arrays(store, "trajectories", ids)
+    width = tiny_llama.config.hidden_size
+    for key in ids:
+        assert hidden[key].shape[-1] == width and hidden[key].shape[:2] == stored[key].shape[:2]
+        pooled = pool_hidden(torch.from_numpy(hidden[key].astype(np.float32)), 128)
+        np.testing.assert_allclose(pooled.numpy(), stored[key].astype(np.float32), atol=2e-2)

@@ -33,7 +33,10 @@ def test_analysis_sections_render_without_writing_into_the_store(store_path, tmp
         n_resamples=50,
         max_epochs=2,
         options={
-            "ablations": {"variants": ("full", "segments_1", "answer_length")},
+            "ablations": {
+                "variants": ("full", "segments_1", "answer_length"),
+                "recapture": False,
+            },
             "learning_curve": {"fractions": (0.5, 1.0), "methods": ("logreg",)},
             "localization": {"detectors": ("logreg",)},
             "calibration": {"replicates": 3},

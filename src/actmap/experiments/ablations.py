@@ -6,9 +6,12 @@ detector buys, on one store's balanced rows, every variant with the same seeds o
 Map variants are rebuilt from the store's pooled trajectories (`actmap.maps.MapConfig`:
 channels, segments, resolution, normalization) and compared with the store's own maps.
 The pooling-structure controls (coordinate permutation before pooling, a Gaussian random
-projection instead of pooling) need the hidden states before pooling: they are built from
-the stored dense states (ACT-ViT's input: the layer axis max-pooled to 8 groups, the first
-100 tokens) and compared with contiguous pooling of those same dense states. Classifier
+projection instead of pooling) and the 256-coordinate resolution need the hidden states
+before pooling. Given ``hidden`` (`recapture_hidden`: one teacher-forced pass over each
+stored answer at full width, every layer) they are built from those; otherwise from the
+stored dense states (ACT-ViT's input: the layer axis max-pooled to 8 groups, the first 100
+tokens). Either way they are compared with contiguous pooling of the same states
+(``contiguous_pooling``), so only the pooling differs. Classifier
 variants read the store's maps; the permuted-label control fits the ActMap detector itself
 on shuffled train and validation labels (`PermutedLabelControl`); answer length is the
 length-only logistic regression. A variant whose input is missing (no trajectories, no
@@ -46,7 +49,7 @@ from actmap.maps import (
 log = logging.getLogger(__name__)
 
 REFERENCE = "full"  # the store's maps with the configured detector
-DENSE_REFERENCE = "dense_contiguous"  # the reference of the pooling-structure controls
+POOLING_REFERENCE = "contiguous_pooling"  # the reference of the pooling-structure controls
 CLASSIFIERS = ("logreg", "mlp", "mlp4x", "vit")
 
 # name -> (group, what it changes)
@@ -60,9 +63,9 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "resolution_16x64": ("map", "16 layer rows x 64 coordinates"),
     "resolution_64x256": ("map", "64 layer rows x 256 coordinates"),
     "global_normalization": ("map", "one mean/std over all channels"),
-    DENSE_REFERENCE: ("pooling", "dense states (8 layer groups), contiguous pooling"),
-    "coordinate_permutation": ("pooling", "dense states, coordinates permuted before pooling"),
-    "gaussian_projection": ("pooling", "dense states, Gaussian projection instead of pooling"),
+    POOLING_REFERENCE: ("pooling", "unpooled states, contiguous pooling to 128 (reference)"),
+    "coordinate_permutation": ("pooling", "unpooled states, coordinates permuted, then pooled"),
+    "gaussian_projection": ("pooling", "unpooled states, Gaussian projection to 128"),
     **{f"classifier_{c}": ("classifier", f"{c} on the store's maps") for c in CLASSIFIERS},
     "permuted_labels": ("control", "the detector fit on permuted train/validation labels"),
     "answer_length": ("control", "logistic regression on the answer's token count"),
@@ -76,7 +79,6 @@ MAP_CONFIGS: dict[str, MapConfig] = {
     "segments_1": MapConfig(n_segments=1),
     "segments_8": MapConfig(n_segments=8),
     "resolution_16x64": MapConfig(layers_out=16, coords_out=64),
-    "resolution_64x256": MapConfig(layers_out=64, coords_out=256),
     "global_normalization": MapConfig(normalization="global"),
 }
 
@@ -138,6 +140,7 @@ class AblationResult:
     config: AblationConfig
     rows: dict[str, int]  # balanced rows per split
     variants: list[VariantResult] = field(default_factory=list)
+    pooling_source: str = "dense"  # "hidden" (teacher-forced, every layer) or "dense" (8 groups)
 
     def variant(self, name: str) -> VariantResult:
         return next(v for v in self.variants if v.name == name)
@@ -168,6 +171,7 @@ class AblationResult:
             "store": self.store,
             "config": {**dataclasses.asdict(self.config), "seeds": list(self.config.seeds)},
             "rows": self.rows,
+            "pooling_source": self.pooling_source,
             "variants": [v.to_json() for v in self.variants],
         }
 
@@ -212,9 +216,10 @@ class _Inputs:
     n_tokens: dict[str, np.ndarray]
     maps: dict[str, np.ndarray]  # the store's maps
     _arrays: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    hidden_source: str = "dense"  # where the unpooled states come from
 
     @classmethod
-    def read(cls, store) -> _Inputs:
+    def read(cls, store, hidden: dict[str, np.ndarray] | None = None) -> _Inputs:
         from actmap.rows import balanced_splits
 
         ids = {s: list(v) for s, v in balanced_splits(store).items()}
@@ -226,7 +231,14 @@ class _Inputs:
             maps[split], meta = store.load_maps(keys)
             labels[split] = meta["label"].to_numpy(dtype=np.int64)
             n_tokens[split] = meta["n_tokens"].to_numpy(dtype=np.int64)
-        return cls(store, ids, labels, n_tokens, maps)
+        inputs = cls(store, ids, labels, n_tokens, maps)
+        if hidden is not None:
+            missing = [k for keys in ids.values() for k in keys if k not in hidden]
+            if missing:
+                raise ValueError(f"hidden lacks {len(missing)} balanced rows, e.g. {missing[:2]}")
+            inputs._arrays["hidden"] = hidden
+            inputs.hidden_source = "hidden"
+        return inputs
 
     def split(self, maps: dict[str, np.ndarray], name: str) -> LabeledMaps:
         return LabeledMaps(maps[name], self.labels[name], self.ids[name])
@@ -236,6 +248,8 @@ class _Inputs:
         from actmap.store.derived import read_arrays
 
         if table not in self._arrays:
+            if table == "hidden":
+                raise Unavailable("no unpooled states given (see recapture_hidden)")
             if not self.store.has_table(table):
                 hint = {"trajectories": "--keep-trajectories", "dense": "--keep-dense"}[table]
                 raise Unavailable(f"the store has no {table} (capture with {hint})")
@@ -257,6 +271,19 @@ class _Inputs:
 
 
 # --- the variants ------------------------------------------------------------------------------
+
+
+def _wide_variant(inputs: _Inputs) -> dict[str, np.ndarray]:
+    """64 x 256 maps: the unpooled states pooled to 256 coordinates, then Phi at 64 rows."""
+    config = MapConfig(layers_out=64, coords_out=256)
+    if inputs.hidden_source != "hidden":
+        raise Unavailable(
+            "256 coordinates exceed the captured width D'=128 (give recapture_hidden's "
+            "states, or re-capture with pooled_dim=256)"
+        )
+    return inputs.rebuilt(
+        lambda batch: build_maps_from_list([pool_hidden(x, 256) for x in batch], config), "hidden"
+    )
 
 
 def _map_variant(inputs: _Inputs, name: str) -> dict[str, np.ndarray]:
@@ -286,7 +313,7 @@ def _final_layer_variant(inputs: _Inputs) -> dict[str, np.ndarray]:
 def pooling_transform(name: str, seed: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
     """Dense states (..., D) -> (..., 128): contiguous pooling, pooling after a fixed coordinate
     permutation, or a fixed Gaussian projection."""
-    if name == DENSE_REFERENCE:
+    if name == POOLING_REFERENCE:
         return lambda x: pool_hidden(x, 128)
     if name == "coordinate_permutation":
         return lambda x: pool_hidden(permute_coordinates(x, seed), 128)
@@ -298,7 +325,7 @@ def pooling_transform(name: str, seed: int = 0) -> Callable[[torch.Tensor], torc
 def _pooling_variant(inputs: _Inputs, name: str, seed: int) -> dict[str, np.ndarray]:
     transform = pooling_transform(name, seed)
     return inputs.rebuilt(
-        lambda batch: build_maps_from_list([transform(x) for x in batch]), "dense"
+        lambda batch: build_maps_from_list([transform(x) for x in batch]), inputs.hidden_source
     )
 
 
@@ -342,6 +369,8 @@ def _answer_length(inputs: _Inputs) -> SeedScores:
 def _variant_maps(inputs: _Inputs, name: str, config: AblationConfig) -> dict[str, np.ndarray]:
     if name in MAP_CONFIGS:
         return _map_variant(inputs, name)
+    if name == "resolution_64x256":
+        return _wide_variant(inputs)
     if name == "mean_pooled_final_layer":
         return _final_layer_variant(inputs)
     if VARIANTS[name][0] == "pooling":
@@ -357,9 +386,9 @@ def _detector_of(name: str, config: AblationConfig) -> str | None:
 
 def _reference_of(name: str) -> str | None:
     group = VARIANTS[name][0]
-    if name in (REFERENCE, DENSE_REFERENCE):
+    if name in (REFERENCE, POOLING_REFERENCE):
         return None
-    return DENSE_REFERENCE if group == "pooling" else REFERENCE
+    return POOLING_REFERENCE if group == "pooling" else REFERENCE
 
 
 def _scores(inputs: _Inputs, name: str, config: AblationConfig, done: dict) -> SeedScores:
@@ -385,17 +414,27 @@ def _scores(inputs: _Inputs, name: str, config: AblationConfig, done: dict) -> S
 def variant_map_shape(name: str, config: AblationConfig) -> tuple[int, ...] | None:
     if name in MAP_CONFIGS:
         return map_shape(MAP_CONFIGS[name])
+    if name == "resolution_64x256":
+        return (12, 64, 256)
     if name == "mean_pooled_final_layer":
         return (1, 1, 128)
     return None if name == "answer_length" else map_shape()
 
 
 def run_ablations(
-    store, config: AblationConfig = AblationConfig(), progress: Callable[[str], None] | None = None
+    store,
+    config: AblationConfig = AblationConfig(),
+    progress: Callable[[str], None] | None = None,
+    hidden: dict[str, np.ndarray] | None = None,
 ) -> AblationResult:
-    """Every variant of ``config`` on ``store``'s balanced rows; references run first."""
-    inputs = _Inputs.read(store)
-    order = sorted(config.variants, key=lambda v: v not in (REFERENCE, DENSE_REFERENCE))
+    """Every variant of ``config`` on ``store``'s balanced rows; references run first.
+
+    ``hidden``: {id: (L, T, D) unpooled states} of every balanced row (`recapture_hidden`)
+    for the pooling controls and the 256-coordinate maps; without it they read the dense
+    states (or are unavailable).
+    """
+    inputs = _Inputs.read(store, hidden)
+    order = sorted(config.variants, key=lambda v: v not in (REFERENCE, POOLING_REFERENCE))
     done: dict[str, SeedScores] = {}
     results = {}
     for name in order:
@@ -426,7 +465,11 @@ def run_ablations(
         log.info("ablation %s: AUROC %s", name, summary.auroc)
     rows = {s: len(v) for s, v in inputs.ids.items()}
     return AblationResult(
-        str(store.root), config, rows, [results[n] for n in config.variants if n in results]
+        str(store.root),
+        config,
+        rows,
+        [results[n] for n in config.variants if n in results],
+        inputs.hidden_source,
     )
 
 
@@ -437,3 +480,41 @@ def seed_means(result: AblationResult, names: Sequence[str] | None = None) -> di
         for v in result.variants
         if v.summary is not None and (names is None or v.name in names)
     }
+
+
+def recapture_hidden(
+    store, ids: Sequence[str], model, tokenizer, batch_size: int = 16, progress=None
+) -> dict[str, np.ndarray]:
+    """{id: (L, T, D) float16} unpooled states of the stored answers ``ids``: one
+    teacher-forced pass each (`actmap.capture.capture_answers`, the capture's alignment)
+    with the pooled width set to the hidden size D, where pooling is the identity.
+
+    ``model`` must be the store's generator; contiguous pooling of these states to 128
+    gives the store's trajectories again (to float rounding).
+    """
+    import dataclasses as dc
+
+    from actmap.capture import CaptureConfig, capture_answers
+    from actmap.store.generations import read_generations
+
+    generations = read_generations(store, list(ids))
+    text_config = getattr(model.config, "text_config", model.config)
+    stored = store.manifest.get("config", {}).get("capture", {})
+    known = {f.name for f in dc.fields(CaptureConfig)}
+    config = dc.replace(
+        CaptureConfig(**{k: v for k, v in stored.items() if k in known}),
+        pooled_dim=int(text_config.hidden_size),
+        greybox=False,
+        attention_keys=0,
+        keep_dense=False,
+        batch_size=batch_size,
+    )
+    records = capture_answers(
+        model,
+        tokenizer,
+        [g.prompt for g in generations],
+        [g.token_ids for g in generations],
+        config,
+        progress=progress,
+    )
+    return {key: r.trajectory.half().numpy() for key, r in zip(ids, records, strict=True)}

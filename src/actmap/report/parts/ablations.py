@@ -30,8 +30,36 @@ def compute_ablations(context: ReportContext):
         variants=tuple(variants),
         n_resamples=context.n_resamples,
     )
+    store = open_store(refs[0])
+    hidden = None
+    if context.option("ablations", "recapture", True):
+        with context.timings.measure("ablations/recapture"):
+            hidden = unpooled_states(store, context.device)
     with context.timings.measure("ablations/" + refs[0].name):
-        return run_ablations(open_store(refs[0]), config)
+        return run_ablations(store, config, hidden=hidden)
+
+
+def unpooled_states(store, device: str | None):
+    """The balanced rows' unpooled states by a teacher-forced pass of the store's generator,
+    or None (the pooling controls then read the dense states) when it cannot be loaded."""
+    import logging
+
+    from actmap.experiments.ablations import recapture_hidden
+    from actmap.models import load_model
+    from actmap.rows import balanced_splits
+
+    name = store.manifest.get("config", {}).get("model", {}).get("name")
+    if not name:
+        return None
+    try:
+        model, tokenizer, _ = load_model(name, device=device or "cpu")
+    except Exception as error:  # noqa: BLE001 -- the controls fall back to the dense states
+        logging.getLogger(__name__).warning(
+            "cannot load %s (%s): pooling controls use dense", name, error
+        )
+        return None
+    ids = [k for keys in balanced_splits(store, persist=False).values() for k in keys]
+    return recapture_hidden(store, ids, model, tokenizer)
 
 
 def render_ablations(result, figure_dir: Path) -> str:
@@ -42,6 +70,11 @@ def render_ablations(result, figure_dir: Path) -> str:
         return skipped_markdown(result)
     path = save_figure(plot_ablations(result), figure_dir / "ablations.png")
     c = result.config
+    source = (
+        "re-captured by one teacher-forced pass of the generator over every stored answer"
+        if result.pooling_source == "hidden"
+        else "the stored dense states: 8 max-pooled layer groups, first 100 tokens"
+    )
     caption = (
         f"Seed-mean test AUROC per variant ({len(c.seeds)} seeds, {c.detector} on the map "
         f"variants), 95% bootstrap interval over the {result.rows['test']} balanced test rows."
@@ -51,8 +84,11 @@ def render_ablations(result, figure_dir: Path) -> str:
         f"seeds {list(c.seeds)} on the same rows (recipe epochs: "
         f"{c.max_epochs or 80}; ViT {c.vit_max_epochs or c.max_epochs or 80}). Δ is the "
         "paired bootstrap interval of the seed-mean AUROC difference to the reference "
-        "(the store's maps; for the pooling controls, contiguous pooling of the same dense "
-        "states).\n\n" + result.to_markdown() + "\n" + figure_markdown(path, caption)
+        "(the store's maps; for the pooling controls, contiguous pooling of the same "
+        f"unpooled states, here {source}).\n\n"
+        + result.to_markdown()
+        + "\n"
+        + figure_markdown(path, caption)
     )
 
 

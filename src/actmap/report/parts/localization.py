@@ -33,7 +33,10 @@ def compute_localization(context: ReportContext):
         return Skipped("no store")
     ref = refs[0]
     splits = balanced_maps(open_store(ref))
-    detectors = context.option("localization", "detectors", ("mlp", "vit"))
+    # the paper's detectors the context has runs of (the ViT adds attention rollout), else
+    # an MLP trained here
+    trained = [d for d in context.runs.get(ref.name, {}) if d in ("vit", "mlp", "mlp4x", "logreg")]
+    detectors = context.option("localization", "detectors", tuple(trained) or ("mlp",))
     found = {}
     for name in detectors:
         with context.timings.measure(f"localization/{name}"):
