@@ -3,6 +3,7 @@ tiny synthetic store, each against an independent reference; and their figures."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -474,3 +475,23 @@ def test_recaptured_hidden_states_pool_back_to_the_stored_trajectories(
         assert hidden[key].shape[-1] == width and hidden[key].shape[:2] == stored[key].shape[:2]
         pooled = pool_hidden(torch.from_numpy(hidden[key].astype(np.float32)), 128)
         np.testing.assert_allclose(pooled.numpy(), stored[key].astype(np.float32), atol=2e-2)
+
+
+def test_results_arrive_as_they_finish_and_outside_scores_join(store):
+    seen = []
+    config = AblationConfig(
+        detector="logreg",
+        seeds=(1,),
+        max_epochs=2,
+        n_resamples=50,
+        variants=("full", "resolution_64x256", "answer_length"),
+    )
+    result = run_ablations(store, config, on_result=lambda v: seen.append(v.name))
+    assert seen == ["full", "resolution_64x256", "answer_length"]
+    from actmap.experiments.ablations import with_scores
+
+    full = result.variant("full").scores
+    joined = with_scores(result, "classifier_vit", dataclasses.replace(full, method="vit"), "run")
+    vit = joined.variant("classifier_vit")
+    assert vit.summary.reference == "full" and vit.summary.difference.estimate == 0.0
+    assert vit.reason == "run" and len(joined.variants) == 4

@@ -426,12 +426,14 @@ def run_ablations(
     config: AblationConfig = AblationConfig(),
     progress: Callable[[str], None] | None = None,
     hidden: dict[str, np.ndarray] | None = None,
+    on_result: Callable[[VariantResult], None] | None = None,
 ) -> AblationResult:
     """Every variant of ``config`` on ``store``'s balanced rows; references run first.
 
     ``hidden``: {id: (L, T, D) unpooled states} of every balanced row (`recapture_hidden`)
     for the pooling controls and the 256-coordinate maps; without it they read the dense
-    states (or are unavailable).
+    states (or are unavailable). ``on_result`` receives each variant's result as it is done
+    (a long run can keep what it finished).
     """
     inputs = _Inputs.read(store, hidden)
     order = sorted(config.variants, key=lambda v: v not in (REFERENCE, POOLING_REFERENCE))
@@ -447,6 +449,8 @@ def run_ablations(
         except Unavailable as reason:
             log.info("ablation %s unavailable: %s", name, reason)
             results[name] = VariantResult(name, group, description, "unavailable", str(reason))
+            if on_result is not None:
+                on_result(results[name])
             continue
         done[name] = scores
         reference = done.get(_reference_of(name)) if _reference_of(name) else None
@@ -463,6 +467,8 @@ def run_ablations(
             scores,
         )
         log.info("ablation %s: AUROC %s", name, summary.auroc)
+        if on_result is not None:
+            on_result(results[name])
     rows = {s: len(v) for s, v in inputs.ids.items()}
     return AblationResult(
         str(store.root),
@@ -518,3 +524,28 @@ def recapture_hidden(
         progress=progress,
     )
     return {key: r.trajectory.half().numpy() for key, r in zip(ids, records, strict=True)}
+
+
+def with_scores(
+    result: AblationResult, name: str, scores: SeedScores, note: str = ""
+) -> AblationResult:
+    """``result`` with the variant ``name`` taken from scores computed elsewhere on the same
+    test rows (e.g. the ViT of an `actmap train` run), compared with its reference."""
+    group, description = VARIANTS[name]
+    reference = next(
+        (v.scores for v in result.variants if v.name == _reference_of(name) and v.scores), None
+    )
+    summary = auroc_summary(scores, reference, result.config.n_resamples)
+    variant = VariantResult(
+        name,
+        group,
+        description,
+        "done",
+        note,
+        _detector_of(name, result.config),
+        variant_map_shape(name, result.config),
+        summary,
+        scores,
+    )
+    kept = [v for v in result.variants if v.name != name]
+    return dataclasses.replace(result, variants=[*kept, variant])
