@@ -238,6 +238,7 @@ def test_occlusion_of_the_only_region_read_gives_chance(logreg):
     expected = np.zeros((8, 8))
     expected[3, 0] = result.auroc - 0.5
     np.testing.assert_allclose(result.occlusion_drop, expected, atol=1e-12)
+    np.testing.assert_allclose(result.band_drop, expected.sum(axis=1), atol=1e-12)
     assert result.integrated_gradients[3, 0] == pytest.approx(1.0)
 
 
@@ -439,7 +440,7 @@ def test_claim_helpers_pick_the_worst_variant_and_the_peak_band(store, logreg):
     detector, test = logreg
     location = localize(detector, test, LocalizationConfig(ig_steps=2))
     first, last = location.peak_depth_band()
-    band = int(np.argmax(location.occlusion_drop.sum(axis=1)))
+    band = int(np.argmax(location.band_drop))
     assert (first, last) == (4 * band, 4 * band + 3)
 
 

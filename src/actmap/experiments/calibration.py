@@ -256,7 +256,7 @@ class Calibration:
                     if t is None
                     else (
                         f"{t['temperature']:.2f} | {t['ece_before']:.3f} → {t['ece_after']:.3f} "
-                        f"(fit {t['n_fit']}, eval {t['n_eval']})"
+                        f"(fit {t['n_fit']:.0f}, eval {t['n_eval']:.0f})"
                     )
                 )
                 + f" | {m.selective.coverage_at_risk} | {m.selective.risk_at_coverage} | {m.n} |"

@@ -7,7 +7,8 @@ Three views on the same grid (default 8 x 8: bands of 4 layer rows x 16 coordina
 ViT's patches):
 
 - occlusion: every region (all channels) is set to 0 -- the per-channel mean of a
-  standardised map -- on every test map, and the test AUROC drop is recorded. Occluding
+  standardised map -- on every test map, and the test AUROC drop is recorded; so is the
+  drop when a whole depth band (every coordinate) is occluded at once. Occluding
   the whole map makes every map identical, so every score ties and AUROC is exactly 0.5
   (`whole_map_auroc`, checked in the tests).
 - integrated gradients of the logit from the all-zero map, |attribution| summed over
@@ -58,6 +59,7 @@ class Localization:
     auroc: float  # the frozen detector on unoccluded test maps
     whole_map_auroc: float  # every region occluded at once: 0.5 by construction
     occlusion_drop: np.ndarray  # (depth, coord) AUROC(full) - AUROC(region occluded)
+    band_drop: np.ndarray  # (depth,) AUROC(full) - AUROC(whole depth band occluded)
     integrated_gradients: np.ndarray  # (depth, coord) share of |attribution|, sums to 1
     rollout: np.ndarray | None  # (depth, coord) class-token attention share, ViT only
     detector: str
@@ -66,9 +68,11 @@ class Localization:
         """(depth bands,) a view summed over coordinate bands."""
         return np.asarray(getattr(self, view)).sum(axis=1)
 
-    def peak_depth_band(self, view: str = "occlusion_drop") -> tuple[int, int]:
-        """(first, last) map row of the depth band where ``view`` sums highest."""
-        band = int(np.argmax(self.depth_profile(view)))
+    def peak_depth_band(self, view: str = "band_drop") -> tuple[int, int]:
+        """(first, last) map row of the depth band where ``view`` (summed over coordinate
+        bands for a grid view) is highest: by default the band whose occlusion hurts most."""
+        values = np.asarray(getattr(self, view))
+        band = int(np.argmax(values if values.ndim == 1 else values.sum(axis=1)))
         return self.row_edges[band], self.row_edges[band + 1] - 1
 
     def to_json(self) -> dict:
@@ -84,6 +88,7 @@ class Localization:
             "auroc": self.auroc,
             "whole_map_auroc": self.whole_map_auroc,
             "occlusion_drop": arr(self.occlusion_drop),
+            "band_drop": arr(self.band_drop),
             "integrated_gradients": arr(self.integrated_gradients),
             "rollout": arr(self.rollout),
             "depth_profile_occlusion": arr(self.depth_profile()),
@@ -97,11 +102,11 @@ class Localization:
             f"Detector {self.detector}, {self.n_test} balanced test rows: AUROC "
             f"{self.auroc:.3f}; whole map occluded {self.whole_map_auroc:.3f}.",
             "",
-            "| depth band (map rows) | occlusion ΔAUROC (sum over coordinate bands) | "
+            "| depth band (map rows) | ΔAUROC, whole band occluded | "
             "largest single-region ΔAUROC | IG share | rollout share |",
             "|---|---|---|---|---|",
         ]
-        occ, ig = self.depth_profile(), self.depth_profile("integrated_gradients")
+        occ, ig = self.band_drop, self.depth_profile("integrated_gradients")
         roll = None if self.rollout is None else self.depth_profile("rollout")
         for r in range(rows):
             band = f"{self.row_edges[r]}-{self.row_edges[r + 1] - 1}"
@@ -118,7 +123,8 @@ def _logits(detector, maps: torch.Tensor) -> np.ndarray:
 
 
 def occlusion(detector, test: LabeledMaps, config: LocalizationConfig):
-    """(AUROC, whole-map AUROC, (depth, coord) drops) of the frozen detector."""
+    """(AUROC, whole-map AUROC, (depth, coord) drops, (depth,) band drops, row and column
+    edges) of the frozen detector."""
     x = torch.as_tensor(np.asarray(test.maps, dtype=np.float32))  # (N, C, H, W)
     y = np.asarray(test.labels).astype(np.int64)
     rows, cols = (
@@ -132,8 +138,13 @@ def occlusion(detector, test: LabeledMaps, config: LocalizationConfig):
             occluded = x.clone()
             occluded[:, :, rows[r] : rows[r + 1], cols[c] : cols[c + 1]] = config.fill
             drops[r, c] = full - metrics.auroc(_logits(detector, occluded), y)
+    bands = np.zeros(config.depth_bands)
+    for r in range(config.depth_bands):
+        occluded = x.clone()
+        occluded[:, :, rows[r] : rows[r + 1], :] = config.fill
+        bands[r] = full - metrics.auroc(_logits(detector, occluded), y)
     whole = metrics.auroc(_logits(detector, torch.full_like(x, config.fill)), y)
-    return full, whole, drops, rows, cols
+    return full, whole, drops, bands, rows, cols
 
 
 def _pool_grid(values: torch.Tensor, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -208,7 +219,7 @@ def localize(
     """Occlusion, integrated gradients and (ViT) attention rollout of a frozen detector."""
     from actmap.detectors.vit import MapViT
 
-    full, whole, drops, rows, cols = occlusion(detector, test, config)
+    full, whole, drops, bands, rows, cols = occlusion(detector, test, config)
     x = torch.as_tensor(np.asarray(test.maps, dtype=np.float32))
     attributions = integrated_gradients(detector.model_, x, config.ig_steps, config.batch_size)
     ig = _pool_grid(attributions.abs().sum(dim=(0, 1)), rows, cols)
@@ -233,6 +244,7 @@ def localize(
         full,
         whole,
         drops,
+        bands,
         ig,
         rollout,
         getattr(detector, "detector", type(model).__name__),

@@ -64,7 +64,7 @@ def render_localization(result, figure_dir: Path) -> str:
                 "region, share of |integrated gradients|"
                 + (", attention rollout." if loc.rollout is not None else "."),
             ),
-            figure_markdown(depth, f"{name}: occlusion AUROC drop per depth band."),
+            figure_markdown(depth, f"{name}: test AUROC drop when a whole depth band is occluded."),
         ]
     return "\n".join(parts)
 

@@ -25,7 +25,7 @@ def plot_reliability(calibration):
             [p for p, _, _ in points],
             [f for _, f, _ in points],
             marker="o",
-            label=f"{m.method} (ECE {r.ece:.3f})",
+            label=f"{m.method} (this seed's ECE {r.ece:.3f})",
         )
         ax.scatter(
             [p for p, _, _ in points],
@@ -55,7 +55,7 @@ def plot_risk_coverage(calibration):
             s.coverage,
             s.risk,
             where="post",
-            label=f"{m.method} (cov@5% {s.coverage_at_risk.estimate:.2f}, "
+            label=f"{m.method} (seed means: cov@5% {s.coverage_at_risk.estimate:.2f}, "
             f"risk@80% {s.risk_at_coverage.estimate:.2f})",
         )
     c = calibration.config

@@ -40,16 +40,17 @@ def plot_atlas(localization):
 
 
 def plot_depth_profile(localization):
-    """Occlusion AUROC drop summed over coordinate bands, per depth band (where the signal is)."""
+    """The test AUROC drop when a whole depth band (every coordinate) is occluded, per band
+    (where along depth the frozen detector reads)."""
     figure = new_figure(5.0, 3.4)
     ax = figure.add_subplot()
-    profile = localization.depth_profile()
+    profile = np.asarray(localization.band_drop)
     rows = localization.row_edges
     labels = [f"{rows[i]}-{rows[i + 1] - 1}" for i in range(len(rows) - 1)]
     ax.bar(range(len(profile)), profile, color="#1f77b4")
     ax.set_xticks(range(len(profile)), labels, fontsize=8)
     ax.axhline(0, color="k", linewidth=0.8)
     ax.set_xlabel("depth band (map rows, shallow to deep)")
-    ax.set_ylabel("AUROC drop, summed over coordinate bands")
+    ax.set_ylabel("test AUROC drop, band occluded")
     ax.set_title("Occlusion by depth", fontsize=10)
     return figure
