@@ -219,10 +219,12 @@ class _Inputs:
     hidden_source: str = "dense"  # where the unpooled states come from
 
     @classmethod
-    def read(cls, store, hidden: dict[str, np.ndarray] | None = None) -> _Inputs:
+    def read(
+        cls, store, hidden: dict[str, np.ndarray] | None = None, splits: dict | None = None
+    ) -> _Inputs:
         from actmap.rows import balanced_splits
 
-        ids = {s: list(v) for s, v in balanced_splits(store).items()}
+        ids = {s: list(v) for s, v in (splits or balanced_splits(store)).items()}
         empty = [s for s, v in ids.items() if not v]
         if empty:
             raise ValueError(f"{store.root}: the balanced {empty} split(s) are empty")
@@ -427,15 +429,17 @@ def run_ablations(
     progress: Callable[[str], None] | None = None,
     hidden: dict[str, np.ndarray] | None = None,
     on_result: Callable[[VariantResult], None] | None = None,
+    splits: dict[str, list[str]] | None = None,
 ) -> AblationResult:
     """Every variant of ``config`` on ``store``'s balanced rows; references run first.
 
     ``hidden``: {id: (L, T, D) unpooled states} of every balanced row (`recapture_hidden`)
     for the pooling controls and the 256-coordinate maps; without it they read the dense
     states (or are unavailable). ``on_result`` receives each variant's result as it is done
-    (a long run can keep what it finished).
+    (a long run can keep what it finished). ``splits``: the balanced {split: ids} to use
+    (default `actmap.rows.balanced_splits(store)`, which records them in the store).
     """
-    inputs = _Inputs.read(store, hidden)
+    inputs = _Inputs.read(store, hidden, splits)
     order = sorted(config.variants, key=lambda v: v not in (REFERENCE, POOLING_REFERENCE))
     done: dict[str, SeedScores] = {}
     results = {}

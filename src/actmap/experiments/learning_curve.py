@@ -142,13 +142,15 @@ def run_learning_curve(
     store,
     config: LearningCurveConfig = LearningCurveConfig(),
     progress: Callable[[str, float], None] | None = None,
+    splits: dict[str, list[str]] | None = None,
 ) -> LearningCurve:
-    """Every (method, fraction) point of ``config`` on ``store``'s balanced rows."""
+    """Every (method, fraction) point of ``config`` on ``store``'s balanced rows (``splits``,
+    default `actmap.rows.balanced_splits(store)`, which records them in the store)."""
     from actmap.baselines.base import BaselineUnavailable
     from actmap.rows import balanced_splits
     from actmap.store import StoreError
 
-    splits = balanced_splits(store)
+    splits = splits or balanced_splits(store)
     maps, labels = {}, {}
     for split, ids in splits.items():
         maps[split], meta = store.load_maps(ids)

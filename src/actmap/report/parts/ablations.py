@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actmap.report.parts.choice import largest_stores, open_store
+from actmap.report.parts.choice import largest_stores, open_store, read_only_splits
 from actmap.report.sections import (
     ReportContext,
     Section,
@@ -31,22 +31,22 @@ def compute_ablations(context: ReportContext):
         n_resamples=context.n_resamples,
     )
     store = open_store(refs[0])
+    splits = read_only_splits(store)
     hidden = None
     if context.option("ablations", "recapture", True):
         with context.timings.measure("ablations/recapture"):
-            hidden = unpooled_states(store, context.device)
+            hidden = unpooled_states(store, splits, context.device)
     with context.timings.measure("ablations/" + refs[0].name):
-        return run_ablations(store, config, hidden=hidden)
+        return run_ablations(store, config, hidden=hidden, splits=splits)
 
 
-def unpooled_states(store, device: str | None):
+def unpooled_states(store, splits: dict, device: str | None):
     """The balanced rows' unpooled states by a teacher-forced pass of the store's generator,
     or None (the pooling controls then read the dense states) when it cannot be loaded."""
     import logging
 
     from actmap.experiments.ablations import recapture_hidden
     from actmap.models import load_model
-    from actmap.rows import balanced_splits
 
     name = store.manifest.get("config", {}).get("model", {}).get("name")
     if not name:
@@ -58,7 +58,7 @@ def unpooled_states(store, device: str | None):
             "cannot load %s (%s): pooling controls use dense", name, error
         )
         return None
-    ids = [k for keys in balanced_splits(store, persist=False).values() for k in keys]
+    ids = [k for keys in splits.values() for k in keys]
     return recapture_hidden(store, ids, model, tokenizer)
 
 

@@ -14,12 +14,16 @@ from pathlib import Path
 from actmap.report.sections import ReportContext, StoreRef
 
 
+def read_only_splits(store) -> dict[str, list[str]]:
+    """The store's balanced {split: ids}, computed without writing into it."""
+    from actmap.rows import balanced_splits
+
+    return balanced_splits(store, persist=False)
+
+
 def balanced_rows(ref: StoreRef) -> int:
     """Balanced rows of a store (all splits), computed without writing into it."""
-    from actmap.rows import balanced_splits
-    from actmap.store import MapStore
-
-    return sum(len(v) for v in balanced_splits(MapStore.open(ref.path), persist=False).values())
+    return sum(len(v) for v in read_only_splits(open_store(ref)).values())
 
 
 def largest_stores(
@@ -71,10 +75,9 @@ def frozen_detector(context: ReportContext, ref: StoreRef, detector: str, train,
 
 def balanced_maps(store):
     from actmap.experiments.runs import LabeledMaps
-    from actmap.rows import balanced_splits
 
     out = {}
-    for split, ids in balanced_splits(store, persist=False).items():
+    for split, ids in read_only_splits(store).items():
         maps, meta = store.load_maps(ids)
         out[split] = LabeledMaps(maps, meta["label"].to_numpy(dtype="int64"), ids)
     return out

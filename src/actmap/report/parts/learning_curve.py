@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actmap.report.parts.choice import largest_stores, open_store
+from actmap.report.parts.choice import largest_stores, open_store, read_only_splits
 from actmap.report.sections import (
     ReportContext,
     Section,
@@ -40,7 +40,8 @@ def compute_learning_curve(context: ReportContext):
     curves = {}
     for ref in refs:
         with context.timings.measure("learning_curve/" + ref.name):
-            curves[ref.name] = run_learning_curve(open_store(ref), config)
+            store = open_store(ref)
+            curves[ref.name] = run_learning_curve(store, config, splits=read_only_splits(store))
     return LearningCurves(curves)
 
 
