@@ -64,15 +64,17 @@ class Localization:
     rollout: np.ndarray | None  # (depth, coord) class-token attention share, ViT only
     detector: str
 
-    def depth_profile(self, view: str = "occlusion_drop") -> np.ndarray:
-        """(depth bands,) a view summed over coordinate bands."""
-        return np.asarray(getattr(self, view)).sum(axis=1)
+    def depth_profile(self, view: str = "band_drop") -> np.ndarray:
+        """(depth bands,) the AUROC drop when each whole band is occluded (default), or a
+        grid view (``occlusion_drop``, ``integrated_gradients``, ``rollout``) summed over
+        coordinate bands."""
+        values = np.asarray(getattr(self, view))
+        return values if values.ndim == 1 else values.sum(axis=1)
 
     def peak_depth_band(self, view: str = "band_drop") -> tuple[int, int]:
-        """(first, last) map row of the depth band where ``view`` (summed over coordinate
-        bands for a grid view) is highest: by default the band whose occlusion hurts most."""
-        values = np.asarray(getattr(self, view))
-        band = int(np.argmax(values if values.ndim == 1 else values.sum(axis=1)))
+        """(first, last) map row of the depth band where ``depth_profile(view)`` is highest:
+        by default the band whose occlusion hurts most."""
+        band = int(np.argmax(self.depth_profile(view)))
         return self.row_edges[band], self.row_edges[band + 1] - 1
 
     def to_json(self) -> dict:
@@ -91,7 +93,7 @@ class Localization:
             "band_drop": arr(self.band_drop),
             "integrated_gradients": arr(self.integrated_gradients),
             "rollout": arr(self.rollout),
-            "depth_profile_occlusion": arr(self.depth_profile()),
+            "depth_profile_occlusion": arr(self.depth_profile("occlusion_drop")),
             "depth_profile_ig": arr(self.depth_profile("integrated_gradients")),
             "peak_depth_rows_occlusion": list(self.peak_depth_band()),
         }
