@@ -193,7 +193,7 @@ class AblationResult:
             shape = "x".join(map(str, v.map_shape)) if v.map_shape else ""
             delta = f"{s.difference} vs {s.reference}" if s.difference is not None else ""
             lines.append(
-                f"| {v.name} | {v.group} | {v.detector} | {shape} | {seeds} | {s.auroc} | "
+                f"| {v.name} | {v.group} | {v.detector or 'length'} | {shape} | {seeds} | {s.auroc} | "
                 f"{delta} | {s.auroc.n} |"
             )
         return "\n".join(lines) + "\n"
