@@ -11,20 +11,10 @@ from actmap.report.sections import Section
 def report_sections() -> list[Section]:
     """Every section of the report, in report order (the claims section last: it reads
     the results of the others)."""
-    from actmap.report.parts import (
-        ablations,
-        calibration,
-        learning_curve,
-        localization,
-        map_channels,
-    )
+    from actmap.report.parts import map_channels
 
     return [
         map_channels.SECTION,
-        ablations.SECTION,
-        learning_curve.SECTION,
-        localization.SECTION,
-        calibration.SECTION,
     ]
 
 
