@@ -194,6 +194,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--vit-only", action="store_true", help="only the ViT rows")
     parser.add_argument(
+        "--pretrain-only", action="store_true", help="only the --pretrain-store rows"
+    )
+    parser.add_argument(
         "--pretrain-store", type=Path, action="append", default=[],
         help="another store of the same generator (repeatable)",
     )  # fmt: skip
@@ -204,7 +207,7 @@ def main() -> None:
     print({k: (len(v.ids), round(v.prevalence, 3)) for k, v in sets.items()}, flush=True)
     rows = (
         []
-        if args.vit_only
+        if args.vit_only or args.pretrain_only
         else [
             plus_row(
                 "scalars only (LR), all rows class-weighted", every, sets, [PlusConfig(0, True)]
