@@ -11,7 +11,7 @@ and prior-corrected to the training split's natural accuracy.
 
 RUN is an `actmap train --detector vit` run on the same store (its seed-*/
 detectors are loaded, not retrained). OTHER: a store of the same generator on
-another dataset, for the pretraining rows (its labelled rows of every split are
+another dataset, for the pretraining rows (its labelled training rows are the
 source data; the target's validation still chooses).
 """
 
@@ -29,7 +29,14 @@ from sklearn.linear_model import LogisticRegressionCV
 from sklearn.model_selection import StratifiedKFold
 
 from actmap import metrics
-from actmap.comparison import PLUS_GRID, Rows, select_plus, store_rows
+from actmap.comparison import (
+    PLUS_GRID,
+    Rows,
+    labelled_ids,
+    load_rows,
+    select_plus,
+    store_rows,
+)
 from actmap.detectors.base import CorrectnessDetector
 from actmap.detectors.plus import ActMapPlus, PlusConfig
 from actmap.store import MapStore
@@ -233,11 +240,8 @@ def main() -> None:
         ]
     )
     for other in args.pretrain_store:
-        source_sets = store_rows(MapStore.open(other))
-        source = concat(
-            concat(source_sets["train_all"], source_sets["validation_all"]),
-            source_sets["test_all"],
-        )
+        opened = MapStore.open(other)
+        source = load_rows(opened, labelled_ids(opened)["train"])  # its labelled training rows
         print(f"source {other.name}: {len(source.ids)} rows, {source.prevalence:.3f}", flush=True)
         rows += pretrain_rows(source, other.name, every, sets)
     if args.vit_run is not None:
