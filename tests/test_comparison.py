@@ -127,3 +127,24 @@ def test_train_actmap_plus_cli_saves_a_loadable_run(tiny_store, tmp_path, monkey
     assert summary["per_seed"]["0"]["auroc"] == pytest.approx(
         roc_auc_score(test.labels, scores["p_correct"])
     )
+
+
+def test_plus_tries_balanced_weighted_and_unweighted_rows_and_keeps_the_validation_best(
+    tiny_store,
+):
+    from actmap.comparison import plus_label, plus_scored
+
+    sets = store_rows(MapStore.open(tiny_store))
+    plus = plus_scored(sets, GRID)
+    grid = plus.details["grid"]
+    assert len(grid) == 3 * len(GRID)
+    assert {k.split(": ")[0] for k in grid} == {"train", "train_all", "train_all unweighted"}
+    assert all(k.endswith("unweighted") == k.startswith("train_all unweighted") for k in grid)
+    best = max(grid.values())
+    first_best = next(k for k, v in grid.items() if v == best)  # ties: the earlier
+    assert first_best.split(": ")[1] == plus_label(plus.estimator.config_)
+    unweighted = plus.estimator.config_.class_weight is None
+    assert plus.calibrated_prevalence == pytest.approx(
+        sets["train_all"].prevalence if unweighted else 0.5
+    )
+    assert plus.details["n_train"] == len(sets[plus.details["train_rows"]].ids)

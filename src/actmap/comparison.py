@@ -31,7 +31,6 @@ from actmap.intervals import Interval, bootstrap, paired_bootstrap
 
 log = logging.getLogger(__name__)
 
-TRAIN_ROWS = ("train", "train_all")  # actmap-plus tries the balanced rows and every labelled row
 SINGLE_PASS_BASELINES = ("perplexity", "mean_token_entropy", "answer_length", "rauq", "tad")
 # actmap-plus's validation grid: (principal components, scalars, class weights)
 PLUS_GRID = tuple(
@@ -171,13 +170,30 @@ def plus_label(cfg: PlusConfig) -> str:
     return f"pca={cfg.n_components},scalars={'yes' if cfg.use_scalars else 'no'},{weights}"
 
 
+def plus_candidates(grid: Sequence[PlusConfig]) -> dict[str, tuple[str, list[PlusConfig]]]:
+    """{label: (training rows, settings)}: ``grid`` on the balanced training rows and on every
+    labelled training row, and every labelled row without class weights (its probabilities
+    then hold at the natural prevalence); in this order, which breaks ties."""
+    unweighted = [replace(c, class_weight=None) for c in grid]
+    return {
+        "train": ("train", list(grid)),
+        "train_all": ("train_all", list(grid)),
+        "train_all unweighted": ("train_all", list(dict.fromkeys(unweighted))),
+    }
+
+
 def plus_scored(sets: dict[str, Rows], grid: Sequence[PlusConfig] | None = None) -> Scored:
     """actmap-plus: every setting of ``grid`` on the balanced training rows and on every
-    labelled training row (class-weighted); the best balanced-validation AUROC wins."""
-    grid = PLUS_GRID if grid is None else grid
-    fits = {name: select_plus(sets[name], sets["validation"], grid) for name in TRAIN_ROWS}
-    name = max(TRAIN_ROWS, key=lambda n: max(fits[n][1].values()))  # ties: balanced rows
-    est = fits[name][0]
+    labelled training row (class-weighted and unweighted); the best balanced-validation
+    AUROC wins."""
+    candidates = plus_candidates(PLUS_GRID if grid is None else grid)
+    fits = {
+        label: select_plus(sets[rows], sets["validation"], configs)
+        for label, (rows, configs) in candidates.items()
+    }
+    label = max(candidates, key=lambda n: max(fits[n][1].values()))  # ties: the earlier
+    name = candidates[label][0]
+    est = fits[label][0]
     val = est.predict_proba(sets["validation"].maps, sets["validation"].scalars)
     return Scored(
         "actmap-plus",
@@ -189,7 +205,7 @@ def plus_scored(sets: dict[str, Rows], grid: Sequence[PlusConfig] | None = None)
             "train_rows": name,
             "n_train": est.n_train_,
             "C": est.C_,
-            "grid": {f"{n}: {k}": v for n in TRAIN_ROWS for k, v in fits[n][1].items()},
+            "grid": {f"{n}: {k}": v for n in candidates for k, v in fits[n][1].items()},
         },
         score_test=lambda rows: est.predict_proba(rows.maps, rows.scalars),
         estimator=est,

@@ -7,8 +7,9 @@ components, and optionally the six per-answer scalars of
 `actmap.answer_features` (length, log-likelihood, entropy, first-token
 probability). A logistic regression with cross-validated L2 strength
 (scikit-learn's ``LogisticRegressionCV``, AUROC-scored folds) reads them all
-(early fusion). It trains on every labelled row with class weights rather
-than on the balanced subset only. Why this and not the others tried is in
+(early fusion). It may train on every labelled row (with class weights or
+without), not only on the balanced subset; validation rows choose
+(`actmap.comparison.plus_scored`). Why this and not the others tried is in
 docs/detectors.md.
 
 Calibration: the fitted probabilities hold at ``calibrated_prevalence_``
