@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from actmap.data.splits import SPLITS, balanced_ids
+from actmap.errors import ActmapUserError
 from actmap.store import MapStore
 
 BALANCE_SEED = 0
 
 
-def balanced_splits(store: MapStore, seed: int = BALANCE_SEED) -> dict[str, list[str]]:
-    """{split: balanced ids}; reads the stored table when it matches the committed rows."""
+def balanced_splits(
+    store: MapStore, seed: int = BALANCE_SEED, persist: bool = True
+) -> dict[str, list[str]]:
+    """{split: balanced ids}; reads the stored table when it matches the committed rows.
+
+    ``persist=False`` computes the same ids without writing the ``splits`` table (a frozen
+    evaluation reads a store and must not write into it)."""
     meta = store.metadata()
     fingerprint = rows_fingerprint(meta["id"], meta["label"], seed)
     if store.has_table("splits"):
@@ -31,6 +38,8 @@ def balanced_splits(store: MapStore, seed: int = BALANCE_SEED) -> dict[str, list
             return {s: frame.loc[frame["split"] == s, "id"].tolist() for s in SPLITS}
     labels = [None if np.isnan(x) else bool(x) for x in meta["label"].astype(float)]
     chosen = balanced_ids(meta["id"].tolist(), meta["split"].tolist(), labels, seed=seed)
+    if not persist:
+        return {s: list(chosen.ids[s]) for s in SPLITS}
     rows = [(key, split) for split in SPLITS for key in chosen.ids[split]]
     table = pa.table(
         {
@@ -59,3 +68,66 @@ def rows_fingerprint(ids, labels, seed: int = BALANCE_SEED) -> str:
 def split_labels(store: MapStore, ids: list[str]) -> np.ndarray:
     meta = store.metadata().set_index("id")
     return meta.loc[ids, "label"].to_numpy(dtype=np.int64)
+
+
+ROW_CHOICES = ("balanced", "test", "all")
+
+
+@dataclass(frozen=True)
+class ScoredRows:
+    """The rows a frozen detector scores: store ids with their labels, plus the empty
+    answers of those rows (stop token first: no map, so not in the maps table), which
+    natural-prevalence metrics count as incorrect answers."""
+
+    which: str
+    ids: list[str]
+    labels: np.ndarray  # (N,) int64, 1 = correct
+    n_empty: int = 0  # empty answers among these rows (each an incorrect answer)
+    empty_split_unknown: int = 0  # empty answers recorded without a split (older stores)
+
+
+def rows_to_score(store: MapStore, which: str = "balanced") -> ScoredRows:
+    """balanced: the balanced test split; test: every labelled test row (natural prevalence);
+    all: every labelled row of the store. Never writes into the store."""
+    if which not in ROW_CHOICES:
+        raise ActmapUserError(f"rows must be one of {', '.join(ROW_CHOICES)}, not '{which}'")
+    meta = store.metadata()
+    if which == "balanced":
+        ids = balanced_splits(store, persist=False)["test"]
+    else:
+        keep = meta["label"].notna()
+        if which == "test":
+            keep &= meta["split"] == "test"
+        ids = meta.loc[keep, "id"].tolist()
+    if not ids:
+        raise ActmapUserError(f"{store.root}: no labelled rows in its '{which}' rows")
+    labels = meta.set_index("id").loc[ids, "label"].to_numpy(dtype=np.int64)
+    if which == "balanced":
+        return ScoredRows(which, list(ids), labels)
+    n_empty, unknown = empty_answers(store, None if which == "all" else "test")
+    return ScoredRows(which, list(ids), labels, n_empty, unknown)
+
+
+def empty_answers(store: MapStore, split: str | None) -> tuple[int, int]:
+    """(empty answers in ``split`` (None: every split), empty answers without a split)."""
+    if not store.has_table("skipped"):
+        return 0, 0
+    frame = store.read_table("skipped").to_pandas().drop_duplicates("id", keep="last")
+    frame = frame[frame["reason"] == "empty answer"]
+    if "split" not in frame.columns:
+        return (len(frame), 0) if split is None else (0, len(frame))
+    known = frame["split"].notna()
+    if split is None:
+        return len(frame), 0
+    return int((frame["split"] == split).sum()), int((~known).sum())
+
+
+def with_empty_answers(
+    confidence: np.ndarray, labels: np.ndarray, n_empty: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Scores and labels with ``n_empty`` empty answers appended as incorrect rows scored 0:
+    an empty answer is never a correct one, and any deployment flags it without a detector."""
+    return (
+        np.concatenate([np.asarray(confidence, dtype=np.float64), np.zeros(n_empty)]),
+        np.concatenate([np.asarray(labels, dtype=np.int64), np.zeros(n_empty, dtype=np.int64)]),
+    )

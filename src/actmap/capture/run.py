@@ -127,6 +127,7 @@ def commit_batch(
             pa.table(
                 {
                     "id": [example_id(examples[i]) for i in empty],
+                    "split": [examples[i].split for i in empty],
                     "reason": ["empty answer"] * len(empty),
                 }
             ),

@@ -106,8 +106,14 @@ def evaluate(
     run: Path = typer.Option(..., help="Run folder written by `actmap train`."),
     store: Path = typer.Option(
         None,
-        help="Score this store's balanced test rows with the frozen detectors "
+        help="Score this store's rows (see --rows) with the frozen detectors "
         "(transfer); default: the run's own test scores.",
+    ),
+    rows: str = typer.Option(
+        "balanced",
+        help="With --store: balanced (its balanced test split) | test (every labelled test "
+        "row, natural prevalence; empty answers count as incorrect) | all (every labelled row). "
+        "The store is only read.",
     ),
     out: Path = typer.Option(
         None, "--out", "-o", help="JSON file for the metrics (default <run>/evaluation.json)."
@@ -117,7 +123,7 @@ def evaluate(
     with user_errors():
         from actmap.experiments.runs import evaluate_run
 
-        result = evaluate_run(run, store)
+        result = evaluate_run(run, store, rows)
         print_summary(result)
         target = out or run / "evaluation.json"
         atomic_write_text(target, json.dumps(result, indent=2, default=float))

@@ -265,43 +265,71 @@ def train_on_store(
     return runs, splits
 
 
-def evaluate_run(run: str | Path, store: str | Path | None = None) -> dict[str, Any]:
-    """AUROC / AUPRC / ECE per seed of an `actmap train` run folder, and their mean and std.
-
-    Without ``store``: the run's own stored test scores. With ``store``: the frozen
-    detectors score that store's balanced test rows (transfer).
-    """
-    import pandas as pd
-
+def frozen_scores(run: str | Path, store, ids: Sequence[str]) -> dict[str, np.ndarray]:
+    """p(correct) of every seed of a run folder's frozen detectors on ``ids`` of ``store``
+    (an opened MapStore, only read): ``{seed: (N,) probabilities}``."""
     from actmap.answer_features import scalars_from_store
     from actmap.detectors import ActMapPlus, load_detector
     from actmap.runs import read_run
 
+    checked = read_run(Path(run))
+    maps, _ = store.load_maps(list(ids))
+    out = {}
+    for seed, folder in checked.seed_dirs.items():
+        detector = load_detector(folder)
+        if isinstance(detector, ActMapPlus):  # it also reads the per-answer scalars
+            out[str(seed)] = detector.predict_proba(maps, scalars_from_store(store, list(ids)))
+        else:
+            out[str(seed)] = detector.predict_proba(maps)
+    return out
+
+
+def evaluate_run(
+    run: str | Path, store: str | Path | None = None, rows: str = "balanced"
+) -> dict[str, Any]:
+    """AUROC / AUPRC / ECE per seed of an `actmap train` run folder, and their mean and std.
+
+    Without ``store``: the run's own stored test scores. With ``store``: the frozen
+    detectors score that store's rows (transfer), which it only reads: ``rows`` is
+    "balanced" (its balanced test split), "test" (every labelled test row, the natural
+    prevalence) or "all" (every labelled row). In "test" and "all", empty answers (no
+    map: the stop token came first) count as incorrect answers scored 0.
+    """
+    import pandas as pd
+
+    from actmap.rows import rows_to_score, with_empty_answers
+    from actmap.runs import read_run
+    from actmap.store import MapStore
+
     run = Path(run)
     checked = read_run(run)  # one detector, one recipe: its seeds can be averaged
-    seed_dirs = list(checked.seed_dirs.values())
-    splits, the_store = load_balanced(store) if store is not None else (None, None)
-    test = splits["test"] if splits is not None else None
-    per_seed = {}
-    for folder in seed_dirs:
-        if test is None:
+    per_seed, counts = {}, {}
+    if store is None:
+        for seed, folder in checked.seed_dirs.items():
             scores = pd.read_parquet(folder / "test_scores.parquet")
             probs, labels = scores["p_correct"].to_numpy(), scores["label"].to_numpy()
-        else:
-            detector = load_detector(folder)
-            if isinstance(detector, ActMapPlus):  # it also reads the per-answer scalars
-                scalars = scalars_from_store(the_store, test.row_ids())
-                probs = detector.predict_proba(test.maps, scalars)
-            else:
-                probs = detector.predict_proba(test.maps)
-            labels = np.asarray(test.labels)
-        per_seed[folder.name.split("-", 1)[1]] = metrics.compute_metrics(probs, labels).__dict__
+            per_seed[str(seed)] = metrics.compute_metrics(probs, labels).__dict__
+            counts = {"n": len(labels), "n_correct": int(labels.sum())}
+    else:
+        the_store = MapStore.open(store)
+        chosen = rows_to_score(the_store, rows)
+        for seed, probs in frozen_scores(run, the_store, chosen.ids).items():
+            probs, labels = with_empty_answers(probs, chosen.labels, chosen.n_empty)
+            per_seed[seed] = metrics.compute_metrics(probs, labels).__dict__
+        counts = {
+            "n": len(chosen.ids) + chosen.n_empty,
+            "n_correct": int(chosen.labels.sum()),
+            "n_empty_counted_incorrect": chosen.n_empty,
+            "n_empty_split_unknown": chosen.empty_split_unknown,
+        }
     names = ("auroc", "auprc", "ece")
     mean_std = {k: metrics.seed_summary([m[k] for m in per_seed.values()]) for k in names}
     return {
         "run": str(run),
         "detector": checked.detector,
         "store": str(store) if store else None,
+        "rows": rows if store else "run's own test rows",
+        **counts,
         "per_seed": per_seed,
         "mean": {k: v[0] for k, v in mean_std.items()},
         "std": {k: v[1] for k, v in mean_std.items()},
