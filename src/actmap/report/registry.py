@@ -11,10 +11,11 @@ from actmap.report.sections import Section
 def report_sections() -> list[Section]:
     """Every section of the report, in report order (the claims section last: it reads
     the results of the others)."""
-    from actmap.report.parts import map_channels
+    from actmap.report.parts import in_domain, map_channels
 
     return [
         map_channels.SECTION,
+        in_domain.SECTION,
     ]
 
 

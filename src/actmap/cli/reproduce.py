@@ -1,0 +1,64 @@
+"""``actmap reproduce``: capture, baselines, training and the report from one config file."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from actmap.cli.app import app
+from actmap.cli.common import console, progress_bar, user_errors
+
+
+def capture_arguments(out: Path, options: Mapping[str, Any]) -> list[str]:
+    """`actmap capture` arguments from a config's capture table (``key = value`` -> ``--key``)."""
+    args = ["capture", "--out", str(out)]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, list):
+            for item in value:
+                args += [flag, str(item)]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def run_capture_command(out: Path, options: Mapping[str, Any]) -> None:
+    from typer.main import get_command
+
+    get_command(app).main(args=capture_arguments(out, options), standalone_mode=False)
+
+
+@app.command()
+def reproduce(
+    config: Path = typer.Option(..., help="reproduce TOML file (see configs/reproduce-*.toml)."),
+    dry_run: bool = typer.Option(False, help="List the stages and whether each is done; run none."),
+) -> None:
+    """Run the paper's evaluation end to end; finished stages are skipped when run again."""
+    with user_errors():
+        from actmap.experiments.reproduce import load_config, plan, run_plan
+
+        settings = load_config(config)
+        stages = plan(settings, capture=run_capture_command)
+        if dry_run:
+            for stage in stages:
+                console.print(f"{stage.name}: {'done' if stage.done() else 'to run'}")
+            return
+        with progress_bar() as bar:
+
+            def progress_for(stage):
+                job = bar.add_task(stage.name, total=None, info="")
+
+                def progress(completed: int, total: int, info: str) -> None:
+                    bar.update(job, completed=completed, total=total or None, info=info)
+
+                return progress
+
+            status = run_plan(stages, progress_for)
+        for name, state in status.items():
+            console.print(f"{name}: {state}")
+        console.print(f"report: {settings.out / 'report' / 'report.md'}")

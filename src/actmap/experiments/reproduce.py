@@ -1,0 +1,411 @@
+"""The paper's evaluation as one resumable chain: capture -> copy -> baselines -> train -> report.
+
+    config = load_config("reproduce.toml")
+    for stage in plan(config, capture=...):       # each stage knows whether it is done
+        if not stage.done(): stage.run(progress)
+
+Everything is written under ``config.out``: ``stores/<name>`` (a copy of each store,
+hard-linked where possible, that baselines write their results into; the source store is
+only read), ``runs/<name>/<detector>/seed-<s>/`` and ``report/``. A stage that finished
+leaves ``state/<stage>.json`` (with the settings it ran with); a later call skips it
+while the settings are unchanged, so a killed run resumes where it stopped.
+Capturing a store that does not exist is the CLI's job (it is handed in as ``capture``):
+the library never imports the CLI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from actmap.artifacts import write_json
+from actmap.errors import ActmapUserError
+
+log = logging.getLogger(__name__)
+
+# progress(completed, total, info)
+Progress = Callable[[int, int, str], None]
+# capture(store path, capture options) -> None: writes (or resumes) a store at the path
+CaptureFn = Callable[[Path, Mapping[str, Any]], None]
+
+DETECTORS = ("vit", "mlp", "logreg")
+SINGLE_PASS = ("perplexity", "mean_token_entropy", "answer_length", "rauq", "tad")
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """One (generator, task) store: ``path`` is read (and captured first when ``capture``
+    holds `actmap capture` options and the store is missing)."""
+
+    name: str
+    path: Path
+    capture: dict[str, Any] | None = None
+    baselines: tuple[str, ...] = SINGLE_PASS
+
+
+@dataclass(frozen=True)
+class ReproduceConfig:
+    out: Path
+    stores: tuple[StoreSpec, ...]
+    detectors: tuple[str, ...] = DETECTORS
+    seeds: tuple[int, ...] = (42, 123, 456)
+    max_epochs: int | None = None  # None: the paper's recipe
+    device: str | None = None
+    n_resamples: int = 2000
+    rows: str = "balanced"
+    sections: tuple[str, ...] | None = None  # None: every section
+    baseline_options: dict[str, Any] = field(default_factory=dict)  # BaselineOptions fields
+    report_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per section
+
+    def to_json(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self), default=str))
+
+
+def _tuple(value, name: str) -> tuple:
+    if not isinstance(value, list | tuple):
+        raise ActmapUserError(f"reproduce config: '{name}' must be a list, got {value!r}")
+    return tuple(value)
+
+
+def load_config(path: str | Path) -> ReproduceConfig:
+    """Read a reproduce TOML file; relative paths are relative to the file's folder."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ActmapUserError(f"reproduce config {path} does not exist") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ActmapUserError(f"reproduce config {path} is not valid TOML: {error}") from None
+    return config_from_dict(raw, path.resolve().parent)
+
+
+def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
+    known = {f.name for f in fields(ReproduceConfig)} - {"report_options"} | {"report"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ActmapUserError(f"reproduce config: unknown key(s) {unknown}; known: {sorted(known)}")
+    if "out" not in raw or not raw.get("stores"):
+        raise ActmapUserError("reproduce config needs 'out' and at least one [[stores]] table")
+    stores = []
+    for entry in raw["stores"]:
+        extra = sorted(set(entry) - {"name", "path", "capture", "baselines"})
+        if extra or "name" not in entry:
+            raise ActmapUserError(
+                f"reproduce config: a [[stores]] table needs 'name' (and 'path'); unknown {extra}"
+            )
+        store_path = base / entry.get("path", Path("stores") / entry["name"])
+        baselines = _tuple(entry.get("baselines", list(SINGLE_PASS)), "baselines")
+        stores.append(StoreSpec(entry["name"], store_path, entry.get("capture"), baselines))
+    names = [s.name for s in stores]
+    if len(set(names)) != len(names):
+        raise ActmapUserError(f"reproduce config: store names repeat: {names}")
+    report = dict(raw.get("report", {}))
+    sections = report.pop("sections", None)
+    detectors = _tuple(raw.get("detectors", list(DETECTORS)), "detectors")
+    bad = [d for d in detectors if d not in ("vit", "mlp", "mlp4x", "logreg")]
+    if bad:
+        raise ActmapUserError(f"reproduce config: unknown detector(s) {bad}")
+    from actmap.report.sections import check_rows
+
+    return ReproduceConfig(
+        out=base / raw["out"],
+        stores=tuple(stores),
+        detectors=detectors,
+        seeds=tuple(int(s) for s in _tuple(raw.get("seeds", [42, 123, 456]), "seeds")),
+        max_epochs=raw.get("max_epochs"),
+        device=raw.get("device"),
+        n_resamples=int(raw.get("n_resamples", 2000)),
+        rows=check_rows(raw.get("rows", "balanced")),
+        sections=None if sections is None else _tuple(sections, "report.sections"),
+        baseline_options=dict(raw.get("baseline_options", {})),
+        report_options={k: dict(v) for k, v in report.items()},
+    )
+
+
+# --- stages ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the chain. ``settings`` is what makes its result valid: a change re-runs it."""
+
+    name: str  # e.g. "train/smollm2-builtin/vit"
+    settings: Callable[[], dict[str, Any]]  # read when asked: a capture stage changes the copy's
+    work: Callable[[Progress], Any]
+    state_dir: Path
+    ready: Callable[[], bool] = lambda: True  # its own completeness check (beyond the marker)
+    store: str | None = None  # the store it works on: when a stage re-runs, later ones do too
+
+    @property
+    def marker(self) -> Path:
+        return self.state_dir / (self.name.replace("/", "__") + ".json")
+
+    def fingerprint(self) -> str:
+        text = json.dumps(self.settings(), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def done(self) -> bool:
+        if not self.marker.is_file():
+            return False
+        try:
+            recorded = json.loads(self.marker.read_text()).get("fingerprint")
+        except ValueError:
+            return False
+        return recorded == self.fingerprint() and self.ready()
+
+    def run(self, progress: Progress) -> Any:
+        result = self.work(progress)
+        write_json(
+            self.marker,
+            {"stage": self.name, "fingerprint": self.fingerprint(), "settings": self.settings()},
+        )
+        return result
+
+
+def link_copy(source: Path, target: Path) -> None:
+    """A copy of a store whose immutable shards are hard links (a copy where links fail);
+    the manifest is copied, and the writer lock is left behind."""
+    if target.exists():
+        shutil.rmtree(target)
+
+    def link(src: str, dst: str) -> None:
+        if Path(src).name in ("manifest.json",):
+            shutil.copy2(src, dst)
+            return
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(
+        source, target, copy_function=link, ignore=shutil.ignore_patterns("writer.lock")
+    )
+
+
+def store_is_complete(path: Path) -> bool:
+    """A store exists and no writer holds it (a capture in progress holds ``writer.lock``)."""
+    from actmap.store import MapStore
+
+    if not (path / "manifest.json").is_file():
+        return False
+    try:
+        MapStore.open(path)
+    except ActmapUserError:
+        return False
+    return not _lock_held(path / "writer.lock")
+
+
+def _lock_held(lock: Path) -> bool:
+    import fcntl
+
+    if not lock.exists():
+        return False
+    with open(lock, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return False
+
+
+def copy_path(config: ReproduceConfig, spec: StoreSpec) -> Path:
+    return config.out / "stores" / spec.name
+
+
+def run_path(config: ReproduceConfig, spec: StoreSpec, detector: str) -> Path:
+    return config.out / "runs" / spec.name / detector
+
+
+def plan(config: ReproduceConfig, capture: CaptureFn | None = None) -> list[Stage]:
+    """Every stage in order: per store capture (if needed), copy, baselines, training; then
+    the report."""
+    state = config.out / "state"
+    stages: list[Stage] = []
+    for spec in config.stores:
+        if spec.capture is not None:
+            stages.append(capture_stage(spec, capture, state))
+        stages.append(copy_stage(config, spec, state))
+        if spec.baselines:
+            stages.append(baselines_stage(config, spec, state))
+        stages += [train_stage(config, spec, d, state) for d in config.detectors]
+    stages.append(report_stage(config, state))
+    return stages
+
+
+def capture_stage(spec: StoreSpec, capture: CaptureFn | None, state: Path) -> Stage:
+    def work(progress: Progress) -> None:
+        if capture is None:
+            raise ActmapUserError(f"store {spec.path} is missing and no capture was handed in")
+        capture(spec.path, spec.capture or {})
+
+    return Stage(
+        f"capture/{spec.name}",
+        lambda: {"path": str(spec.path), "capture": spec.capture},
+        work,
+        state,
+        ready=lambda: store_is_complete(spec.path),
+        store=spec.name,
+    )
+
+
+def copy_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> Stage:
+    target = copy_path(config, spec)
+
+    def work(progress: Progress) -> None:
+        if not store_is_complete(spec.path):
+            raise ActmapUserError(
+                f"store {spec.path} does not exist or is still being written (writer.lock held)"
+            )
+        progress(0, 1, f"{spec.path} -> {target}")
+        link_copy(spec.path, target)
+        progress(1, 1, "")
+
+    def settings() -> dict[str, Any]:
+        manifest = spec.path / "manifest.json"
+        stamp = manifest.stat().st_mtime_ns if manifest.is_file() else None
+        return {"source": str(spec.path), "manifest_mtime": stamp}
+
+    return Stage(
+        f"copy/{spec.name}",
+        settings,
+        work,
+        state,
+        ready=lambda: (target / "manifest.json").is_file(),
+        store=spec.name,
+    )
+
+
+def baselines_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> Stage:
+    def work(progress: Progress) -> None:
+        from actmap.baselines.options import BaselineOptions
+        from actmap.baselines.runner import run_baselines
+        from actmap.store import MapStore
+
+        options = BaselineOptions(**{"device": config.device, **config.baseline_options})
+        store = MapStore.open(copy_path(config, spec))
+        names = list(spec.baselines)
+        done = {}
+
+        def on_progress(method: str, n: int, total: int, info: str = "") -> None:
+            progress(len(done), len(names), f"{method} {n}/{total}")
+
+        try:
+            results = run_baselines(store, names, options=options, progress=on_progress)
+        finally:
+            store.close()
+        failed = {k: r.reason for k, r in results.items() if r.status == "failed"}
+        for method, reason in failed.items():
+            log.warning("baseline %s failed on %s: %s", method, spec.name, reason)
+        progress(len(names), len(names), ", ".join(f"{k}: {r.status}" for k, r in results.items()))
+
+    return Stage(
+        f"baselines/{spec.name}",
+        lambda: {"methods": list(spec.baselines), "options": config.baseline_options},
+        work,
+        state,
+        store=spec.name,
+    )
+
+
+def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: Path) -> Stage:
+    out = run_path(config, spec, detector)
+
+    def work(progress: Progress) -> None:
+        from actmap.experiments.runs import recipe_config, train_on_store
+        from actmap.runs import extend_run_record, prepare_run_folder
+
+        recipe = recipe_config(config.max_epochs)
+        prepare_run_folder(out, detector, recipe.to_dict(), overwrite=True)
+        total = recipe.max_epochs * len(config.seeds)
+        finished = {}
+
+        def on_epoch(epoch: int, info: dict) -> None:
+            finished[int(info["seed"])] = epoch + 1
+            auroc = info.get("val_auroc", float("nan"))
+            progress(sum(finished.values()), total, f"seed {info['seed']} val AUROC {auroc:.3f}")
+
+        train_on_store(
+            copy_path(config, spec), detector, config.seeds, out, recipe, config.device, on_epoch
+        )
+        extend_run_record(out)
+        progress(total, total, "")
+
+    def ready() -> bool:
+        return all((out / f"seed-{s}" / "metrics.json").is_file() for s in config.seeds)
+
+    return Stage(
+        f"train/{spec.name}/{detector}",
+        lambda: {
+            "seeds": list(config.seeds),
+            "max_epochs": config.max_epochs,
+            "device": config.device,
+        },
+        work,
+        state,
+        ready=ready,
+        store=spec.name,
+    )
+
+
+def report_context(config: ReproduceConfig):
+    from actmap.report.inputs import find_runs, store_refs
+    from actmap.report.sections import ReportContext
+
+    refs = store_refs([copy_path(config, s) for s in config.stores])
+    return ReportContext(
+        stores=refs,
+        runs=find_runs(config.out / "runs", refs) if (config.out / "runs").is_dir() else {},
+        out=config.out / "report",
+        scratch=config.out / "scratch",
+        seeds=config.seeds,
+        rows=config.rows,  # type: ignore[arg-type]
+        n_resamples=config.n_resamples,
+        device=config.device,
+        max_epochs=config.max_epochs,
+        options=config.report_options,
+    )
+
+
+def report_stage(config: ReproduceConfig, state: Path) -> Stage:
+    def work(progress: Progress):
+        from actmap.report.assemble import build_report
+        from actmap.report.registry import select_sections
+
+        sections = select_sections(config.sections)
+        finished = []
+
+        def on_section(name: str, status: str) -> None:
+            if status != "start":
+                finished.append(name)
+            progress(len(finished), len(sections), f"{name}: {status}")
+
+        return build_report(report_context(config), sections, on_section)
+
+    # the report is cheap next to the rest and reads everything: always rebuilt
+    return Stage("report", lambda: {"always": os.urandom(4).hex()}, work, state)
+
+
+def run_plan(stages: Sequence[Stage], progress_for: Callable[[Stage], Progress]) -> dict[str, str]:
+    """Run every stage not yet done, in order; ``{stage: "done" | "skipped (done before)"}``.
+
+    A stage that runs makes every later stage of its store run too (a new copy of a store
+    has none of the baseline results of the old one)."""
+    status, rerun = {}, set()
+    for stage in stages:
+        if stage.store not in rerun and stage.done():
+            status[stage.name] = "skipped (done before)"
+            continue
+        stage.run(progress_for(stage))
+        status[stage.name] = "done"
+        if stage.store is not None:
+            rerun.add(stage.store)
+    return status

@@ -1,0 +1,108 @@
+"""`actmap reproduce`: the whole chain on a tiny random model, resumed without redoing work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from actmap.cli import app
+from actmap.cli.reproduce import capture_arguments
+from actmap.errors import ActmapUserError
+from actmap.experiments.reproduce import config_from_dict, load_config
+
+WORDS = "red blue green one two three four five paris rome".split()
+
+
+def answers_file(path, sizes=(("train", 24), ("validation", 12), ("test", 12))):
+    rows = []
+    for split, n in sizes:
+        for k in range(n):
+            words = " ".join(WORDS[(k + j) % len(WORDS)] for j in range(1 + k % 4))
+            rows.append(
+                {
+                    "id": f"{split}{k}",
+                    "prompt": f"say {words}",
+                    "answer": words if k % 2 else "no",
+                    "label": k % 2,
+                    "split": split,
+                }
+            )
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_reproduce_runs_every_stage_then_skips_what_is_done(tmp_path, tiny_model_dir):
+    answers = answers_file(tmp_path / "answers.jsonl")
+    config = tmp_path / "reproduce.toml"
+    config.write_text(
+        f"""
+out = "out"
+detectors = ["logreg"]
+seeds = [1]
+max_epochs = 2
+device = "cpu"
+n_resamples = 100
+[[stores]]
+name = "tiny-answers"
+path = "captured/tiny-answers"
+baselines = ["perplexity", "answer_length"]
+[stores.capture]
+answers = "{answers}"
+model = "{tiny_model_dir}"
+batch_size = 16
+[report]
+sections = ["map_channels", "in_domain"]
+"""
+    )
+    result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    text = (out / "report" / "report.md").read_text()
+    assert "| actmap-logreg |" in text.replace("ActMap (white box) ", "")
+    assert "perplexity" in text and "map_channels.png" in text
+    source = tmp_path / "captured" / "tiny-answers"
+    assert not (source / "results").exists()  # baselines wrote into the copy only
+    assert (out / "stores" / "tiny-answers" / "results" / "perplexity").is_dir()
+    assert (out / "runs" / "tiny-answers" / "logreg" / "seed-1" / "metrics.json").is_file()
+    again = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert again.exit_code == 0, again.output
+    for stage in ("capture/", "copy/", "baselines/", "train/"):
+        assert f"{stage}tiny-answers" in again.output
+    skipped = [line for line in again.output.splitlines() if "skipped (done before)" in line]
+    assert len(skipped) == 4  # capture, copy, baselines, train; the report is rebuilt
+
+
+def test_shipped_configs_parse(tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    small = load_config(root / "reproduce-small.toml")
+    assert [s.capture["task"] for s in small.stores] == ["builtin", "triviaqa"]
+    assert small.detectors == ("vit", "mlp", "logreg") and len(small.seeds) == 3
+    full = load_config(root / "reproduce-full.toml")
+    assert len(full.stores) == 6 and all(s.capture is None for s in full.stores)
+
+
+def test_config_errors_name_the_problem(tmp_path):
+    with pytest.raises(ActmapUserError, match="unknown key"):
+        config_from_dict({"out": "x", "stores": [{"name": "a"}], "sedes": [1]}, tmp_path)
+    with pytest.raises(ActmapUserError, match="repeat"):
+        config_from_dict({"out": "x", "stores": [{"name": "a"}, {"name": "a"}]}, tmp_path)
+    with pytest.raises(ActmapUserError, match="detector"):
+        config_from_dict({"out": "x", "stores": [{"name": "a"}], "detectors": ["cnn"]}, tmp_path)
+
+
+def test_capture_arguments_turn_a_table_into_flags(tmp_path):
+    args = capture_arguments(tmp_path, {"task": "triviaqa", "chat_template": False, "limit": 5})
+    assert args == [
+        "capture",
+        "--out",
+        str(tmp_path),
+        "--task",
+        "triviaqa",
+        "--no-chat-template",
+        "--limit",
+        "5",
+    ]
