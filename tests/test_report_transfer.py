@@ -1,0 +1,58 @@
+"""Transfer rows: frozen detectors scored on stores they never saw, checked against sklearn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from report_stores import synthetic_store
+from sklearn.metrics import roc_auc_score
+from test_report_rows import snapshot
+
+from actmap.experiments.runs import frozen_scores
+from actmap.experiments.transfer import StoreInfo, detectors_from_runs, transfer_rows
+from actmap.store import MapStore
+
+
+def test_transfer_rows_kinds_values_and_read_only_targets(tmp_path):
+    specs = {
+        "a-qa": dict(generator="gen-a", task="qa", seed=1),
+        "a-math": dict(generator="gen-a", task="math", seed=2, signal=-2.0),  # flipped signal
+        "b-qa": dict(generator="gen-b", task="qa", seed=3),
+    }
+    stores = []
+    for name, kw in specs.items():
+        kw = {"signal": 2.0, **kw}
+        synthetic_store(tmp_path / name, **kw)
+        stores.append(StoreInfo(name, tmp_path / name, kw["generator"], kw["task"]))
+    before = {s.name: snapshot(s.path) for s in stores}
+    detector_for = detectors_from_runs({}, "logreg", tmp_path / "scratch", (1,), 10, "cpu")
+    result = transfer_rows(stores, detector_for, lambda t: None, "logreg", "all", 200)
+    assert {s.name: snapshot(s.path) for s in stores} == before
+    kinds = {}
+    for row in result.rows:
+        kinds.setdefault(row.kind, []).append(row)
+    assert {(r.source, r.target) for r in kinds["cross-dataset"]} == {
+        ("a-qa", "a-math"),
+        ("a-math", "a-qa"),
+    }
+    assert {(r.source, r.target) for r in kinds["leave-one-generator-out"]} == {
+        ("b-qa", "a-qa"),
+        ("a-qa", "b-qa"),
+    }
+    assert kinds["cross-task"][0].skipped and kinds["model scale"][0].skipped
+    same = next(r for r in kinds["leave-one-generator-out"] if r.target == "b-qa")
+    flipped = next(r for r in kinds["cross-dataset"] if r.target == "a-math")
+    assert same.auroc.estimate > 0.8 and flipped.auroc.estimate < 0.2
+    # the row's AUROC is the seed-mean p of the frozen detector on every target row
+    target = MapStore.open(tmp_path / "b-qa")
+    meta = target.metadata()
+    p = np.mean(
+        list(
+            frozen_scores(
+                tmp_path / "scratch" / "a-qa" / "logreg", target, meta["id"].tolist()
+            ).values()
+        ),
+        axis=0,
+    )
+    assert same.auroc.estimate == pytest.approx(roc_auc_score(meta["label"], p))
+    assert same.auroc.n == len(meta)
