@@ -24,12 +24,12 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from actmap.detectors import create_detector
+from actmap.experiments.cost import time_calls
 from actmap.training import (
     TrainConfig,
     bf16_supported,
@@ -45,11 +45,6 @@ REFERENCE = {  # (now, target), ms per map at batch 256
     ("vit", "cuda"): "paper .024 ms/map, 197 MiB (L40S) -> target <= .010 ms/map (H100)",
 }
 TRAIN_REFERENCE = "now 13 s per 1,000 maps (ViT, 2 cores) -> target <= 5 s"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _rss_kib(field: str) -> int | None:
@@ -86,23 +81,7 @@ def bench_scoring(
 ) -> list[dict]:
     """Median latency of one batch per variant, repeats interleaved across the variants."""
     variants = _variants(name, device, batch, compile_model)
-    peak = {}
-    for label, fn in variants.items():  # warm-up (and compilation), excluded; peak memory
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        for _ in range(warmup):
-            fn()
-        _sync(device)
-        if device.type == "cuda":
-            peak[label] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    times: dict[str, list[float]] = {label: [] for label in variants}
-    for _ in range(repeats):
-        for label, fn in variants.items():
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[label].append(time.perf_counter() - t0)
+    times, peak = time_calls(variants, device, repeats, warmup)
     rows = []
     for label in variants:
         median = statistics.median(times[label])
@@ -112,7 +91,7 @@ def bench_scoring(
                 "variant": label,
                 "ms_per_map": 1e3 * median / batch,
                 "maps_per_s": batch / median,
-                "peak_mib": peak.get(label, float("nan")),
+                "peak_mib": float("nan") if peak[label] is None else peak[label],
             }
         )
     return rows

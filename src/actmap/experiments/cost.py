@@ -1,0 +1,267 @@
+"""Computational cost (paper: "Computational Cost"): capture overhead, bytes, scoring, training.
+
+    time_scoring(model, inputs, repeats)     -> ScoringCost   (median latency, peak memory)
+    detector_scoring_costs(...)              -> ActMap detectors and ACT-ViT at one batch size
+    storage_costs(store)                     -> bytes per map / pooled trajectory / ACT-ViT tensor
+    training_costs(runs)                     -> training seconds per seed, from run histories
+    capture_overhead(model, tokenizer, ...)  -> `actmap.capture.overhead.Overhead` (hooked/plain)
+
+`benchmarks/bench_scoring.py` prints the same timings beside their references.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from actmap.maps import MAP_BYTES, MAP_SHAPE
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class ScoringCost:
+    name: str
+    batch: int
+    repeats: int
+    ms_per_map: float  # median over repeats of one batch's time, per map
+    maps_per_s: float
+    peak_mib: float | None  # CUDA peak allocated during scoring; None on CPU (not tracked)
+    device: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def time_calls(
+    calls: Mapping[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int
+) -> tuple[dict[str, list[float]], dict[str, float | None]]:
+    """Seconds of every repeat of each call (repeats interleaved across the calls, so a slow
+    moment of a shared machine touches all of them) and each call's CUDA peak MiB."""
+    peak: dict[str, float | None] = {}
+    for label, fn in calls.items():  # warm-up, excluded; peak memory
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        for _ in range(warmup):
+            fn()
+        synchronize(device)
+        peak[label] = (
+            (torch.cuda.max_memory_allocated(device) - base) / 2**20
+            if device.type == "cuda"
+            else None
+        )
+    times: dict[str, list[float]] = {label: [] for label in calls}
+    for _ in range(repeats):
+        for label, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[label].append(time.perf_counter() - start)
+    return times, peak
+
+
+def time_scoring(
+    models: Mapping[str, tuple[torch.nn.Module, torch.Tensor]],
+    repeats: int = 300,
+    warmup: int = 3,
+    device: str | torch.device = "cpu",
+) -> list[ScoringCost]:
+    """Median latency of one batch per model (``{name: (model, batch of inputs)}``)."""
+    device = torch.device(device)
+    calls = {}
+    for name, (model, inputs) in models.items():
+        model = model.to(device).eval()
+        x = inputs.to(device)
+        calls[name] = torch.inference_mode()(lambda m=model, x=x: m(x))
+    times, peak = time_calls(calls, device, repeats, warmup)
+    out = []
+    for name, (_, inputs) in models.items():
+        median = statistics.median(times[name])
+        batch = len(inputs)
+        out.append(
+            ScoringCost(
+                name, batch, repeats, 1e3 * median / batch, batch / median, peak[name], str(device)
+            )
+        )
+    return out
+
+
+def detector_scoring_costs(
+    detectors: Sequence[str] = ("vit", "mlp"),
+    d_model: int | None = 576,
+    batch: int = 256,
+    repeats: int = 300,
+    warmup: int = 3,
+    device: str = "cpu",
+) -> list[ScoringCost]:
+    """ActMap detectors on float32 maps and (with ``d_model``) ACT-ViT on its padded tensor of a
+    generator of that hidden size, untrained weights (latency does not depend on them)."""
+    from actmap.baselines.actvit import LAYER_GROUPS, N_MAX, ACTViT, ACTViTConfig
+    from actmap.detectors import create_detector
+
+    torch.manual_seed(0)
+    models = {
+        f"actmap-{name}": (create_detector(name), torch.randn(batch, *MAP_SHAPE))
+        for name in detectors
+    }
+    if d_model is not None:
+        models["actvit"] = (
+            ACTViT.from_config(ACTViTConfig(), d_model),
+            torch.randn(batch, LAYER_GROUPS, N_MAX, d_model),
+        )
+    return time_scoring(models, repeats, warmup, device)
+
+
+@dataclass(frozen=True)
+class StorageCost:
+    store: str
+    map_bytes: int  # one stored map (float16)
+    trajectory_bytes: float | None  # mean pooled L x T x 128 trajectory (float16), if stored
+    actvit_bytes: int | None  # ACT-ViT's padded (8, 100, D) tensor (float16) of this generator
+    d_model: int | None
+    n_trajectories: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def storage_costs(store, name: str) -> StorageCost:
+    """Bytes per generation of each representation, read from the store's tables."""
+    from actmap.baselines.actvit import tensor_nbytes
+
+    trajectory, n_traj = None, 0
+    if store.has_table("trajectories"):
+        shapes = store.read_table("trajectories", ["shape"]).column("shape").to_pylist()
+        n_traj = len(shapes)
+        trajectory = float(np.mean([2 * int(np.prod(s)) for s in shapes]))
+    d_model = None
+    if store.has_table("dense"):
+        first = store.read_table("dense", ["shape"]).column("shape")[0].as_py()
+        d_model = int(first[-1])
+    return StorageCost(
+        name,
+        int(np.prod(store.map_shape)) * 2 if store.map_shape else MAP_BYTES,
+        trajectory,
+        None if d_model is None else tensor_nbytes(d_model),
+        d_model,
+        n_traj,
+    )
+
+
+@dataclass(frozen=True)
+class TrainingCost:
+    store: str
+    detector: str
+    seconds_per_seed: list[float]  # sum of the epochs' wall times, one per seed
+    epochs_per_seed: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def training_costs(run: Path, store: str, detector: str) -> TrainingCost:
+    """Training seconds per seed, summed from each seed's recorded epoch times."""
+    from actmap.runs import read_run
+
+    seconds, epochs = [], []
+    for folder in read_run(run).seed_dirs.values():
+        history = json.loads((folder / "history.json").read_text())
+        seconds.append(float(sum(h["epoch_time_s"] for h in history)))
+        epochs.append(len(history))
+    return TrainingCost(store, detector, seconds, epochs)
+
+
+@dataclass(frozen=True)
+class CaptureCost:
+    model: str
+    batch: int
+    new_tokens: int
+    plain_s: list[float]
+    hooked_s: list[float]
+    median_ratio: float  # hooked / plain, median over repeats
+    identical_tokens: bool
+    plain_ms_per_answer: float  # median plain time per answer
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def capture_overhead(
+    model, tokenizer, name: str, prompts: Sequence[str], new_tokens: int = 32, repeats: int = 3
+) -> CaptureCost:
+    """Hooked (map-only: what ActMap needs) vs plain generation of one batch, interleaved."""
+    from actmap.capture.overhead import measure_overhead
+    from actmap.capture.records import CaptureConfig
+
+    config = CaptureConfig(max_new_tokens=new_tokens, batch_size=len(prompts), greybox=False)
+    measured = measure_overhead(model, tokenizer, prompts, config, repeats)
+    return CaptureCost(
+        name,
+        len(prompts),
+        new_tokens,
+        measured.plain_s,
+        measured.hooked_s,
+        measured.median_ratio,
+        measured.identical_tokens,
+        1e3 * statistics.median(measured.plain_s) / len(prompts),
+    )
+
+
+@dataclass(frozen=True)
+class CostResult:
+    scoring: list[ScoringCost]
+    storage: list[StorageCost]
+    training: list[TrainingCost]
+    capture: CaptureCost | None
+    # method -> (added ms per answer, mean AUROC over the stores, n stores); the plot's points
+    cost_quality: dict[str, tuple[float, float, int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    load_average: tuple[float, float, float] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scoring": [s.to_json() for s in self.scoring],
+            "storage": [s.to_json() for s in self.storage],
+            "training": [t.to_json() for t in self.training],
+            "capture": None if self.capture is None else self.capture.to_json(),
+            "cost_quality": {
+                k: {"ms_per_answer": v[0], "mean_auroc": v[1], "n_stores": v[2]}
+                for k, v in self.cost_quality.items()
+            },
+            "notes": self.notes,
+            "load_average": self.load_average,
+        }
+
+
+def cost_quality_points(
+    mean_auroc: Mapping[str, tuple[float, int]],
+    baseline_latency: Mapping[str, float],
+    scoring: Sequence[ScoringCost],
+    capture: CaptureCost | None,
+) -> dict[str, tuple[float, float, int]]:
+    """Added latency per answer and mean AUROC per method. ActMap adds its capture overhead
+    (hooked minus plain time per answer, at least 0) and its detector's scoring time;
+    a baseline adds what its run recorded (its own passes and scoring)."""
+    per_map = {s.name: s.ms_per_map for s in scoring}
+    capture_ms = 0.0
+    if capture is not None:
+        capture_ms = max(0.0, (capture.median_ratio - 1.0) * capture.plain_ms_per_answer)
+    points = {}
+    for method, (auroc, n) in mean_auroc.items():
+        if method.startswith("actmap-") and method in per_map:
+            points[method] = (capture_ms + per_map[method], auroc, n)
+        elif method in baseline_latency:
+            points[method] = (baseline_latency[method], auroc, n)
+    return points
