@@ -110,6 +110,11 @@ class InDomainColumn:
     paired: list[Paired]  # each ActMap detector vs each other method
     best: str | None  # the top AUROC, kept only when its paired intervals all exclude 0
     best_check: list[Paired] = field(default_factory=list)  # the top method vs every other
+    paired_ece: list[Paired] = field(default_factory=list)  # ECE(ActMap) - ECE(probability)
+
+    def pair(self, a: str, b: str, metric: str = "auroc") -> Paired | None:
+        found = self.paired if metric == "auroc" else self.paired_ece
+        return next((p for p in found if p.a == a and p.b == b), None)
 
     def cell(self, method: str) -> Cell | None:
         return next((c for c in self.cells if c.method == method), None)
@@ -124,6 +129,7 @@ class InDomainColumn:
             "paired": [p.to_json() for p in self.paired],
             "best": self.best,
             "best_check": [p.to_json() for p in self.best_check],
+            "paired_ece": [p.to_json() for p in self.paired_ece],
         }
 
 
@@ -224,10 +230,16 @@ def score_cell(
 
 
 def paired_auroc(
-    a: MethodScores, b: MethodScores, label_of: Mapping[str, int], n_resamples: int, seed: int = 0
+    a: MethodScores,
+    b: MethodScores,
+    label_of: Mapping[str, int],
+    n_resamples: int,
+    seed: int = 0,
+    metric=None,
 ) -> Paired:
+    """metric(a) - metric(b) on the rows both scored (AUROC when ``metric`` is None)."""
     sa, sb, y = _aligned(a, b, label_of)
-    return Paired(a.method, b.method, paired_bootstrap(sa, sb, y, None, n_resamples, seed=seed))
+    return Paired(a.method, b.method, paired_bootstrap(sa, sb, y, metric, n_resamples, seed=seed))
 
 
 def in_domain_column(
@@ -249,6 +261,12 @@ def in_domain_column(
         for b in scores
         if b != a
     ]
+    paired_ece = [
+        paired_auroc(scores[a], scores[b], label_of, n_resamples, metric=metrics.ece)
+        for a in ours
+        for b in scores
+        if b != a and scores[b].probability
+    ]
     ranked = [c for c in cells if c.family != "control"]
     best, check = None, []
     if len(ranked) > 1:
@@ -259,7 +277,9 @@ def in_domain_column(
             if c.method != top.method
         ]
         best = top.method if all(p.difference.low > 0 for p in check) else None
-    return InDomainColumn(store, generator, task, len(label_of), cells, paired, best, check)
+    return InDomainColumn(
+        store, generator, task, len(label_of), cells, paired, best, check, paired_ece
+    )
 
 
 def store_column(

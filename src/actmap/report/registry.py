@@ -11,13 +11,14 @@ from actmap.report.sections import Section
 def report_sections() -> list[Section]:
     """Every section of the report, in report order (the claims section last: it reads
     the results of the others)."""
-    from actmap.report.parts import cost, in_domain, map_channels, transfer
+    from actmap.report.parts import claims, cost, in_domain, map_channels, transfer
 
     return [
         map_channels.SECTION,
         in_domain.SECTION,
         transfer.SECTION,
         cost.SECTION,
+        claims.SECTION,
     ]
 
 

@@ -1,0 +1,31 @@
+"""The paper's claims, checked: the last section, read from the results of the others."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from actmap.experiments.claims import ClaimsResult
+from actmap.report.sections import ReportContext, Section
+
+
+def compute(context: ReportContext) -> ClaimsResult:
+    from actmap.experiments.claims import check_claims
+
+    tasks = {s.name: s.task for s in context.stores.values()}
+    return check_claims(context.results, tasks)
+
+
+def render(result: ClaimsResult, figure_dir: Path) -> str:
+    lines = [
+        "Each headline claim of the paper, its figure, ours with its 95% interval and n, and a "
+        "verdict: holds / does not hold / inconclusive at this sample size (the rule is in the "
+        "last column; `actmap.experiments.claims` documents them).\n",
+        "| claim | paper | ours | verdict | rule |",
+        "|---|---|---|---|---|",
+    ]
+    for c in result.claims:
+        lines.append(f"| {c.claim} | {c.paper} | {c.ours} | **{c.verdict}** | {c.rule} |")
+    return "\n".join(lines) + "\n"
+
+
+SECTION = Section("claims", "The paper's claims, checked", compute, render)
