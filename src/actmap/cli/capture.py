@@ -60,6 +60,7 @@ def load_task(
     builtin_questions: int = 400,
     judge: str | None = None,
     answers: Path | None = None,
+    demonstrations_from: Path | None = None,
 ):
     from actmap.data import get_task
     from actmap.data.promptfile import AnswersFileTask, PromptFileTask
@@ -79,7 +80,27 @@ def load_task(
         kwargs["judge"] = load_factuality_judge(judge)
     if task in ("triviaqa", "nq_open"):
         kwargs["label_rule"] = label_rule
+    if demonstrations_from is not None:
+        kwargs["demonstrations"] = store_demonstrations(demonstrations_from, task)
     return get_task(task, **kwargs)
+
+
+def store_demonstrations(store: Path, task: str) -> list[dict]:
+    """The few-shot demonstrations a store's prompts showed (recorded in its task config)."""
+    from actmap.store import read_manifest
+
+    config = read_manifest(store).get("config", {}).get("task", {})
+    if config.get("task") != task:
+        raise ActmapUserError(
+            f"--demonstrations-from {store} holds task '{config.get('task')}', not '{task}'"
+        )
+    found = config.get("demonstrations")
+    if not found:
+        raise ActmapUserError(
+            f"--demonstrations-from {store}: its config records no demonstrations (a zero-shot "
+            "store, or one made before actmap recorded them)"
+        )
+    return found
 
 
 @app.command()
@@ -141,6 +162,11 @@ def capture(
         "or 'minicheck:<path>'. Without one, summaries are stored unlabelled.",
     ),
     label_rule: str = typer.Option("paper", help="QA label rule: paper | contains."),
+    demonstrations_from: Path = typer.Option(
+        None,
+        help="Reuse the few-shot demonstrations recorded in this store's config (same task), "
+        "so prompts match it even when your data lacks the fixed demonstration rows.",
+    ),
     builtin_questions: int = typer.Option(
         400, min=1, help="Questions the built-in task generates."
     ),
@@ -201,6 +227,7 @@ def capture(
             builtin_questions,
             judge,
             answers,
+            demonstrations_from,
         )
         wanted = [s.strip() for s in splits.split(",") if s.strip()]
         examples = [e for split in wanted for e in the_task.load(split, limit)]

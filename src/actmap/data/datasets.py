@@ -29,7 +29,7 @@ import gzip
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -373,8 +373,10 @@ class SourceTask:
         fractions: Mapping[str, float] | None = None,
         chat_template: bool = True,  # False: plain "Question:/Answer:" text for chat models too
         pooled: bool = False,  # True: ignore the dataset's own splits, seeded split of all keys
+        demonstrations: Sequence[Mapping[str, str]] | None = None,  # a store's, to reuse
     ) -> None:
         self.data_dir = data_dir
+        self.given_demonstrations = [dict(d) for d in demonstrations or []]
         self.pooled = pooled
         self.chat_template = chat_template
         self.prompt_style = check_prompt_style(prompt_style)
@@ -402,8 +404,10 @@ class SourceTask:
             by_split[split].append(
                 Example(row.source_key, self.name, split, row.question, row.references, row.meta)
             )
-        self._demos = self._fixed_demonstrations(by_split) or self._pick_demonstrations(
-            by_split["train"]
+        self._demos = (
+            self._given(by_split)
+            or self._fixed_demonstrations(by_split)
+            or self._fallback_demonstrations(by_split["train"])
         )
         if len(self._demos) < self.n_shots:
             raise DataError(
@@ -440,6 +444,43 @@ class SourceTask:
 
     def _accepts(self, answer: str, example: Example) -> bool:
         return True
+
+    def _given(self, by_split: dict[str, list[Example]]) -> list[Example]:
+        """Demonstrations handed in (a store's recorded ones), exactly as that store showed them."""
+        if not self.given_demonstrations:
+            return []
+        if len(self.given_demonstrations) < self.n_shots:
+            raise DataError(
+                f"{self.name}: {len(self.given_demonstrations)} demonstrations given, "
+                f"fewer than n_shots={self.n_shots}"
+            )
+        return [
+            Example(
+                d["key"],
+                self.name,
+                "train",
+                d["question"],
+                [d["answer"]],
+                {"demo_answer": d["answer"]},
+            )
+            for d in self.given_demonstrations[: self.n_shots]
+        ]
+
+    def _fallback_demonstrations(self, train: list[Example]) -> list[Example]:
+        """Demonstrations picked from the data, with a warning when the fixed ones are missing
+        (prompts then differ from stores made with the fixed demonstrations)."""
+        picked = self._pick_demonstrations(train)
+        if self.DEMONSTRATION_KEYS and self.n_shots and self.prompt_style == "few_shot":
+            logger.warning(
+                "%s: the fixed demonstration keys (%s) are not all in %s; using %s instead, so "
+                "prompts differ from stores made with the fixed ones (reuse a store's "
+                "demonstrations with --demonstrations-from STORE)",
+                self.name,
+                ", ".join(k for k, _ in self.DEMONSTRATION_KEYS[: self.n_shots]),
+                self.source or "the data",
+                ", ".join(e.source_key for e in picked),
+            )
+        return picked
 
     def _pick_demonstrations(self, train: list[Example]) -> list[Example]:
         """The first ``n_shots`` train examples in source order."""
@@ -479,6 +520,21 @@ class SourceTask:
             "pooled": self.pooled,
             "fractions": self.fractions,
             "max_new_tokens": self.max_new_tokens,
+            **self._recorded_demonstrations(),
+        }
+
+    def _recorded_demonstrations(self) -> dict[str, Any]:
+        """The few-shot demonstrations as shown (key, question, answer), for the store config."""
+        if self.prompt_style != "few_shot" or not self.n_shots:
+            return {}
+        pairs = getattr(self, "_demo_pairs", lambda: [])()
+        if not pairs:
+            return {}
+        return {
+            "demonstrations": [
+                {"key": d.source_key, "question": q, "answer": a}
+                for d, (q, a) in zip(self._demos, pairs, strict=True)
+            ]
         }
 
 

@@ -157,8 +157,16 @@ def config_differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str
     return out
 
 
+# recorded by later versions only: a store made before them resumes without them
+ADDED_LATER = (("task", "demonstrations"),)
+
+
 def check_config(root: Path, stored: dict, wanted: dict, ignore: Sequence[str] = ()) -> None:
     """Raise `StoreError` naming the differences when ``wanted`` means another config."""
+    wanted = json.loads(json.dumps(wanted))
+    for section, key in ADDED_LATER:
+        if key not in (stored.get(section) or {}) and isinstance(wanted.get(section), dict):
+            wanted[section].pop(key, None)
     changed = [
         (k, a, b)
         for k, a, b in config_differences(normalize_config(stored), normalize_config(wanted))
