@@ -142,7 +142,8 @@ class Stage:
     work: Callable[[Progress], Any]
     state_dir: Path
     ready: Callable[[], bool] = lambda: True  # its own completeness check (beyond the marker)
-    store: str | None = None  # the store it works on: when a stage re-runs, later ones do too
+    store: str | None = None  # the store it works on
+    renews_store: bool = False  # capture / copy: when it runs, the later stages of its store do too
 
     @property
     def marker(self) -> Path:
@@ -254,6 +255,7 @@ def capture_stage(spec: StoreSpec, capture: CaptureFn | None, state: Path) -> St
         state,
         ready=lambda: store_is_complete(spec.path),
         store=spec.name,
+        renews_store=True,
     )
 
 
@@ -281,6 +283,7 @@ def copy_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> Stage:
         state,
         ready=lambda: (target / "manifest.json").is_file(),
         store=spec.name,
+        renews_store=True,
     )
 
 
@@ -397,8 +400,8 @@ def report_stage(config: ReproduceConfig, state: Path) -> Stage:
 def run_plan(stages: Sequence[Stage], progress_for: Callable[[Stage], Progress]) -> dict[str, str]:
     """Run every stage not yet done, in order; ``{stage: "done" | "skipped (done before)"}``.
 
-    A stage that runs makes every later stage of its store run too (a new copy of a store
-    has none of the baseline results of the old one)."""
+    A capture or copy that runs makes every later stage of its store run too (a new copy of
+    a store has none of the baseline results of the old one)."""
     status, rerun = {}, set()
     for stage in stages:
         if stage.store not in rerun and stage.done():
@@ -406,6 +409,6 @@ def run_plan(stages: Sequence[Stage], progress_for: Callable[[Stage], Progress])
             continue
         stage.run(progress_for(stage))
         status[stage.name] = "done"
-        if stage.store is not None:
+        if stage.renews_store and stage.store is not None:
             rerun.add(stage.store)
     return status
