@@ -24,7 +24,9 @@ def render(result: ClaimsResult, figure_dir: Path) -> str:
         "|---|---|---|---|---|",
     ]
     for c in result.claims:
-        lines.append(f"| {c.claim} | {c.paper} | {c.ours} | **{c.verdict}** | {c.rule} |")
+        cells = [cell.replace("|", "\\|") for cell in (c.claim, c.paper, c.ours)]
+        rule = c.rule.replace("|", "\\|")
+        lines.append(f"| {' | '.join(cells)} | **{c.verdict}** | {rule} |")
     return "\n".join(lines) + "\n"
 
 

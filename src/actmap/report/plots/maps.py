@@ -16,7 +16,9 @@ def plot_map_channels(
     rows = -(-n // columns)
     figure = new_figure(3.2 * columns, 1.9 * rows + 0.6)
     grid = figure.subplots(rows, columns, squeeze=False)
-    limit = float(np.nanmax(np.abs(activation_map))) or 1.0
+    # a few outlier coordinates reach 20 standard deviations: clip the shared colour scale at
+    # the 99th percentile of |value| so every channel's structure stays visible
+    limit = float(np.nanpercentile(np.abs(activation_map), 99)) or 1.0
     image = None
     for k, axis in enumerate(grid.flat):
         if k >= n:
@@ -39,6 +41,11 @@ def plot_map_channels(
         if k >= n - columns:
             axis.set_xlabel("pooled coordinate", fontsize=8)
     if image is not None:
-        figure.colorbar(image, ax=grid, shrink=0.6, label="standardised value (per channel)")
+        figure.colorbar(
+            image,
+            ax=grid,
+            shrink=0.6,
+            label="standardised value (per channel), clipped at the 99th percentile of |value|",
+        )
     figure.suptitle(title, fontsize=10)
     return figure
