@@ -24,6 +24,8 @@ COMMANDS = [
     "baselines",
     "compare",
     "monitor",
+    "report",
+    "reproduce",
 ]
 
 
