@@ -11,12 +11,26 @@ from actmap.report.sections import Section
 def report_sections() -> list[Section]:
     """Every section of the report, in report order (the claims section last: it reads
     the results of the others)."""
-    from actmap.report.parts import claims, cost, in_domain, map_channels, transfer
+    from actmap.report.parts import (
+        ablations,
+        calibration,
+        claims,
+        cost,
+        in_domain,
+        learning_curve,
+        localization,
+        map_channels,
+        transfer,
+    )
 
     return [
         map_channels.SECTION,
         in_domain.SECTION,
         transfer.SECTION,
+        ablations.SECTION,
+        learning_curve.SECTION,
+        localization.SECTION,
+        calibration.SECTION,
         cost.SECTION,
         claims.SECTION,
     ]
