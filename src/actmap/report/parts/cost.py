@@ -66,7 +66,7 @@ def compute(context: ReportContext) -> CostResult:
         notes.append("no store keeps dense states: ACT-ViT timed at d_model 576 (SmolLM2)")
     with context.timings.measure("cost/scoring"):
         scoring = detector_scoring_costs(
-            tuple(context.option("cost", "detectors", ("vit", "mlp"))),
+            tuple(context.option("cost", "detectors", ("vit", "mlp", "logreg"))),
             d_model or 576,
             int(context.option("cost", "batch", 256)),
             int(context.option("cost", "repeats", 300)),

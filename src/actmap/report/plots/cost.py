@@ -8,7 +8,13 @@ from matplotlib.figure import Figure
 
 from actmap.report.plots import new_figure
 
-FAMILY_COLOURS = {"actmap": "tab:red", "black": "black", "grey": "tab:gray", "white": "tab:blue"}
+FAMILY_COLOURS = {
+    "actmap": "tab:red",
+    "black": "black",
+    "grey": "tab:gray",
+    "white": "tab:blue",
+    "control": "tab:green",
+}
 
 
 def plot_cost_quality(
@@ -30,7 +36,8 @@ def plot_cost_quality(
     axis.set_xlabel("added latency per answer (ms, log scale)")
     axis.set_ylabel("mean AUROC over stores (n stores in brackets)")
     axis.set_title(
-        "Cost and quality: red ActMap, black/grey/blue black/grey/white-box baselines", fontsize=9
+        "red ActMap; black / grey / blue: black / grey / white-box baselines; green: controls",
+        fontsize=8,
     )
     axis.grid(True, which="both", alpha=0.3)
     return figure
