@@ -81,6 +81,7 @@ def render_calibration(result, figure_dir: Path) -> str:
         + result.to_markdown()
         + "\n"
         + figure_markdown(reliability, "Reliability diagram (first seed), balanced test rows.")
+        + "\n"
         + figure_markdown(risk, "Risk-coverage curves (first seed), balanced test rows.")
     )
 
