@@ -500,3 +500,15 @@ def test_fused_operator_equals_the_previous_one(monkeypatch, config):
 def test_out_buffer_of_the_wrong_shape_is_refused():
     with pytest.raises(ValueError, match=r"out must be a float32 \(1, 12, 32, 128\) tensor"):
         build_maps(torch.randn(1, 4, 3, 128), [3], out=torch.empty(1, 12, 32, 64))
+
+
+def test_reused_work_buffers_give_the_same_maps_after_other_shapes():
+    # build_maps keeps one work buffer per thread; a call with other shapes in
+    # between (longer answers, other layer counts) must not change a batch's maps
+    first = [random_trajectory(30, n, seed=n) for n in (3, 7)]
+    expected = build_maps_from_list(first)
+    build_maps_from_list([random_trajectory(18, 50, seed=1), random_trajectory(18, 2, seed=2)])
+    build_maps(torch.randn(3, 64, 9, 128), torch.tensor([9, 1, 4]))
+    torch.testing.assert_close(build_maps_from_list(first), expected, rtol=0, atol=0)
+    for i, trajectory in enumerate(first):  # and each map is still the single-answer map
+        torch.testing.assert_close(expected[i], build_map(trajectory), rtol=0, atol=1e-5)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -36,7 +38,7 @@ DENSE_LAYER_GROUPS = 8  # dense states keep the layer axis max-pooled to 8 group
 FINAL_WINDOW = 8  # final-window mean covers the last min(8, T) tokens
 SLOPE_EPS = 1e-8  # floor of the least-squares slope's denominator
 STD_FLOOR = 1e-6  # floor of the standardisation's std, so constant channels map to 0
-_CHUNK_BYTES = 1 << 22  # CPU trajectory bytes per chunk of answers (see `build_maps`)
+_CHUNK_BYTES = 1 << 21  # CPU trajectory bytes per chunk of answers: the passes stay in a 2 MB L2
 
 # Canonical channel order after the segment means (SPEC section 2, channels 5-12).
 _TAIL_CHANNELS = (
@@ -159,10 +161,11 @@ def _segment_bounds(lengths: np.ndarray, n_segments: int) -> tuple[np.ndarray, n
 
 
 def _linear_weights(lengths: torch.Tensor, t_max: int, n_segments: int) -> torch.Tensor:
-    """Token weights of the channels that are linear in the tokens: (B,) -> (B, k+4, Tmax).
+    """Token weights of the channels that are linear in the tokens: (B,) -> (B, k+3, Tmax).
 
-    Rows: k segment means, final window, drift, slope, mean. Padded tokens get
-    weight 0. Built in float64 on the CPU, returned float32.
+    Rows: k segment means, final window, slope, mean. Padded tokens get weight
+    0. Built in float64 on the CPU, returned float32. (Final and drift are a
+    token and a difference of two: read, not multiplied.)
     """
     n = lengths.to(torch.float64)[:, None]  # (B, 1)
     t = torch.arange(t_max, dtype=torch.float64)[None, :]  # (1, Tmax)
@@ -173,13 +176,12 @@ def _linear_weights(lengths: torch.Tensor, t_max: int, n_segments: int) -> torch
     segments = in_segment / (ends - starts)[..., None]  # (B, k, Tmax)
     window = torch.clamp(n, max=FINAL_WINDOW)
     final_window = ((t >= n - window) & valid) / window
-    drift = (t == n - 1).double() - (t == 0).double()  # zero for T = 1
     centred = torch.where(valid, t - (n - 1) / 2, 0.0)  # t - tbar on valid tokens
     denominator = torch.clamp((centred**2).sum(1, keepdim=True), min=SLOPE_EPS)
     slope = centred / denominator  # sum_t (t-tbar)(x_t - xbar) = sum_t (t-tbar) x_t
     mean = valid / n
-    rows = torch.stack([final_window, drift, slope, mean], dim=1)  # (B, 4, Tmax)
-    return torch.cat([segments, rows], dim=1).float()  # (B, k+4, Tmax)
+    rows = torch.stack([final_window, slope, mean], dim=1)  # (B, 3, Tmax)
+    return torch.cat([segments, rows], dim=1).float()  # (B, k+3, Tmax)
 
 
 def _check_batch(trajectories: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -207,88 +209,23 @@ def _check_batch(trajectories: torch.Tensor, lengths: torch.Tensor) -> None:
         )
 
 
-def _token_reductions(
-    x: torch.Tensor,
-    lengths: torch.Tensor,
-    weights: torch.Tensor,
-    out: tuple[torch.Tensor, ...],
-    scratch: torch.Tensor,
-) -> None:
-    """The passes over the token axis of right-padded (answer, layer) rows (N, Tmax, D').
+def _padded_copy(x: torch.Tensor, lengths: list[int], scratch: torch.Tensor) -> torch.Tensor:
+    """(b, L, Tmax, D') answers with every padded token replaced by the answer's final token.
 
-    Writes into `out`: the linear channels `weights @ x` (N, K, D'; the last one
-    is the mean) and x[T-1], sum_t (x_t - xbar)^2, max_t x, sum_t |x_t - x_(t-1)|
-    (N, D' each), all over valid tokens only. `scratch` is an (N, Tmax, D')
-    float32 buffer reused from call to call: no pass allocates a fresh batch.
+    Garbage there (even NaN) then never reaches a statistic: the maximum is
+    unchanged, token-to-token differences there are 0, and the linear weights
+    give it 0. The input is never written; a full-length float32 batch is used
+    as it is. (One bulk copy, then one fill per padded answer: a masked
+    `torch.where` costs six copies on the CPU.)
     """
-    linear, last, sum_sq_dev, maximum, abs_diff = out
-    n_rows, t_max, width = x.shape
-    valid = torch.arange(t_max, device=x.device) < lengths[:, None]  # (N, T)
-    padded = not bool(valid.all())
-    if padded or x.dtype != torch.float32:
-        # Padding repeats the row's final token: garbage there (even NaN) never
-        # reaches a statistic, the maximum is unchanged, token-to-token differences
-        # there are 0 and the linear weights give it 0. The input is never written.
-        y = scratch[0].copy_(x)  # (N, T, D')
-        if padded:
-            final = x[torch.arange(n_rows, device=x.device), lengths - 1].to(y.dtype)  # (N, D')
-            index = (~valid).flatten().nonzero()[:, 0]  # row * Tmax + token
-            y.view(n_rows * t_max, width).index_copy_(0, index, final[index // t_max])
-    else:
-        y = x
-    work = scratch[1]  # (N, T, D')
-    last.copy_(y[:, -1])  # the final token, repeated over the padding
-    torch.bmm(weights, y, out=linear)  # (N, K, D')
-    torch.amax(y, dim=1, out=maximum)
-    steps = work[:, : t_max - 1]
-    torch.sub(y[:, 1:], y[:, :-1], out=steps).abs_()  # (N, T-1, D')
-    torch.sum(steps, dim=1, out=abs_diff)
-    torch.sub(y, linear[:, -1:], out=work).square_()  # (N, T, D'): two-pass, around the mean
-    if padded:
-        work.view(n_rows * t_max, width).index_fill_(0, index, 0.0)
-    torch.sum(work, dim=1, out=sum_sq_dev)
-
-
-def _finish_statistics(
-    reductions: tuple[torch.Tensor, ...], lengths: torch.Tensor, n_segments: int, out: torch.Tensor
-) -> None:
-    """Channel statistics (N, C, D') from the token reductions of N rows of lengths (N,)."""
-    linear, last, sum_sq_dev, maximum, abs_diff = (
-        r[:, None] if r.ndim == 2 else r for r in reductions
-    )
-    segments, final_window, drift, slope, mean = linear.split([n_segments, 1, 1, 1, 1], 1)
-    n = lengths.float()[:, None, None]  # (N, 1, 1)
-    several = (lengths > 1)[:, None, None]  # (N, 1, 1): statistics that vanish for T = 1
-    denominator = (n - 1).clamp(min=1)
-    std = torch.where(several, (sum_sq_dev / denominator).sqrt(), 0.0)
-    mean_abs_diff = torch.where(several, abs_diff / denominator, 0.0)
-    # sum_t x_t^2 = sum_t (x_t - xbar)^2 + T xbar^2, summed over coordinates
-    sum_sq = (sum_sq_dev + n * mean.square()).sum(dim=-1, keepdim=True)
-    layer_rms = (sum_sq / (n * last.shape[-1])).sqrt().expand_as(last)  # (N, 1, D')
-    channels = [segments, last, final_window, std, maximum, drift, slope, layer_rms]
-    torch.cat([*channels, mean_abs_diff], dim=1, out=out)  # (N, C, D')
-
-
-@dataclass
-class _Workspace:
-    """Buffers for the statistics of one chunk of answers, reused from chunk to chunk."""
-
-    scratch: torch.Tensor  # (2, N, Tmax, D') float32: padded copy of the input, temporaries
-    reductions: list[torch.Tensor]  # linear (N, K, D'), then four (N, D') token reductions
-    stats: torch.Tensor  # (N, C, D')
-
-    @classmethod
-    def allocate(
-        cls, n_rows: int, t_max: int, n_linear: int, n_channels: int, width: int, device
-    ) -> _Workspace:
-        return cls(
-            torch.empty(2, n_rows, t_max, width, device=device),
-            [
-                torch.empty(n_rows, n_linear, width, device=device),
-                *torch.empty(4, n_rows, width, device=device),
-            ],
-            torch.empty(n_rows, n_channels, width, device=device),
-        )
+    t_max = x.shape[2]
+    if x.dtype == torch.float32 and all(n == t_max for n in lengths):
+        return x
+    y = scratch.copy_(x)  # (b, L, T, D')
+    for row, n in enumerate(lengths):
+        if n < t_max:
+            y[row, :, n:] = y[row, :, n - 1 : n]  # (L, T - n, D') <- (L, 1, D')
+    return y
 
 
 def _statistics(
@@ -298,27 +235,107 @@ def _statistics(
     n_segments: int,
     workspace: _Workspace | None = None,
 ) -> torch.Tensor:
-    """Unnormalised statistics of a right-padded batch: (B, L, Tmax, D') -> (B, L, C, D').
+    """Unnormalised statistics of a right-padded batch: (B, L, Tmax, D') -> (B, C, L, D').
 
-    Every pass covers all (answer, layer) rows at once; the result lives in
-    `workspace` when given.
+    Every pass covers all (answer, layer) rows at once and writes its channel
+    straight into the channel-major result (which the layer pooling reads as
+    it is); the result lives in `workspace` when given.
     """
     batch, n_layers, t_max, width = x.shape
-    device = x.device
     n_rows = batch * n_layers
     n_channels = n_segments + len(_TAIL_CHANNELS)
     if workspace is None:
-        workspace = _Workspace.allocate(n_rows, t_max, weights.shape[1], n_channels, width, device)
-    reductions = tuple(buffer[:n_rows] for buffer in workspace.reductions)
-    stats = workspace.stats[:n_rows]
+        workspace = _Workspace.allocate(
+            batch, n_layers, t_max, weights.shape[1], n_channels, width, x.device
+        )
+    stats = workspace.stats[:batch]  # (b, C, L, D')
     scratch = workspace.scratch[:, :n_rows, :t_max]
-    rows = x.reshape(n_rows, t_max, width)  # (B*L, T, D')
-    row_lengths = lengths.repeat_interleave(n_layers)  # (B*L,)
+    answer_lengths = lengths.tolist()
+    y4 = _padded_copy(x, answer_lengths, scratch[0].view(x.shape))  # (B, L, T, D')
+    y = y4.view(n_rows, t_max, width)  # (B*L, T, D')
     # every layer of an answer shares its token weights: (B, K, T) -> (B*L, K, T)
     row_weights = weights[:, None].expand(-1, n_layers, -1, -1).reshape(n_rows, -1, t_max)
-    _token_reductions(rows, row_lengths, row_weights, reductions, scratch)
-    _finish_statistics(reductions, row_lengths, n_segments, out=stats)
-    return stats.view(batch, n_layers, n_channels, width)  # (B, L, C, D')
+    linear = workspace.linear[:n_rows]
+    torch.bmm(row_weights, y, out=linear)  # (B*L, k+3, D'): segments, window, slope, mean
+    linear = linear.view(batch, n_layers, -1, width).transpose(1, 2)  # (B, k+3, L, D')
+    segments, final_window, slope, mean = linear.split([n_segments, 1, 1, 1], dim=1)
+    channel = dict(zip(all_channel_names(n_segments), stats.unbind(1), strict=True))
+    stats[:, :n_segments].copy_(segments)
+    channel["final"].copy_(y4[:, :, -1])  # the final token, repeated over the padding
+    channel["final_window"].copy_(final_window[:, 0])
+    channel["slope"].copy_(slope[:, 0])
+    torch.sub(y4[:, :, -1], y4[:, :, 0], out=channel["drift"])  # 0 for T = 1
+    torch.amax(y4, dim=2, out=channel["max"])
+    work = scratch[1]  # (B*L, T, D')
+    steps = work[:, : t_max - 1]
+    torch.sub(y[:, 1:], y[:, :-1], out=steps).abs_()  # (B*L, T-1, D'), 0 over the padding
+    torch.sum(steps.view(batch, n_layers, t_max - 1, width), dim=2, out=channel["mean_abs_diff"])
+    deviations = work.view_as(y4)  # (B, L, T, D'): two-pass, around the mean
+    torch.sub(y4, mean[:, 0, :, None], out=deviations).square_()
+    for row, n in enumerate(answer_lengths):
+        if n < t_max:
+            deviations[row, :, n:] = 0.0  # the padding repeats the final token
+    sum_sq_dev = channel["std"]  # sum_t (x_t - xbar)^2 first, the std below
+    torch.sum(deviations, dim=2, out=sum_sq_dev)
+    n = lengths.to(stats.dtype)[:, None, None]  # (B, 1, 1)
+    # sum_t x_t^2 = sum_t (x_t - xbar)^2 + T xbar^2, summed over coordinates
+    sum_sq = torch.addcmul(sum_sq_dev, mean[:, 0].square(), n).sum(dim=-1, keepdim=True)
+    channel["layer_rms"].copy_((sum_sq / (n * width)).sqrt_().expand(-1, -1, width))
+    denominator = (n - 1).clamp_(min=1)  # T = 1: both sums are exactly 0 and stay 0
+    sum_sq_dev.div_(denominator).sqrt_()
+    channel["mean_abs_diff"].div_(denominator)
+    return stats  # (B, C, L, D')
+
+
+@dataclass
+class _Workspace:
+    """Buffers for the statistics of one chunk of answers, reused from chunk to chunk."""
+
+    scratch: torch.Tensor  # (2, b*L, Tmax, D') float32: padded copy of the input, temporaries
+    linear: torch.Tensor  # (b*L, k+3, D') the linear channels
+    stats: torch.Tensor  # (b, C, L, D') every channel, channel-major
+
+    @classmethod
+    def allocate(
+        cls,
+        batch: int,
+        n_layers: int,
+        t_max: int,
+        n_linear: int,
+        n_channels: int,
+        width: int,
+        device,
+        storage: torch.Tensor | None = None,
+    ) -> _Workspace:
+        """Fresh buffers, or views into `storage` (a flat float32 tensor, see `_reused_storage`)."""
+        n_rows = batch * n_layers
+        shapes = (
+            (2, n_rows, t_max, width),
+            (n_rows, n_linear, width),
+            (batch, n_channels, n_layers, width),
+        )
+        if storage is None:
+            return cls(*(torch.empty(shape, device=device) for shape in shapes))
+        sizes = [math.prod(shape) for shape in shapes]
+        parts = storage[: sum(sizes)].split(sizes)
+        return cls(*(part.view(shape) for part, shape in zip(parts, shapes, strict=True)))
+
+
+_STORAGE = threading.local()  # per thread and device: the flat buffer `build_maps` works in
+
+
+def _reused_storage(n_elements: int, device: torch.device) -> torch.Tensor:
+    """This thread's flat float32 work buffer on the CPU `device`, grown when too small.
+
+    Streaming callers (capture, scoring servers) call `build_maps` batch after
+    batch; fresh megabytes per call would page-fault on every call.
+    """
+    if not hasattr(_STORAGE, "buffers"):
+        _STORAGE.buffers = {}
+    buffer = _STORAGE.buffers.get(device)
+    if buffer is None or buffer.numel() < n_elements:
+        buffer = _STORAGE.buffers[device] = torch.empty(n_elements, device=device)
+    return buffer
 
 
 def temporal_statistics(trajectory: torch.Tensor, n_segments: int = 4) -> torch.Tensor:
@@ -328,9 +345,9 @@ def temporal_statistics(trajectory: torch.Tensor, n_segments: int = 4) -> torch.
     _check_batch(trajectory[None], lengths)
     weights = _linear_weights(lengths, trajectory.shape[1], n_segments)
     weights, lengths = weights.to(trajectory.device), lengths.to(trajectory.device)
-    stats = _statistics(trajectory[None], lengths, weights, n_segments)[0]  # (L, C, D')
+    stats = _statistics(trajectory[None], lengths, weights, n_segments)[0]  # (C, L, D')
     _raise_if_non_finite(stats, trajectory[None], lengths)
-    return stats.transpose(0, 1)  # (C, L, D')
+    return stats
 
 
 def _check_single(trajectory: torch.Tensor) -> None:
@@ -371,23 +388,65 @@ def _pooling_matrix(n_in: int, n_out: int) -> torch.Tensor:
     return F.adaptive_avg_pool1d(torch.eye(n_in)[None], n_out)[0].T.contiguous()
 
 
-def _pool_and_normalize(stats: torch.Tensor, config: MapConfig, out: torch.Tensor) -> None:
-    """(b, L, C_all, D') statistics -> (b, C, R, K) maps, written into `out`."""
+@functools.lru_cache(maxsize=32)
+def _layer_windows(n_in: int, n_out: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """`adaptive_avg_pool1d` from n_in to n_out as a few gathers: ((index (R,), weight (R, 1)), ...).
+
+    Output row r is sum_j weight_j[r] * input[index_j[r]]: the j-th row of its
+    window with weight 1 / window size, or (past the end of a shorter window)
+    the window's last row with weight 0. As many terms as the widest window
+    (2 for 30 -> 32 layers), where the product with the (R, L) pooling matrix
+    would cost R * L multiply-adds per entry.
+    """
+    matrix = _pooling_matrix(n_in, n_out)  # (R, L)
+    windows = [torch.nonzero(row).flatten() for row in matrix]
+    widest = max(len(w) for w in windows)
+    terms = []
+    for j in range(widest):
+        index = torch.tensor([int(w[min(j, len(w) - 1)]) for w in windows])
+        weight = torch.tensor(
+            [float(matrix[r, w[j]]) if j < len(w) else 0.0 for r, w in enumerate(windows)]
+        )
+        terms.append((index, weight[:, None]))
+    return tuple(terms)
+
+
+def _pool_layers_(stats: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Adaptive average pooling of the layer axis: (b, C, L, D') -> `out` (b, C, R, D').
+
+    `scratch` is a buffer of out's shape for the second and later window terms.
+    """
+    terms = _layer_windows(stats.shape[2], out.shape[2])
     device = stats.device
+    (index, weight), rest = terms[0], terms[1:]
+    torch.index_select(stats, 2, index.to(device), out=out)
+    if not rest and bool((weight == 1).all()):
+        return  # every window is one layer: a plain gather
+    out.mul_(weight.to(device))
+    for index, weight in rest:
+        torch.index_select(stats, 2, index.to(device), out=scratch)
+        out.addcmul_(scratch, weight.to(device))
+
+
+def _pool_and_normalize(
+    stats: torch.Tensor, config: MapConfig, out: torch.Tensor, scratch: torch.Tensor
+) -> None:
+    """(b, C_all, L, D') statistics -> (b, C, R, K) maps, written into `out`.
+
+    `scratch` is a (b, C, R, D') buffer.
+    """
     if config.channels is not None:
         canonical = all_channel_names(config.n_segments)
-        index = torch.tensor([canonical.index(c) for c in config.channels], device=device)
-        stats = stats.index_select(2, index)  # (b, L, C, D')
-    batch, n_layers, n_channels, width = stats.shape
-    # Adaptive average pooling of the ordered layer axis L -> R, as one product per answer
-    # over all channels and coordinates at once.
-    layer_pool = _pooling_matrix(n_layers, config.layers_out).to(device)  # (R, L)
-    pooled = torch.matmul(layer_pool, stats.reshape(batch, n_layers, n_channels * width))
-    pooled = pooled.view(batch, config.layers_out, n_channels, width)  # (b, R, C, D')
-    if config.coords_out != width:  # coarser map: pool the coordinates D' -> K too
-        coord_pool = _pooling_matrix(width, config.coords_out).T.to(device)  # (D', K)
-        pooled = torch.matmul(pooled, coord_pool)  # (b, R, C, K)
-    out.copy_(pooled.transpose(1, 2))  # (b, C, R, K)
+        index = torch.tensor([canonical.index(c) for c in config.channels], device=stats.device)
+        stats = stats.index_select(1, index)  # (b, C, L, D')
+    width = stats.shape[-1]
+    if config.coords_out == width:
+        _pool_layers_(stats, out, scratch)  # (b, C, R, D' = K)
+    else:  # coarser map: pool the coordinates D' -> K too
+        pooled = torch.empty_like(scratch)
+        _pool_layers_(stats, pooled, scratch)  # (b, C, R, D')
+        coord_pool = _pooling_matrix(width, config.coords_out).T.to(stats.device)  # (D', K)
+        torch.matmul(pooled, coord_pool, out=out)  # (b, C, R, K)
     _standardize_(out, config.normalization)
 
 
@@ -445,19 +504,33 @@ def build_maps(
     n_channels = config.n_segments + len(_TAIL_CHANNELS)
     per_answer = n_layers * max(t_max, n_channels) * width * 4
     chunk = batch if device.type != "cpu" else max(1, min(batch, _CHUNK_BYTES // per_answer))
-    workspace = _Workspace.allocate(
-        chunk * n_layers, t_max, weights.shape[1], n_channels, width, device
+    pooled_shape = (chunk, shape[1], config.layers_out, width)  # (b, C, R, D')
+    sizes = (
+        2 * chunk * n_layers * t_max * width,  # the workspace's scratch, linear and stats
+        chunk * n_layers * weights.shape[1] * width,
+        chunk * n_channels * n_layers * width,
+        math.prod(pooled_shape),
     )
+    if device.type == "cpu":
+        storage = _reused_storage(sum(sizes), device)
+    else:  # the device's caching allocator reuses memory already
+        storage = torch.empty(sum(sizes), device=device)
+    workspace = _Workspace.allocate(
+        chunk, n_layers, t_max, weights.shape[1], n_channels, width, device, storage
+    )
+    pooled = storage[sum(sizes[:3]) : sum(sizes)].view(pooled_shape)
+    # Layer RMS reads every valid value of its layer: a non-finite input (or an
+    # overflow) reaches the maps through it. Without it, the statistics are checked.
+    check_stats = "layer_rms" not in channel_names(config)
     for start in range(0, batch, chunk):
         part = slice(start, start + chunk)
         stats = _statistics(
             trajectories[part], lengths_here[part], weights[part], config.n_segments, workspace
-        )  # (b, L, C_all, D')
-        # std and layer RMS read every valid token: a non-finite input shows up
-        # here even when the selected channels would not see it.
-        _raise_if_non_finite(stats, trajectories, lengths)
-        _pool_and_normalize(stats, config, out=maps[part])
-    _raise_if_non_finite(maps, trajectories, lengths)
+        )  # (b, C_all, L, D')
+        if check_stats:
+            _raise_if_non_finite(stats, trajectories, lengths)
+        _pool_and_normalize(stats, config, maps[part], pooled[: len(stats)])
+        _raise_if_non_finite(maps[part], trajectories, lengths)  # the chunk, still in cache
     return maps
 
 
