@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from sklearn.exceptions import NotFittedError
 
 from actmap.detectors import (
@@ -106,6 +107,24 @@ def test_attention_matches_naive_softmax_attention():
         heads.append(weights @ v[..., sl])
     expected = attn.proj(torch.cat(heads, dim=-1))
     torch.testing.assert_close(attn(x), expected)
+    # bf16 scoring on the CPU takes two batched products instead of the fused kernel
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = attn(x)
+    assert fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float(), expected, rtol=0, atol=3e-2)
+
+
+def test_bf16_cpu_attention_equals_the_fused_kernel_in_bf16():
+    torch.manual_seed(0)
+    attn = Attention(dim=192, heads=6, attn_drop=0.1).eval().bfloat16()
+    x = torch.randn(4, 65, 192, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = attn(x)
+        qkv = attn.qkv(x).reshape(4, 65, 3, 6, 32).permute(2, 0, 3, 1, 4)
+        fused = F.scaled_dot_product_attention(*qkv).transpose(1, 2).reshape(4, 65, 192)
+        expected = attn.proj(fused)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=5e-3)  # bf16 rounding
+    assert (got.float() - expected.float()).abs().mean() < 5e-4  # a wrong scale gives 0.09
 
 
 def test_drop_path_drops_whole_samples():
@@ -321,3 +340,33 @@ def test_predict_rejects_wrong_map_shape(fitted):
     det = fitted[0]
     with pytest.raises(ValueError, match="detector expects"):
         det.predict_proba(np.zeros((2, 12, 16, 64), np.float32))
+
+
+def test_float16_to_bfloat16_staging_equals_the_direct_cast(monkeypatch):
+    import actmap.training as training
+
+    monkeypatch.setattr(training, "_STAGING_ELEMENTS", 1000)  # several slices and a short last one
+    values = torch.randn(3, 12, 8, 16) * torch.logspace(-9, 4, 16)  # subnormal .. large
+    maps16 = values.half()
+    flat = maps16.view(-1)
+    flat[:6] = torch.tensor([float("inf"), -float("inf"), float("nan"), 65504.0, -0.0, 6e-8])
+    out = torch.empty(maps16.shape, dtype=torch.bfloat16)
+    assert training.copy_maps_(out, maps16) is out
+    expected = maps16.to(torch.bfloat16)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)  # NaN stays NaN (its bit pattern may differ)
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))  # bit for bit
+
+
+def test_bf16_scoring_from_float16_equals_a_direct_bf16_forward():
+    torch.manual_seed(0)
+    model = create_detector("mlp").eval()
+    maps16 = torch.randn(7, 12, 32, 128).half()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(maps16.to(torch.bfloat16)).float()
+    for _ in range(2):  # the second pass reuses this thread's buffers, the float32 one between
+        got = predict_logits(model, maps16, batch_size=4, precision="bfloat16")
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        float32 = predict_logits(model, maps16, batch_size=4)
+        with torch.inference_mode():
+            torch.testing.assert_close(float32, model(maps16.float()), rtol=1e-5, atol=1e-5)
