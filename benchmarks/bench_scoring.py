@@ -7,8 +7,11 @@ Scoring: one batch (default 256) of random maps, every variant timed in the same
 run with interleaved repeats (median, warm-up excluded):
 
 - `fp32 <- fp32`: `model(x)` on float32 maps, the reference of the previous figures;
-- `fp32 <- fp16`: `predict_logits` on stored float16 maps (one reused conversion buffer);
-- `bf16 <- fp16`: the same with `precision="bfloat16"` (bf16 autocast);
+- `fp32 <- fp16`: `predict_logits` on stored float16 maps (this thread's reused buffer);
+- `bf16 <- fp16`: the same with `precision="bfloat16"` (bf16 autocast; float16 -> bf16
+  staged through float32 in cache-sized slices);
+- `fp32 <- fp16 prev`, `bf16 <- fp16 prev`: the previous path, a fresh buffer per call
+  and one direct cast (the reference of the two above);
 - `compiled`: `torch.compile(model)` on float32 maps (`--compile`; compile time excluded).
 
 Training: the paper's recipe (noise, mixup, clipping, validation) on synthetic
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -58,6 +62,13 @@ def _rss_kib(field: str) -> int | None:
     return None
 
 
+@torch.inference_mode()
+def _previous_predict(model: torch.nn.Module, maps: torch.Tensor, dtype: torch.dtype):
+    """Scoring as before this version: a fresh input buffer per call and one direct cast."""
+    with torch.autocast(maps.device.type, torch.bfloat16, enabled=dtype == torch.bfloat16):
+        return model(torch.empty(maps.shape, dtype=dtype, device=maps.device).copy_(maps))
+
+
 def _variants(name: str, device: torch.device, batch: int, compile_model: bool) -> dict:
     torch.manual_seed(0)
     model = create_detector(name).to(device).eval()
@@ -67,9 +78,11 @@ def _variants(name: str, device: torch.device, batch: int, compile_model: bool) 
     variants = {
         "fp32 <- fp32": lambda: plain(x32),
         "fp32 <- fp16": lambda: predict_logits(model, x16, batch, device),
+        "fp32 <- fp16 prev": lambda: _previous_predict(model, x16, torch.float32),
     }
     if bf16_supported(device):
         variants["bf16 <- fp16"] = lambda: predict_logits(model, x16, batch, device, "bfloat16")
+        variants["bf16 <- fp16 prev"] = lambda: _previous_predict(model, x16, torch.bfloat16)
     if compile_model:
         compiled = torch.inference_mode()(torch.compile(model))
         variants["compiled"] = lambda: compiled(x32)
@@ -81,7 +94,20 @@ def bench_scoring(
 ) -> list[dict]:
     """Median latency of one batch per variant, repeats interleaved across the variants."""
     variants = _variants(name, device, batch, compile_model)
-    times, peak = time_calls(variants, device, repeats, warmup)
+    # process CPU time (all threads) of each timed call: less disturbed by other jobs
+    cpu_times: dict[str, list[float]] = {label: [] for label in variants}
+
+    def with_cpu_time(label, fn):
+        def call():
+            start = time.process_time()
+            fn()
+            cpu_times[label].append(time.process_time() - start)
+
+        return call
+
+    timed = {label: with_cpu_time(label, fn) for label, fn in variants.items()}
+    times, peak = time_calls(timed, device, repeats, warmup)
+    cpu_times = {label: values[warmup:] for label, values in cpu_times.items()}  # timed repeats
     rows = []
     for label in variants:
         median = statistics.median(times[label])
@@ -91,19 +117,28 @@ def bench_scoring(
                 "variant": label,
                 "ms_per_map": 1e3 * median / batch,
                 "maps_per_s": batch / median,
+                # process CPU time (all threads): less disturbed by other jobs on a shared machine
+                "cpu_ms_per_map": 1e3 * statistics.median(cpu_times[label]) / batch,
                 "peak_mib": float("nan") if peak[label] is None else peak[label],
             }
         )
     return rows
 
 
-def bench_training(name: str, device: torch.device, n_train: int, n_val: int) -> dict:
-    """Wall time of one epoch of the paper's recipe (noise, mixup, clip, validation)."""
+def bench_training(
+    name: str, device: torch.device, n_train: int, n_val: int, precision: str = "float32"
+) -> dict:
+    """Wall time of one epoch of the paper's recipe (noise, mixup, clip, validation).
+
+    Also the process CPU time (all threads) per epoch, averaged over both
+    epochs, which other jobs on a shared machine disturb less.
+    """
     g = torch.Generator().manual_seed(0)
     maps = torch.randn((n_train + n_val, *MAP_SHAPE), generator=g).half()
     labels = torch.arange(n_train + n_val) % 2
-    cfg = TrainConfig(max_epochs=2, device=str(device))
+    cfg = TrainConfig(max_epochs=2, device=str(device), precision=precision)
     torch.manual_seed(0)
+    cpu_start = time.process_time()
     result = train_detector(
         create_detector(name),
         maps[:n_train],
@@ -113,8 +148,15 @@ def bench_training(name: str, device: torch.device, n_train: int, n_val: int) ->
         cfg,
         seed=42,
     )
+    cpu_epoch_s = (time.process_time() - cpu_start) / len(result.history)
     epoch_s = result.history[-1].epoch_time_s  # the second epoch, after warm-up effects
-    return {"detector": name, "epoch_s": epoch_s, "s_per_1k_maps": 1e3 * epoch_s / n_train}
+    return {
+        "detector": name,
+        "precision": precision,
+        "epoch_s": epoch_s,
+        "s_per_1k_maps": 1e3 * epoch_s / n_train,
+        "cpu_s_per_1k_maps": 1e3 * cpu_epoch_s / n_train,
+    }
 
 
 def main() -> None:
@@ -149,11 +191,14 @@ def main() -> None:
             d, device, args.batch_size, args.repeats, args.warmup, args.compile
         )
     ]
-    print(f"\n{'detector':<8} {'variant':<13} {'ms/map':>9} {'maps/s':>10} {'peak MiB':>9}")
+    print(
+        f"\n{'detector':<8} {'variant':<18} {'ms/map':>9} {'maps/s':>10} {'cpu ms/map':>10} "
+        f"{'peak MiB':>9}"
+    )
     for r in scoring:
         print(
-            f"{r['detector']:<8} {r['variant']:<13} {r['ms_per_map']:>9.4f} "
-            f"{r['maps_per_s']:>10,.0f} {r['peak_mib']:>9.1f}"
+            f"{r['detector']:<8} {r['variant']:<18} {r['ms_per_map']:>9.4f} "
+            f"{r['maps_per_s']:>10,.0f} {r['cpu_ms_per_map']:>10.4f} {r['peak_mib']:>9.1f}"
         )
     for d in args.detectors:
         if (d, device.type) in REFERENCE:
@@ -161,16 +206,26 @@ def main() -> None:
 
     training = []
     if args.train_maps > 0:
+        precisions = ["float32"] + (["bfloat16"] if bf16_supported(device) else [])
         training = [
-            bench_training(d, device, args.train_maps, args.val_maps) for d in args.detectors
+            bench_training(d, device, args.train_maps, args.val_maps, precision)
+            for d in args.detectors
+            for precision in precisions
         ]
         print(
             f"\ntraining: {args.train_maps} synthetic maps + {args.val_maps} validation, "
-            "batch 64, noise + mixup + clip, float32"
+            "batch 64, noise + mixup + clip; float32 is the paper's recipe, bfloat16 autocast "
+            "is TrainConfig(precision='bfloat16')"
         )
-        print(f"{'detector':<8} {'s/epoch':>9} {'s per 1k maps':>14}")
+        print(
+            f"{'detector':<8} {'precision':<9} {'s/epoch':>9} {'s per 1k maps':>14} "
+            f"{'cpu s per 1k':>13}"
+        )
         for r in training:
-            print(f"{r['detector']:<8} {r['epoch_s']:>9.2f} {r['s_per_1k_maps']:>14.2f}")
+            print(
+                f"{r['detector']:<8} {r['precision']:<9} {r['epoch_s']:>9.2f} "
+                f"{r['s_per_1k_maps']:>14.2f} {r['cpu_s_per_1k_maps']:>13.2f}"
+            )
         print(f"vit: {TRAIN_REFERENCE}; paper: < 20 GPU-minutes per seed (80 epochs at most)")
     if args.json:
         args.json.write_text(
