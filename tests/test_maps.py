@@ -512,3 +512,24 @@ def test_reused_work_buffers_give_the_same_maps_after_other_shapes():
     torch.testing.assert_close(build_maps_from_list(first), expected, rtol=0, atol=0)
     for i, trajectory in enumerate(first):  # and each map is still the single-answer map
         torch.testing.assert_close(expected[i], build_map(trajectory), rtol=0, atol=1e-5)
+
+
+def test_work_buffer_made_under_inference_mode_serves_later_calls_outside_it():
+    # a server builds maps inside inference_mode, training code outside it, one thread
+    trajectory = random_trajectory(30, 6, seed=3)
+    expected = build_map(trajectory)
+    threading = pytest.importorskip("threading")
+    results = {}
+
+    def fresh_thread():  # a new thread: its buffer is first made under inference_mode
+        with torch.inference_mode():
+            results["inside"] = build_map(random_trajectory(30, 40, seed=4)).clone()
+        results["outside"] = build_map(trajectory)
+
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join()
+    torch.testing.assert_close(results["outside"], expected, rtol=0, atol=0)
+    torch.testing.assert_close(
+        results["inside"], build_map(random_trajectory(30, 40, seed=4)), rtol=0, atol=0
+    )

@@ -334,7 +334,10 @@ def _reused_storage(n_elements: int, device: torch.device) -> torch.Tensor:
         _STORAGE.buffers = {}
     buffer = _STORAGE.buffers.get(device)
     if buffer is None or buffer.numel() < n_elements:
-        buffer = _STORAGE.buffers[device] = torch.empty(n_elements, device=device)
+        # a normal tensor even when made under inference_mode: callers inside and outside
+        # inference mode write into it (an inference tensor refuses in-place updates outside)
+        with torch.inference_mode(False):
+            buffer = _STORAGE.buffers[device] = torch.empty(n_elements, device=device)
     return buffer
 
 
