@@ -533,3 +533,13 @@ def test_work_buffer_made_under_inference_mode_serves_later_calls_outside_it():
     torch.testing.assert_close(
         results["inside"], build_map(random_trajectory(30, 40, seed=4)), rtol=0, atol=0
     )
+
+
+def test_a_strided_batch_gives_the_same_maps():
+    # a running prefix (the first t tokens of a longer buffer) is not contiguous
+    long = torch.stack([random_trajectory(18, 12, seed=s) for s in (5, 6)])  # (2, L, 12, D')
+    prefix = long[:, :, :7]
+    assert not prefix.is_contiguous()
+    expected = build_maps(prefix.contiguous(), torch.tensor([7, 7]))
+    torch.testing.assert_close(build_maps(prefix, torch.tensor([7, 7])), expected, rtol=0, atol=0)
+    torch.testing.assert_close(build_maps(prefix, torch.tensor([7, 3]))[0], expected[0])

@@ -214,12 +214,12 @@ def _padded_copy(x: torch.Tensor, lengths: list[int], scratch: torch.Tensor) -> 
 
     Garbage there (even NaN) then never reaches a statistic: the maximum is
     unchanged, token-to-token differences there are 0, and the linear weights
-    give it 0. The input is never written; a full-length float32 batch is used
-    as it is. (One bulk copy, then one fill per padded answer: a masked
+    give it 0. The input is never written; a full-length, contiguous float32
+    batch is used as it is. (One bulk copy, then one fill per padded answer: a masked
     `torch.where` costs six copies on the CPU.)
     """
     t_max = x.shape[2]
-    if x.dtype == torch.float32 and all(n == t_max for n in lengths):
+    if x.dtype == torch.float32 and x.is_contiguous() and all(n == t_max for n in lengths):
         return x
     y = scratch.copy_(x)  # (b, L, T, D')
     for row, n in enumerate(lengths):
