@@ -64,3 +64,38 @@ def tiny_engine(run: Path, policy: Policy = Policy(), audit=None, **kwargs) -> E
         audit=audit,
         **kwargs,
     )
+
+
+MAX_TOKENS = 5
+
+
+def client_for(run: Path, engine_factory=None, **settings):
+    """A TestClient over the app serving ``run`` with the tiny generator (or ``engine_factory``);
+    ``settings`` override ServeSettings fields."""
+    from fastapi.testclient import TestClient
+
+    from actmap.serve.app import ServeSettings, create_app
+
+    options = dict(model="tiny", detector=run, default_max_tokens=MAX_TOKENS, max_tokens_cap=16)
+    options.update(settings)
+    factory = engine_factory or (lambda: tiny_engine(run))
+    return TestClient(create_app(ServeSettings(**options), factory))
+
+
+def reference(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS, n_tokens=None):
+    """(generation, raw p(correct)) by capture + map (+ the answer's scalars when the served
+    detector reads them) + the detector called directly, outside the server; with
+    ``n_tokens``, p of the answer's first n tokens."""
+    from actmap.answer_features import answer_scalars
+    from actmap.capture import CaptureConfig, generate_with_capture
+    from actmap.maps import build_map, to_float16
+
+    config = CaptureConfig(max_new_tokens=max_tokens, max_context=engine.max_context)
+    (gen,) = generate_with_capture(engine.model, engine.tokenizer, [prompt], config)
+    n = gen.n_tokens if n_tokens is None else n_tokens
+    stored = to_float16(build_map(gen.trajectory[:, :n])).numpy()[None]
+    detector = engine.detector.detector
+    if "scalars" in engine.detector.requires:
+        scalars = answer_scalars(gen.logprobs[:n], gen.entropies[:n])[None]
+        return gen, float(detector.predict_proba(stored, scalars)[0])
+    return gen, float(detector.predict_proba(stored)[0])

@@ -11,17 +11,18 @@ import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
-from serve_helpers import save_tiny_detector, tiny_engine  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    client_for,
+    reference,
+    save_tiny_detector,
+    tiny_engine,
+)
 
-from actmap.capture import CaptureConfig, generate_with_capture  # noqa: E402
 from actmap.maps import build_map, to_float16  # noqa: E402
 from actmap.prior import shift_to_prevalence  # noqa: E402
-from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 from actmap.serve.policy import Policy, PriorSetting, decide  # noqa: E402
 
 PROMPT = "what is the capital of paris"
-MAX_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
@@ -31,25 +32,10 @@ def run(tmp_path_factory):
     return folder
 
 
-def client_for(run, engine_factory=None, **settings) -> TestClient:
-    options = dict(model="tiny", detector=run, default_max_tokens=MAX_TOKENS, max_tokens_cap=16)
-    options.update(settings)
-    factory = engine_factory or (lambda: tiny_engine(run))
-    return TestClient(create_app(ServeSettings(**options), factory))
-
-
 @pytest.fixture(scope="module")
 def client(run):
     with client_for(run) as c:
         yield c
-
-
-def reference(engine, prompt: str, max_tokens: int = MAX_TOKENS):
-    """The answer and raw p(correct) by capture + map + detector called directly."""
-    config = CaptureConfig(max_new_tokens=max_tokens, max_context=engine.max_context)
-    (gen,) = generate_with_capture(engine.model, engine.tokenizer, [prompt], config)
-    stored = to_float16(build_map(gen.trajectory)).numpy()[None]
-    return gen, float(engine.detector.detector.predict_proba(stored)[0])
 
 
 def chat(client, content=PROMPT, **fields):

@@ -10,19 +10,22 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
-from serve_helpers import save_tiny_detector, save_tiny_plus, tiny_engine  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    client_for,
+    reference,
+    save_tiny_detector,
+    save_tiny_plus,
+    tiny_engine,
+)
 
 import actmap.serve.engine as engine_module  # noqa: E402
 from actmap.answer_features import answer_scalars  # noqa: E402
-from actmap.capture import CaptureConfig, generate_with_capture  # noqa: E402
+from actmap.capture import CaptureConfig  # noqa: E402
 from actmap.detectors.plus import ActMapPlus  # noqa: E402
 from actmap.errors import ActmapUserError  # noqa: E402
 from actmap.maps import build_map, to_float16  # noqa: E402
-from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 
 PROMPT = "what is the capital of paris"
-MAX_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +33,6 @@ def plus_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("plus-run")
     save_tiny_plus(folder)
     return folder
-
-
-def client_for(run, engine_factory=None) -> TestClient:
-    settings = ServeSettings(model="tiny", detector=run, default_max_tokens=MAX_TOKENS)
-    return TestClient(create_app(settings, engine_factory or (lambda: tiny_engine(run))))
-
-
-def reference(engine, prompt: str, n_tokens: int | None = None) -> tuple:
-    """(generation, raw p(correct)) by grey-box capture + map + scalars + actmap-plus directly;
-    with ``n_tokens``, p of the answer's first n tokens."""
-    config = CaptureConfig(max_new_tokens=MAX_TOKENS, max_context=engine.max_context)
-    (gen,) = generate_with_capture(engine.model, engine.tokenizer, [prompt], config)
-    n = gen.n_tokens if n_tokens is None else n_tokens
-    stored = to_float16(build_map(gen.trajectory[:, :n])).numpy()[None]
-    scalars = answer_scalars(gen.logprobs[:n], gen.entropies[:n])[None]
-    plus = ActMapPlus.from_pretrained(engine.detector.path)
-    return gen, float(plus.predict_proba(stored, scalars)[0])
 
 
 def test_served_p_correct_reads_the_map_and_the_scalars_of_the_same_pass(plus_run):
@@ -82,7 +68,7 @@ def test_running_scores_use_the_prefix_scalars(plus_run):
     gen, p_final = reference(engine, PROMPT)
     assert [r["n_tokens"] for r in running] == list(range(1, gen.n_tokens + 1))
     for r in running:
-        _, expected = reference(engine, PROMPT, r["n_tokens"])
+        _, expected = reference(engine, PROMPT, n_tokens=r["n_tokens"])
         assert r["p_correct"] == pytest.approx(expected, rel=1e-5)
     assert events[-1]["actmap"]["p_correct_raw"] == pytest.approx(p_final, rel=1e-6)
 
