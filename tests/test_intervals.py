@@ -76,3 +76,68 @@ def test_single_class_resamples_are_redrawn_and_counted():
 def test_mismatched_rows_are_refused():
     with pytest.raises(ValueError, match="scores have 2, 1 rows but labels have 2"):
         paired_bootstrap([0.1, 0.2], [0.1], [0, 1])
+
+
+def test_row_metrics_equal_the_scalar_metric_on_every_row():
+    from sklearn.metrics import average_precision_score
+
+    from actmap import metrics
+    from actmap.intervals import auprc_rows, auroc_rows, ece_rows
+
+    rng = np.random.default_rng(7)
+    y = rng.integers(0, 2, (120, 25))
+    y[:, 0], y[:, 1] = 0, 1  # both classes in every row
+    p = rng.random((120, 25))
+    p[::2] = np.round(p[::2], 1)  # many ties (and values on bin edges) in half the rows
+    p[5] = 0.5  # one row tied throughout
+    p[6, :5] = 1.0  # p = 1 falls in the last bin
+    np.testing.assert_allclose(
+        auroc_rows(p, y), [roc_auc_score(t, s) for s, t in zip(p, y, strict=True)]
+    )
+    np.testing.assert_allclose(
+        auprc_rows(p, y),
+        [average_precision_score(t, s) for s, t in zip(p, y, strict=True)],
+        rtol=1e-12,
+    )
+    np.testing.assert_allclose(
+        ece_rows(p, y), [metrics.ece(s, t) for s, t in zip(p, y, strict=True)]
+    )
+    np.testing.assert_allclose(
+        ece_rows(p, y, 7), [metrics.ece(s, t, 7) for s, t in zip(p, y, strict=True)], atol=1e-15
+    )
+
+
+@pytest.mark.parametrize("name", ["auprc", "ece"])
+def test_auprc_and_ece_intervals_match_a_direct_loop(name, monkeypatch):
+    """The vectorised AUPRC / ECE bootstrap (unpaired, paired, seeds) against a loop calling
+    the scalar metric on each resample; a small chunk makes the helper work in pieces."""
+    from actmap import intervals, metrics
+
+    monkeypatch.setattr(intervals, "ROW_CHUNK", 1000)
+    metric = getattr(metrics, name)
+    rng = np.random.default_rng(11)
+    y = rng.integers(0, 2, 60)
+    seeds = np.clip(y * 0.3 + rng.random((3, 60)) * 0.7, 0, 1)  # (S, n) probabilities
+    seeds[:, :20] = np.round(seeds[:, :20], 1)  # ties
+    other = rng.random(60)
+    draw = np.random.default_rng(4)
+    single, diff = [], []
+    while len(single) < 200:
+        idx = draw.integers(0, 60, 60)
+        if len(set(y[idx])) < 2:
+            continue
+        mean_seeds = np.mean([metric(s[idx], y[idx]) for s in seeds])
+        single.append(mean_seeds)
+        diff.append(mean_seeds - metric(other[idx], y[idx]))
+    one = intervals.bootstrap(seeds, y, metric, n_resamples=200, seed=4)
+    two = intervals.paired_bootstrap(seeds, other, y, metric, n_resamples=200, seed=4)
+    assert (one.low, one.high) == pytest.approx(tuple(np.percentile(single, [2.5, 97.5])))
+    assert (two.low, two.high) == pytest.approx(tuple(np.percentile(diff, [2.5, 97.5])))
+    assert one.estimate == pytest.approx(np.mean([metric(s, y) for s in seeds]))
+
+
+def test_ece_interval_refuses_scores_that_are_not_probabilities():
+    from actmap import metrics
+
+    with pytest.raises(ValueError, match="probs must lie in"):
+        bootstrap(np.array([0.2, 1.5, 0.3, 0.9]), np.array([0, 1, 0, 1]), metrics.ece)

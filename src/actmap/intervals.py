@@ -11,11 +11,15 @@ undefined) are drawn again, and their count is reported.
 A method trained with several seeds on the same rows passes its scores as an
 (S, n) array: the metric is the mean over seeds, on each resample as on all rows
 (so the interval covers the seed-averaged figure a table reports).
+
+AUROC, AUPRC and ECE (`actmap.metrics`) are computed on all resamples at once
+(`ROW_METRICS`: the same values as the scalar metric on each resample, tested against
+a direct loop); any other metric is called once per resample.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -39,6 +43,48 @@ def auroc_rows(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return u / (n_pos * n_neg)
 
 
+def auprc_rows(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Average precision of every row of (R, n) scores against (R, n) 0/1 labels, at once.
+
+    sklearn's ``average_precision_score``: sum over distinct thresholds (descending) of
+    (recall gained) x (precision there). Every correct row gains recall 1 / n_pos at the
+    threshold of its tie group, so AP = mean over correct rows of the precision at the end
+    of their tie group.
+    """
+    order = np.argsort(-scores, axis=1, kind="stable")
+    s = np.take_along_axis(scores, order, axis=1)  # (R, n) descending
+    y = np.take_along_axis(labels, order, axis=1).astype(np.float64)
+    precision = np.cumsum(y, axis=1) / np.arange(1, s.shape[1] + 1)  # (R, n)
+    n = s.shape[1]
+    last = np.concatenate([s[:, 1:] != s[:, :-1], np.ones((len(s), 1), bool)], axis=1)
+    # the index of the end of each position's tie group: the next `last` at or after it
+    end = np.where(last, np.arange(n), n)
+    end = np.minimum.accumulate(end[:, ::-1], axis=1)[:, ::-1]
+    at_end = np.take_along_axis(precision, end, axis=1)
+    return (y * at_end).sum(axis=1) / y.sum(axis=1)
+
+
+def ece_rows(probs: np.ndarray, labels: np.ndarray, n_bins: int = 10) -> np.ndarray:
+    """`actmap.metrics.ece` of every row of (R, n) probabilities against (R, n) labels.
+
+    Per bin, (n_bin / n) |fraction correct - mean p| = |sum of labels - sum of p| / n.
+    """
+    r, n = probs.shape
+    bins = np.minimum(np.floor(probs * n_bins).astype(np.int64), n_bins - 1)
+    flat = (bins + n_bins * np.arange(r)[:, None]).ravel()  # (R * n,) bin of each row's entry
+    gap = np.bincount(flat, labels.ravel() - probs.ravel(), minlength=r * n_bins)
+    return np.abs(gap.reshape(r, n_bins)).sum(axis=1) / n
+
+
+# metrics computed on all resamples at once: (R, n) scores, (R, n) labels -> (R,)
+ROW_METRICS: dict[Callable, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    metrics.auroc: auroc_rows,
+    metrics.auprc: auprc_rows,
+    metrics.ece: ece_rows,
+}
+ROW_CHUNK = 4_000_000  # resampled entries held at once (k x n), about 32 MB per array
+
+
 @dataclass(frozen=True)
 class Interval:
     """A point estimate on all rows and its bootstrap percentile interval."""
@@ -58,21 +104,38 @@ class Interval:
         return f"{self.estimate:.3f} [{self.low:.3f}, {self.high:.3f}]"
 
 
-def resample_indices(
-    labels: np.ndarray, n_resamples: int, rng: np.random.Generator, need_both: bool
-) -> tuple[list[np.ndarray], int]:
-    """``n_resamples`` index vectors drawn with replacement (each with both classes if asked)."""
-    n = len(labels)
-    out, redrawn = [], 0
-    while len(out) < n_resamples:
-        idx = rng.integers(0, n, n)
-        if need_both and labels[idx].min() == labels[idx].max():
-            redrawn += 1
+def _draw_blocks(
+    y: np.ndarray, n_resamples: int, rng: np.random.Generator, need_both: bool, block: int
+) -> Iterator[tuple[np.ndarray, int]]:
+    """Blocks of at most ``block`` index rows, drawn with replacement (each with both classes
+    if asked), with the count of refused draws so far.
+
+    The rows are those of drawing ``rng.integers(0, n, n)`` once per resample and drawing
+    again after a refused one (numpy's generator gives the same numbers for one (k, n) draw
+    as for k draws of n), so the resamples do not depend on the block size."""
+    n = len(y)
+    have = redrawn = 0
+    while have < n_resamples:
+        idx = rng.integers(0, n, (min(n_resamples - have, block), n))  # never more than needed
+        if need_both:
+            picked = y[idx]
+            ok = picked.min(axis=1) != picked.max(axis=1)
+            redrawn += int((~ok).sum())
             if redrawn > 100 * n_resamples:
                 raise ValueError("almost every resample holds a single class; too few rows")
-            continue
-        out.append(idx)
-    return out, redrawn
+            idx = idx[ok]
+        have += len(idx)
+        yield idx, redrawn
+
+
+def resample_indices(
+    labels: np.ndarray, n_resamples: int, rng: np.random.Generator, need_both: bool
+) -> tuple[np.ndarray, int]:
+    """(n_resamples, n) index rows drawn with replacement (each with both classes if asked),
+    and how many draws were refused for holding one class."""
+    y = np.asarray(labels)
+    blocks = list(_draw_blocks(y, n_resamples, rng, need_both, n_resamples))
+    return np.concatenate([idx for idx, _ in blocks]), blocks[-1][1]
 
 
 def _interval(estimate, values, n, n_resamples, level, redrawn) -> Interval:
@@ -81,12 +144,13 @@ def _interval(estimate, values, n, n_resamples, level, redrawn) -> Interval:
     return Interval(float(estimate), float(low), float(high), n, n_resamples, level, redrawn)
 
 
-def _metric_values(metric: Metric | None, s: np.ndarray, y: np.ndarray, draws) -> np.ndarray:
-    """metric on every resample; AUROC (``metric=None``) is computed for all at once."""
-    if metric is None:
-        idx = np.stack(draws)  # (R, n)
-        return auroc_rows(s[idx], y[idx])
-    return np.array([metric(s[i], y[i]) for i in draws])
+def _metric_values(metric: Metric | None, s: np.ndarray, y: np.ndarray, idx) -> np.ndarray:
+    """metric on every resample of a (k, n) block: AUROC (``metric=None``), AUPRC and ECE all
+    at once (`ROW_METRICS`), any other metric one resample at a time."""
+    rows = ROW_METRICS.get(metrics.auroc if metric is None else metric)
+    if rows is None:
+        return np.array([metric(s[i], y[i]) for i in idx])
+    return rows(s[idx], y[idx])
 
 
 def bootstrap(
@@ -130,14 +194,20 @@ def _bootstrap(scores, labels, metric, n_resamples, level, seed) -> Interval:
     if any(c.shape[1] != len(y) for c in columns):
         sizes = ", ".join(str(c.shape[1]) for c in columns)
         raise ValueError(f"scores have {sizes} rows but labels have {len(y)}")
-    draws, redrawn = resample_indices(y, n_resamples, np.random.default_rng(seed), True)
     signs = (1.0, -1.0)[: len(columns)]
     full = metric or metrics.auroc
-    values = sum(
-        sign * np.mean([_metric_values(metric, row, y, draws) for row in c], axis=0)
-        for sign, c in zip(signs, columns, strict=True)
-    )
-    estimate = sum(
+    estimate = sum(  # on all rows; also checks the scores (e.g. ECE's probabilities in [0, 1])
         sign * np.mean([full(row, y) for row in c]) for sign, c in zip(signs, columns, strict=True)
     )
+    rng, block = np.random.default_rng(seed), max(1, ROW_CHUNK // len(y))
+    parts, redrawn = [], 0
+    for idx, refused in _draw_blocks(y, n_resamples, rng, True, block):  # (k, n) resamples
+        parts.append(
+            sum(
+                sign * np.mean([_metric_values(metric, row, y, idx) for row in c], axis=0)
+                for sign, c in zip(signs, columns, strict=True)
+            )
+        )
+        redrawn = refused
+    values = np.concatenate(parts)
     return _interval(estimate, values, len(y), n_resamples, level, redrawn)
