@@ -343,6 +343,46 @@ def test_prior_shift_repairs_calibration_under_prevalence_shift():
     assert "Prevalence shift" in text and calibration.to_json()["methods"][0]["shift"]
 
 
+def test_prevalence_shift_fits_temperature_on_held_out_target_rows():
+    """T is fit on the target rows (not the test rows): every replicate's T equals a grid
+    search on them when they are all drawn (at the target prevalence exactly), and the whole
+    balanced test set is resampled and scored."""
+    from actmap.experiments.calibration import FALLBACK_SOURCE, TargetRows
+
+    scores = _calibrated_scores(100)
+    rng = np.random.default_rng(3)
+    y_target = np.array([1] * 12 + [0] * 28)  # 40 rows at prevalence 0.3
+    z_target = 3.0 * (rng.standard_normal((2, 40)) + np.where(y_target == 1, 1.0, -1.0))
+    target = TargetRows(z_target, y_target, "40 held-out rows")
+    shift = prevalence_shift(scores, 0.3, CalibrationConfig(n_replicates=4), target)
+    grid = np.exp(np.linspace(-3, 3, 6001))
+    per_seed = []
+    for z in z_target:
+        nll = [np.mean(np.logaddexp(0, z / t) - y_target * z / t) for t in grid]
+        per_seed.append(grid[int(np.argmin(nll))])
+    assert shift.temperature["mean"] == pytest.approx(np.mean(per_seed), rel=2e-3)
+    assert shift.temperature["low"] == pytest.approx(shift.temperature["high"])  # same rows
+    assert (shift.n_fit, shift.n_eval, shift.fit_source) == (40, 100, "40 held-out rows")
+    # the test rows' own logits never enter the fit: scaling them leaves T unchanged
+    louder = dataclasses.replace(scores, logits=scores.logits * 5.0)
+    assert prevalence_shift(louder, 0.3, CalibrationConfig(n_replicates=2), target).temperature[
+        "mean"
+    ] == pytest.approx(shift.temperature["mean"])
+    fallback = prevalence_shift(scores, 0.3, CalibrationConfig(n_replicates=2))
+    assert fallback.fit_source == FALLBACK_SOURCE and fallback.n_eval == 50
+    table = run_calibration(
+        [scores], 0.3, CalibrationConfig(n_replicates=2, n_resamples=20), "", {"calibrated": target}
+    ).to_markdown()
+    assert "40 held-out rows (40)" in table
+    with pytest.raises(ValueError, match="seeds"):
+        prevalence_shift(
+            scores,
+            0.3,
+            CalibrationConfig(n_replicates=1),
+            TargetRows(z_target[:1], y_target, "one seed"),
+        )
+
+
 def test_natural_accuracy_reads_every_labelled_train_row(store):
     value, source = natural_accuracy(store)
     meta = store.metadata()

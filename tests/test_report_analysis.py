@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from experiment_helpers import synthetic_store
 
+from actmap.experiments import common
+from actmap.experiments.ablations import AblationConfig, run_ablations
+from actmap.experiments.runs import recipe_config, train_on_store
 from actmap.report.assemble import build_report
 from actmap.report.inputs import store_refs
 from actmap.report.parts import ablations, calibration, learning_curve, localization
+from actmap.report.parts.choice import balanced_maps, read_only_splits
 from actmap.report.registry import report_sections
 from actmap.report.sections import ReportContext
 from actmap.store import MapStore
@@ -57,6 +62,9 @@ def test_analysis_sections_render_without_writing_into_the_store(store_path, tmp
     assert [v["name"] for v in abl["variants"]] == ["full", "segments_1", "answer_length"]
     cal = json.loads((done.json_dir / "calibration.json").read_text())
     assert cal["methods"][0]["method"] == "actmap-mlp" and cal["prevalence"] == pytest.approx(0.5)
+    shift = cal["methods"][0]["shift"]  # T fit on the store's 16 validation rows, not test rows
+    assert shift["fit_source"] == "all 16 labelled validation rows (natural prevalence)"
+    assert shift["n_fit"] == 16 and shift["n_eval"] == 16
     assert sorted(p.name for p in store_path.iterdir()) == before  # nothing written
     assert not MapStore.open(store_path).has_table("splits")
 
@@ -65,3 +73,58 @@ def test_sections_are_registered_in_report_order():
     names = [s.name for s in report_sections()]
     order = ["ablations", "learning_curve", "localization", "calibration"]
     assert [n for n in names if n in order] == order
+
+
+def test_sections_read_the_runs_fits_instead_of_training_them_again(
+    store_path, tmp_path, monkeypatch
+):
+    """The ablations' reference and classifier variants and the learning curve's 100% point
+    are the report's `actmap train` runs (same detector, recipe, seeds, rows): they are read,
+    and training them again gives the same scores (so reading them changes no result)."""
+    store = MapStore.open(store_path)
+    splits = read_only_splits(store)
+    run = tmp_path / "runs" / "synthetic-store" / "logreg"
+    balanced = (balanced_maps(store), store)  # read-only: the store gets no splits table
+    train_on_store(store_path, "logreg", (1, 2), run, recipe_config(2), balanced=balanced)
+    config = AblationConfig(detector="logreg", seeds=(1, 2), max_epochs=2, variants=("full",))
+    again = run_ablations(store, config, splits=splits).variant("full").scores
+    from_run = common.scores_from_run(run, splits["test"], again.labels)
+    np.testing.assert_array_equal(again.confidence, from_run.confidence)
+
+    trained = []
+    real = common.train_seeds
+    monkeypatch.setattr(
+        "actmap.experiments.ablations.train_seeds",
+        lambda *a, **k: trained.append(a[3]) or real(*a, **k),
+    )
+    monkeypatch.setattr(
+        "actmap.experiments.learning_curve.train_seeds",
+        lambda *a, **k: trained.append(a[3]) or real(*a, **k),
+    )
+    context = ReportContext(
+        stores=store_refs([store_path]),
+        runs={"synthetic-store": {"logreg": run}},
+        out=tmp_path / "out",
+        scratch=tmp_path / "scratch",
+        seeds=(1, 2),
+        n_resamples=20,
+        max_epochs=2,
+        options={
+            "ablations": {
+                "detector": "logreg",
+                "variants": ("full", "classifier_logreg", "segments_1"),
+                "recapture": False,
+            },
+            "learning_curve": {"fractions": (0.5, 1.0), "methods": ("logreg",)},
+        },
+    )
+    done = build_report(context, [ablations.SECTION, learning_curve.SECTION])
+    assert set(done.sections.values()) == {"done"}, done.sections
+    abl = json.loads((done.json_dir / "ablations.json").read_text())
+    full = next(v for v in abl["variants"] if v["name"] == "full")
+    np.testing.assert_allclose(full["scores"]["confidence"], from_run.confidence, atol=1e-6)
+    curve = json.loads((done.json_dir / "learning_curve.json").read_text())["synthetic-store"]
+    point = next(p for p in curve["points"] if p["fraction"] == 1.0)
+    assert point["per_seed"] == pytest.approx(from_run.per_seed())
+    # trained here: segments_1 (two seeds at once) and the 50% point (one seed at a time)
+    assert trained == ["logreg", "logreg", "logreg"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -393,8 +393,12 @@ def _reference_of(name: str) -> str | None:
     return POOLING_REFERENCE if group == "pooling" else REFERENCE
 
 
-def _scores(inputs: _Inputs, name: str, config: AblationConfig, done: dict) -> SeedScores:
+def _scores(
+    inputs: _Inputs, name: str, config: AblationConfig, done: dict, known: Mapping
+) -> SeedScores:
     detector = _detector_of(name, config)
+    if name in known:  # the same fits made elsewhere (an `actmap train` run): not retrained
+        return dataclasses.replace(known[name], method=name)
     if name == "answer_length":
         return _answer_length(inputs)
     if name == "permuted_labels":
@@ -430,6 +434,7 @@ def run_ablations(
     hidden: dict[str, np.ndarray] | None = None,
     on_result: Callable[[VariantResult], None] | None = None,
     splits: dict[str, list[str]] | None = None,
+    known: Mapping[str, SeedScores] | None = None,
 ) -> AblationResult:
     """Every variant of ``config`` on ``store``'s balanced rows; references run first.
 
@@ -438,8 +443,12 @@ def run_ablations(
     states (or are unavailable). ``on_result`` receives each variant's result as it is done
     (a long run can keep what it finished). ``splits``: the balanced {split: ids} to use
     (default `actmap.rows.balanced_splits(store)`, which records them in the store).
+    ``known``: {variant: test scores} of variants already trained elsewhere on the same
+    rows with the same detector, recipe and seeds (the reference and classifier variants
+    are `actmap train` runs on the store's maps); they are used instead of training again.
     """
     inputs = _Inputs.read(store, hidden, splits)
+    known = known or {}
     order = sorted(config.variants, key=lambda v: v not in (REFERENCE, POOLING_REFERENCE))
     done: dict[str, SeedScores] = {}
     results = {}
@@ -449,7 +458,7 @@ def run_ablations(
         if progress is not None:
             progress(name)
         try:
-            scores = _scores(inputs, name, config, done)
+            scores = _scores(inputs, name, config, done, known)
         except Unavailable as reason:
             log.info("ablation %s unavailable: %s", name, reason)
             results[name] = VariantResult(name, group, description, "unavailable", str(reason))

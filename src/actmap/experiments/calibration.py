@@ -9,12 +9,16 @@ baselines). For each method whose confidence is a probability:
 - temperature scaling: T fit (NLL) on a random half of the test rows, ECE on the other
   half before and after (`actmap.metrics.temperature_scaled_ece`), per seed;
 - prevalence shift: the balanced test rows resampled class-conditionally to the
-  generator's natural accuracy ``prevalence``, ``n_replicates`` times. Each replicate
-  splits the test rows in two halves (stratified): from one, the temperature is fit on up
-  to ``target_fit_rows`` distinct rows at the target prevalence (as many as the half holds:
-  the count is reported); the other is resampled with replacement to the target
-  prevalence and scored: ECE raw, after the label-free prior shift to the known
-  prevalence (`actmap.prior.shift_to_prevalence`), and after the fitted temperature.
+  generator's natural accuracy ``prevalence``, ``n_replicates`` times, and scored: ECE
+  raw, after the label-free prior shift to the known prevalence
+  (`actmap.prior.shift_to_prevalence`), and after a temperature fit on held-out target
+  rows, never the rows scored. Where the method has scores on held-out rows at the natural
+  prevalence (``TargetRows``: every labelled validation row of the store, not only the
+  balanced ones), each replicate fits T on up to ``target_fit_rows`` distinct of them drawn
+  at the target prevalence, and resamples the whole balanced test set. Otherwise
+  (fallback, stated in the result) each replicate splits the test rows in two stratified
+  halves: T is fit on as many distinct rows of one half as it holds at the target
+  prevalence (at most ``target_fit_rows``), and the other half is resampled and scored.
 
 For every method: the risk-coverage curve (answers accepted from the most confident
 down), the coverage at 5% risk and the risk at 80% coverage with 95% bootstrap intervals.
@@ -23,7 +27,7 @@ down), the coverage at 5% risk and the risk at 80% coverage with 95% bootstrap i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,6 +123,26 @@ def _spread(values: Sequence[float]) -> dict:
 
 
 @dataclass(frozen=True)
+class TargetRows:
+    """Held-out rows at the deployment's natural prevalence, scored by one method: what the
+    temperature of the shifted test set is fit on (e.g. every labelled validation row)."""
+
+    logits: np.ndarray  # (S, m) one row per seed of the method, like its test logits
+    labels: np.ndarray  # (m,) 1 = correct
+    source: str  # what the rows are, for the report
+
+    def __post_init__(self) -> None:
+        logits = np.atleast_2d(np.asarray(self.logits, dtype=np.float64))
+        object.__setattr__(self, "logits", logits)
+        object.__setattr__(self, "labels", np.asarray(self.labels).astype(np.int64))
+        if logits.shape[1] != len(self.labels):
+            raise ValueError(f"target logits {logits.shape} do not match {len(self.labels)} labels")
+
+
+FALLBACK_SOURCE = "a stratified half of the balanced test rows (no held-out target rows scored)"
+
+
+@dataclass(frozen=True)
 class PrevalenceShift:
     prevalence: float
     n_replicates: int
@@ -128,29 +152,54 @@ class PrevalenceShift:
     ece_prior_shift: dict
     ece_temperature: dict
     temperature: dict
+    fit_source: str = FALLBACK_SOURCE  # where the temperature's rows come from
+
+
+def _replicate_rows(
+    y: np.ndarray, prevalence: float, config: CalibrationConfig, rng, target: TargetRows | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rows T is fit on, resampled test rows scored): fit rows index ``target`` when given,
+    else the test rows (one stratified half; the other half is scored)."""
+    if target is not None:
+        fit = distinct_at_prevalence(target.labels, prevalence, config.target_fit_rows, rng)
+        return fit, class_conditional_resample(y, prevalence, len(y), rng)
+    fit_pool, eval_pool = stratified_halves(y, rng)
+    fit = fit_pool[distinct_at_prevalence(y[fit_pool], prevalence, config.target_fit_rows, rng)]
+    return fit, eval_pool[class_conditional_resample(y[eval_pool], prevalence, len(eval_pool), rng)]
 
 
 def prevalence_shift(
-    scores: SeedScores, prevalence: float, config: CalibrationConfig = CalibrationConfig()
+    scores: SeedScores,
+    prevalence: float,
+    config: CalibrationConfig = CalibrationConfig(),
+    target: TargetRows | None = None,
 ) -> PrevalenceShift:
-    """Replicates of the balanced test rows resampled to ``prevalence`` (see the module)."""
+    """Replicates of the balanced test rows resampled to ``prevalence`` (see the module);
+    the temperature is fit on ``target`` (held-out rows, same seeds as ``scores``) when
+    given, else on half of the test rows."""
     if not 0.0 < prevalence < 1.0:
         raise ValueError(f"prevalence must lie strictly between 0 and 1, got {prevalence}")
+    if target is not None and len(target.logits) != len(scores.logits):
+        raise ValueError(
+            f"{scores.method}: target rows scored by {len(target.logits)} seeds, "
+            f"test rows by {len(scores.logits)}"
+        )
     y = scores.labels
     rng = np.random.default_rng(config.seed)
     raw, prior, scaled, temps = [], [], [], []
     n_fit = n_eval = 0
     for _ in range(config.n_replicates):
-        fit_pool, eval_pool = stratified_halves(y, rng)
-        fit = fit_pool[distinct_at_prevalence(y[fit_pool], prevalence, config.target_fit_rows, rng)]
-        evaluate = eval_pool[
-            class_conditional_resample(y[eval_pool], prevalence, len(eval_pool), rng)
-        ]
+        fit, evaluate = _replicate_rows(y, prevalence, config, rng, target)
         n_fit, n_eval = len(fit), len(evaluate)
+        fit_logits, fit_labels = (
+            (target.logits[:, fit], target.labels[fit])
+            if target is not None
+            else (scores.logits[:, fit], y[fit])
+        )
         per_seed = []
-        for z in scores.logits:
+        for z, z_fit in zip(scores.logits, fit_logits, strict=True):
             p_eval = sigmoid(z[evaluate])
-            t = metrics.fit_temperature(z[fit], y[fit])
+            t = metrics.fit_temperature(z_fit, fit_labels)
             per_seed.append(
                 (
                     metrics.ece(p_eval, y[evaluate], config.n_bins),
@@ -175,6 +224,7 @@ def prevalence_shift(
         _spread(prior),
         _spread(scaled),
         _spread(temps),
+        FALLBACK_SOURCE if target is None else target.source,
     )
 
 
@@ -267,19 +317,22 @@ class Calibration:
             lines += [
                 "",
                 f"Prevalence shift to the natural accuracy {self.prevalence:.3f} "
-                f"({self.prevalence_source}): {s0.n_replicates} replicates; temperature fit on "
-                f"{s0.n_fit} distinct held-out target rows (all a stratified half of the test "
-                f"rows holds at that prevalence, at most {c.target_fit_rows}), ECE on {s0.n_eval} "
-                "rows resampled from the other half. Mean [2.5%, 97.5%] over replicates.",
+                f"({self.prevalence_source}): {s0.n_replicates} replicates of the balanced test "
+                "rows resampled class-conditionally to that accuracy. The temperature is fit on "
+                f"held-out rows at that accuracy (at most {c.target_fit_rows} distinct), never "
+                "the rows scored; the table says which rows each method's T was fit on. "
+                "Mean [2.5%, 97.5%] over replicates.",
                 "",
-                "| method | ECE raw | ECE prior-shifted | ECE temperature-scaled | T |",
-                "|---|---|---|---|---|",
+                "| method | ECE raw | ECE prior-shifted | ECE temperature-scaled | T | "
+                "T fit on (rows) | scored rows |",
+                "|---|---|---|---|---|---|---|",
             ]
             for m in shifted:
                 s = m.shift
                 lines.append(
                     f"| {m.method} | {_fmt(s.ece_raw)} | {_fmt(s.ece_prior_shift)} | "
-                    f"{_fmt(s.ece_temperature)} | {_fmt(s.temperature, 2)} |"
+                    f"{_fmt(s.ece_temperature)} | {_fmt(s.temperature, 2)} | "
+                    f"{s.fit_source} ({s.n_fit}) | {s.n_eval} |"
                 )
         return "\n".join(lines) + "\n"
 
@@ -289,7 +342,10 @@ def _fmt(spread: dict, digits: int = 3) -> str:
 
 
 def calibrate_method(
-    scores: SeedScores, prevalence: float | None, config: CalibrationConfig = CalibrationConfig()
+    scores: SeedScores,
+    prevalence: float | None,
+    config: CalibrationConfig = CalibrationConfig(),
+    target: TargetRows | None = None,
 ) -> MethodCalibration:
     selective = selective_prediction(scores, config)
     auroc = float(np.mean(scores.per_seed()))
@@ -312,7 +368,7 @@ def calibrate_method(
         reliability(scores.confidence[0], scores.labels, config.n_bins),
         float(np.mean(scores.per_seed(lambda p, y: metrics.ece(p, y, config.n_bins)))),
         temperature,
-        None if prevalence is None else prevalence_shift(scores, prevalence, config),
+        None if prevalence is None else prevalence_shift(scores, prevalence, config, target),
     )
 
 
@@ -321,8 +377,11 @@ def run_calibration(
     prevalence: float | None,
     config: CalibrationConfig = CalibrationConfig(),
     prevalence_source: str = "",
+    targets: Mapping[str, TargetRows] | None = None,
 ) -> Calibration:
-    """Every method's calibration and selective prediction on its (shared) test rows."""
+    """Every method's calibration and selective prediction on its (shared) test rows;
+    ``targets``: {method: held-out rows at the natural prevalence} for the prevalence shift's
+    temperature (a method without them falls back to half of the test rows)."""
     labels = methods[0].labels
     for m in methods[1:]:
         if not np.array_equal(m.labels, labels):
@@ -331,7 +390,7 @@ def run_calibration(
         prevalence,
         prevalence_source,
         config,
-        [calibrate_method(m, prevalence, config) for m in methods],
+        [calibrate_method(m, prevalence, config, (targets or {}).get(m.method)) for m in methods],
     )
 
 
@@ -344,6 +403,14 @@ def natural_accuracy(store, split: str = "train") -> tuple[float, str]:
         raise ValueError(f"{store.root} has no labelled {split} rows")
     value = float(labelled["label"].astype(float).mean())
     return value, f"fraction correct of the {len(labelled)} labelled {split} rows"
+
+
+def natural_validation_rows(store) -> tuple[list[str], np.ndarray]:
+    """Every labelled validation row of ``store`` (the natural prevalence, not only the
+    balanced rows): ids and labels. Empty answers have no map and are not among them."""
+    meta = store.metadata()
+    rows = meta[(meta["split"] == "validation") & meta["label"].notna()]
+    return rows["id"].astype(str).tolist(), rows["label"].to_numpy(dtype=np.int64)
 
 
 def strongest(candidates: Sequence[SeedScores], k: int = 2) -> list[SeedScores]:

@@ -10,6 +10,7 @@ and the AUROC row every table prints (seed mean, 95% bootstrap interval, paired 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,7 @@ def train_seeds(
     seeds: Sequence[int],
     config=None,
     method: str | None = None,
+    device: str | None = None,
 ) -> SeedScores:
     """Train one CorrectnessDetector per seed (the paper's recipe), score test once each.
 
@@ -126,14 +128,34 @@ def train_seeds(
     """
     from actmap.experiments.runs import run_seeds
 
-    runs = run_seeds(train, val, test, None, detector=detector, config=config, seeds=seeds)
+    runs = run_seeds(
+        train, val, test, None, detector=detector, config=config, seeds=seeds, device=device
+    )
+    return scores_of_runs(runs, method or detector)
+
+
+def scores_of_runs(runs, method: str) -> SeedScores:
+    """The test scores of `actmap.experiments.runs.SeedRuns`, one row per seed."""
     return SeedScores(
-        method or detector,
+        method,
         runs.runs[0].test_scores.labels,
         np.stack([r.test_scores.p_correct for r in runs.runs]),
-        tuple(int(s) for s in seeds),
+        tuple(int(r.seed) for r in runs.runs),
         True,
         np.stack([r.test_scores.logits for r in runs.runs]).astype(np.float64),
+    )
+
+
+def select_seeds(scores: SeedScores, seeds: Sequence[int]) -> SeedScores | None:
+    """``scores`` restricted to ``seeds`` in that order, or None when one of them is missing."""
+    if any(s not in scores.seeds for s in seeds):
+        return None
+    rows = [scores.seeds.index(s) for s in seeds]
+    return dataclasses.replace(
+        scores,
+        confidence=scores.confidence[rows],
+        seeds=tuple(seeds),
+        logits=None if scores.logits is None else scores.logits[rows],
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,9 +143,15 @@ def run_learning_curve(
     config: LearningCurveConfig = LearningCurveConfig(),
     progress: Callable[[str, float], None] | None = None,
     splits: dict[str, list[str]] | None = None,
+    known: Mapping[str, SeedScores] | None = None,
 ) -> LearningCurve:
     """Every (method, fraction) point of ``config`` on ``store``'s balanced rows (``splits``,
-    default `actmap.rows.balanced_splits(store)`, which records them in the store)."""
+    default `actmap.rows.balanced_splits(store)`, which records them in the store).
+
+    ``known``: {ActMap detector: test scores} of that detector already trained on all the
+    balanced training rows with the same recipe and seeds (an `actmap train` run): the 100%
+    point is exactly that fit (the subsample is every row, in order), so it is read, not
+    trained again."""
     from actmap.baselines.base import BaselineUnavailable
     from actmap.rows import balanced_splits
     from actmap.store import StoreError
@@ -170,7 +176,9 @@ def run_learning_curve(
             if progress is not None:
                 progress(method, fraction)
             subsamples = [balanced_subsample(labels["train"], fraction, s) for s in config.seeds]
-            if baseline is None:
+            if baseline is None and fraction == 1.0 and method in (known or {}):
+                scores = dataclasses.replace(known[method], method=method)
+            elif baseline is None:
                 scores = _actmap_point(method, subsamples, maps, labels, splits, val, test, config)
             else:
                 scores = _baseline_point(baseline, method, subsamples, labels, config.seeds)

@@ -92,6 +92,8 @@ class ReportContext:
     tests). results: the results of the sections already computed, by name (the claims
     section reads them). timings: seconds per part, filled by the assembler and by
     sections that time their own parts (``context.timings.measure("cost/latency")``).
+    cache: what several sections read, computed once (balanced maps, fitted detectors:
+    `actmap.report.parts.choice`).
     """
 
     stores: Mapping[str, StoreRef]
@@ -106,6 +108,7 @@ class ReportContext:
     options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     results: dict[str, SectionResult] = field(default_factory=dict)
     timings: Timings = field(default_factory=Timings)
+    cache: dict[Any, Any] = field(default_factory=dict)  # what several sections read, once
 
     def option(self, section: str, name: str, default: Any = None) -> Any:
         return self.options.get(section, {}).get(name, default)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actmap.report.parts.choice import largest_stores, open_store, read_only_splits
+from actmap.report.parts.choice import largest_stores, open_store, read_only_splits, same_fit
 from actmap.report.sections import (
     ReportContext,
     Section,
@@ -37,7 +37,22 @@ def compute_ablations(context: ReportContext):
         with context.timings.measure("ablations/recapture"):
             hidden = unpooled_states(store, splits, context.device)
     with context.timings.measure("ablations/" + refs[0].name):
-        return run_ablations(store, config, hidden=hidden, splits=splits)
+        known = known_fits(context, refs[0], config)
+        return run_ablations(store, config, hidden=hidden, splits=splits, known=known)
+
+
+def known_fits(context: ReportContext, ref, config) -> dict:
+    """{variant: test scores} of the reference and classifier variants that are the report's
+    ActMap detectors (the same detector, recipe, seeds and rows): read, not trained again."""
+    found = {}
+    for name in config.variants:
+        if name != "full" and not name.startswith("classifier_"):
+            continue
+        detector = config.detector if name == "full" else name.removeprefix("classifier_")
+        scores = same_fit(context, ref, detector, config.recipe(detector), config.seeds)
+        if scores is not None:
+            found[name] = scores
+    return found
 
 
 def unpooled_states(store, splits: dict, device: str | None):

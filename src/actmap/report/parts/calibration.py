@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actmap.report.parts.choice import balanced_maps, largest_stores, open_store
+from actmap.report.parts.choice import balanced_maps, fitted, largest_stores, open_store
 from actmap.report.sections import (
     ReportContext,
     Section,
@@ -15,42 +15,29 @@ from actmap.report.sections import (
 )
 
 CALIBRATION_BASELINES = 3  # the strongest stored baselines shown beside ActMap
+ACTMAP_DETECTORS = ("vit", "mlp", "mlp4x", "logreg")
+TARGET_POOL = 1024  # validation rows scored for the prevalence-shift temperature (at most)
 
 
 def compute_calibration(context: ReportContext):
-    import numpy as np
-
     from actmap.experiments.calibration import (
         CalibrationConfig,
         natural_accuracy,
         run_calibration,
         strongest,
     )
-    from actmap.experiments.common import scores_from_results, scores_from_run, train_seeds
-    from actmap.experiments.runs import recipe_config
+    from actmap.experiments.common import scores_from_results
 
     refs = largest_stores(context, "calibration")
     if not refs:
         return Skipped("no store")
     ref = refs[0]
     store = open_store(ref)
-    splits = balanced_maps(store)
-    test = splits["test"]
-    ids, labels = list(test.ids), np.asarray(test.labels)
-    runs = context.runs.get(ref.name, {})
-    actmap = [scores_from_run(run, ids, labels) for run in runs.values()]
-    if not actmap:
-        actmap = [
-            train_seeds(
-                splits["train"],
-                splits["validation"],
-                test,
-                "mlp",
-                context.seeds,
-                recipe_config(context.max_epochs),
-                method="actmap-mlp",
-            )
-        ]
+    test = balanced_maps(store, context)["test"]
+    ids, labels = list(test.ids), test.labels
+    detectors = [d for d in context.runs.get(ref.name, {}) if d in ACTMAP_DETECTORS] or ["mlp"]
+    found = {d: fitted(context, ref, d) for d in detectors}
+    actmap = [f.scores for f in found.values()]
     stored = sorted(t.split("/", 1)[1] for t in store.tables() if t.startswith("results/"))
     baselines = []
     for method in stored:
@@ -64,7 +51,37 @@ def compute_calibration(context: ReportContext):
         n_replicates=int(context.option("calibration", "replicates", 100)),
         n_resamples=context.n_resamples,
     )
-    return run_calibration(actmap + strongest(baselines, k), prevalence, config, source)
+    pool = int(context.option("calibration", "target_pool", TARGET_POOL))
+    targets = {f.scores.method: validation_target(store, f, pool) for f in found.values()}
+    return run_calibration(actmap + strongest(baselines, k), prevalence, config, source, targets)
+
+
+def validation_target(store, fit, pool: int = TARGET_POOL, seed: int = 0):
+    """Labelled validation rows of the store at the natural prevalence (all of them, or a
+    random ``pool`` of them when there are more) scored by each seed of the fitted detector:
+    the held-out rows its prevalence-shift temperature is fit on. None when they hold a
+    single class."""
+    import numpy as np
+
+    from actmap.experiments.calibration import TargetRows, natural_validation_rows
+
+    ids, labels = natural_validation_rows(store)
+    total = len(ids)
+    if total > pool:
+        keep = np.sort(np.random.default_rng(seed).choice(total, pool, replace=False))
+        ids, labels = [ids[i] for i in keep], labels[keep]
+    if not ids or labels.min() == labels.max():
+        return None
+    logits = []
+    for start in range(0, len(ids), 512):  # maps a chunk at a time
+        maps, _ = store.load_maps(ids[start : start + 512])
+        logits.append([fit.models[s].decision_function(maps) for s in fit.scores.seeds])
+    which = f"all {total}" if total == len(ids) else f"a random {len(ids)} of the {total}"
+    return TargetRows(
+        np.concatenate(logits, axis=1),
+        labels,
+        f"{which} labelled validation rows (natural prevalence)",
+    )
 
 
 def render_calibration(result, figure_dir: Path) -> str:

@@ -3,13 +3,17 @@ localization, calibration) read.
 
 Each runs on the store with the most balanced rows (the learning curve on the two largest),
 unless ``[report.<section>] store = "<name>"`` names one; ActMap detectors come from the
-context's runs of that store, else they are trained here. Nothing is written into a store:
-splits are read with ``persist=False``; fits stay in memory or in the scratch folder.
+context's runs of that store, else they are trained here, once: `fitted` keeps them in the
+context's cache, so the sections that read the same detector on the same store share one
+fit (and the balanced maps are read once). Nothing is written into a store: splits are read
+with ``persist=False``; fits stay in memory or in the scratch folder.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from actmap.report.sections import ReportContext, StoreRef
 
@@ -50,34 +54,95 @@ def open_store(ref: StoreRef):
     return MapStore.open(ref.path)
 
 
-def frozen_detector(context: ReportContext, ref: StoreRef, detector: str, train, val):
-    """Seed ``context.seeds[0]`` of the context's run of ``detector`` on ``ref``, else one
-    trained here on the balanced rows (saved under the scratch folder)."""
+@dataclass(frozen=True)
+class Fitted:
+    """One ActMap detector on a store's balanced rows: its test scores and a fitted model per
+    seed, from the context's `actmap train` run of it or trained here with the context's
+    recipe (``source`` says which)."""
+
+    scores: Any  # SeedScores on the balanced test rows, method "actmap-<detector>"
+    models: dict[int, Any]  # seed -> fitted CorrectnessDetector
+    recipe: dict[str, Any]  # `actmap.runs.recipe_of` the TrainConfig it was trained with
+    source: str
+
+    def same_fit(self, recipe: dict[str, Any], seeds) -> Any:
+        """Its test scores when trained with ``recipe`` and every seed of ``seeds`` (then a
+        training with them would give the same scores again), else None."""
+        from actmap.experiments.common import select_seeds
+
+        return select_seeds(self.scores, tuple(seeds)) if recipe == self.recipe else None
+
+
+def fitted(context: ReportContext, ref: StoreRef, detector: str) -> Fitted:
+    """``detector`` on ``ref``'s balanced rows, computed once per report (the context cache)."""
+    key = ("fitted", ref.name, detector)
+    if key not in context.cache:
+        context.cache[key] = _fit(context, ref, detector)
+    return context.cache[key]
+
+
+def _fit(context: ReportContext, ref: StoreRef, detector: str) -> Fitted:
     from actmap.detectors import load_detector
+    from actmap.experiments.common import scores_from_run, scores_of_runs
     from actmap.experiments.runs import recipe_config, run_seeds
+    from actmap.runs import read_run, recipe_of
 
-    seed = context.seeds[0]
+    splits = balanced_maps(open_store(ref), context)
+    test = splits["test"]
     run = context.runs.get(ref.name, {}).get(detector)
-    if run is not None and (Path(run) / f"seed-{seed}").is_dir():
-        return load_detector(Path(run) / f"seed-{seed}")
-    out = Path(context.scratch) / "localization" / ref.name / detector
+    if run is not None:
+        checked = read_run(Path(run))
+        scores = scores_from_run(run, list(test.ids), test.labels)
+        models = {seed: load_detector(folder) for seed, folder in checked.seed_dirs.items()}
+        return Fitted(scores, models, checked.recipe, f"the run {run}")
+    config = recipe_config(context.max_epochs)
     runs = run_seeds(
-        train,
-        val,
-        val,
-        out,
+        splits["train"],
+        splits["validation"],
+        test,
+        None,
         detector=detector,
-        config=recipe_config(context.max_epochs),
-        seeds=(seed,),
+        config=config,
+        seeds=context.seeds,
+        device=context.device,
     )
-    return runs.runs[0].detector
+    models = {r.seed: r.detector for r in runs.runs}
+    scores = scores_of_runs(runs, f"actmap-{detector}")
+    return Fitted(scores, models, recipe_of(config.to_dict()), "trained for this report")
 
 
-def balanced_maps(store):
+def same_fit(context: ReportContext, ref: StoreRef, detector: str, config, seeds):
+    """The test scores that training ``detector`` on ``ref``'s balanced rows with the
+    TrainConfig ``config`` and ``seeds`` gives, from `fitted` (a run, or a fit made for this
+    report) when it was made that way; None when it was not (the caller trains)."""
+    from actmap.experiments.runs import recipe_config
+    from actmap.runs import recipe_of
+
+    recipe = recipe_of(config.to_dict())
+    has_run = detector in context.runs.get(ref.name, {})
+    if not has_run and recipe != recipe_of(recipe_config(context.max_epochs).to_dict()):
+        return None  # `fitted` would train another recipe
+    return fitted(context, ref, detector).same_fit(recipe, seeds)
+
+
+def frozen_detector(context: ReportContext, ref: StoreRef, detector: str):
+    """Seed ``context.seeds[0]`` of ``detector`` on ``ref`` (`fitted`)."""
+    models = fitted(context, ref, detector).models
+    return models.get(context.seeds[0], next(iter(models.values())))
+
+
+def balanced_maps(store, context: ReportContext | None = None):
+    """{split: LabeledMaps} of the store's balanced rows (read once per report when the
+    context is given)."""
     from actmap.experiments.runs import LabeledMaps
 
+    key = ("balanced_maps", str(store.root))
+    if context is not None and key in context.cache:
+        return context.cache[key]
     out = {}
     for split, ids in read_only_splits(store).items():
         maps, meta = store.load_maps(ids)
         out[split] = LabeledMaps(maps, meta["label"].to_numpy(dtype="int64"), ids)
+    if context is not None:
+        context.cache[key] = out
     return out

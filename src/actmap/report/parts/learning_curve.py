@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actmap.report.parts.choice import largest_stores, open_store, read_only_splits
+from actmap.report.parts.choice import largest_stores, open_store, read_only_splits, same_fit
 from actmap.report.sections import (
     ReportContext,
     Section,
@@ -25,7 +25,12 @@ class LearningCurves:
 
 
 def compute_learning_curve(context: ReportContext):
-    from actmap.experiments.learning_curve import LearningCurveConfig, run_learning_curve
+    from actmap.experiments.learning_curve import (
+        ACTMAP_DETECTORS,
+        LearningCurveConfig,
+        run_learning_curve,
+    )
+    from actmap.experiments.runs import recipe_config
 
     refs = largest_stores(context, "learning_curve", count=2)
     if not refs:
@@ -41,7 +46,16 @@ def compute_learning_curve(context: ReportContext):
     for ref in refs:
         with context.timings.measure("learning_curve/" + ref.name):
             store = open_store(ref)
-            curves[ref.name] = run_learning_curve(store, config, splits=read_only_splits(store))
+            known = {}  # the 100% points of the report's ActMap detectors: read, not retrained
+            for method in config.methods:
+                if method in ACTMAP_DETECTORS:
+                    recipe = recipe_config(config.max_epochs)
+                    scores = same_fit(context, ref, method, recipe, config.seeds)
+                    if scores is not None:
+                        known[method] = scores
+            curves[ref.name] = run_learning_curve(
+                store, config, splits=read_only_splits(store), known=known
+            )
     return LearningCurves(curves)
 
 

@@ -32,7 +32,7 @@ def compute_localization(context: ReportContext):
     if not refs:
         return Skipped("no store")
     ref = refs[0]
-    splits = balanced_maps(open_store(ref))
+    splits = balanced_maps(open_store(ref), context)
     # the paper's detectors the context has runs of (the ViT adds attention rollout), else
     # an MLP trained here
     trained = [d for d in context.runs.get(ref.name, {}) if d in ("vit", "mlp", "mlp4x", "logreg")]
@@ -40,7 +40,7 @@ def compute_localization(context: ReportContext):
     found = {}
     for name in detectors:
         with context.timings.measure(f"localization/{name}"):
-            detector = frozen_detector(context, ref, name, splits["train"], splits["validation"])
+            detector = frozen_detector(context, ref, name)
             found[name] = localize(detector, splits["test"], LocalizationConfig())
     return Localizations(ref.name, found)
 
