@@ -107,3 +107,13 @@ def test_cost_section_renders_the_cost_quality_plot(tmp_path):
     assert result["cost_quality"]["perplexity"]["ms_per_answer"] == 0.2
     assert {s["name"] for s in result["scoring"]} == {"actmap-mlp", "actvit"}
     assert (done.figure_dir / "cost_quality.png").is_file()
+
+
+def test_timing_stops_at_its_budget_with_the_same_repeats_for_every_call():
+    models = {"a": (Sleeper(0.02), torch.zeros(4, 3)), "b": (Sleeper(0.01), torch.zeros(4, 3))}
+    costs = time_scoring(models, repeats=200, warmup=0, budget_s=0.2)
+    # rounds of 0.03 s: the budget is passed after 7 rounds (5 at least); far fewer than 200
+    assert {c.repeats for c in costs} == {costs[0].repeats} and 5 <= costs[0].repeats <= 8
+    assert all(c.budget_s == 0.2 for c in costs)
+    (full,) = time_scoring({"a": models["a"]}, repeats=3, warmup=0, budget_s=10.0)
+    assert full.repeats == 3 and full.budget_s is None  # every asked repeat was timed

@@ -39,16 +39,26 @@ class ScoringCost:
     maps_per_s: float
     peak_mib: float | None  # CUDA peak allocated during scoring; None on CPU (not tracked)
     device: str
+    budget_s: float | None = None  # the repeats stopped once timing had taken this long
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def time_calls(
-    calls: Mapping[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int
+    calls: Mapping[str, Callable[[], Any]],
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    budget_s: float | None = None,
+    min_repeats: int = 5,
 ) -> tuple[dict[str, list[float]], dict[str, float | None]]:
     """Seconds of every repeat of each call (repeats interleaved across the calls, so a slow
-    moment of a shared machine touches all of them) and each call's CUDA peak MiB."""
+    moment of a shared machine touches all of them) and each call's CUDA peak MiB.
+
+    ``budget_s``: stop after the round of repeats that brings the timed seconds (all calls)
+    past it, once ``min_repeats`` rounds are done (300 repeats of a ViT at batch 256 take an
+    hour on a CPU); every call then has the same number of repeats, which the caller reports."""
     peak: dict[str, float | None] = {}
     for label, fn in calls.items():  # warm-up, excluded; peak memory
         if device.type == "cuda":
@@ -63,12 +73,16 @@ def time_calls(
             else None
         )
     times: dict[str, list[float]] = {label: [] for label in calls}
-    for _ in range(repeats):
+    spent = 0.0
+    for done in range(1, repeats + 1):
         for label, fn in calls.items():
             start = time.perf_counter()
             fn()
             synchronize(device)
             times[label].append(time.perf_counter() - start)
+            spent += times[label][-1]
+        if budget_s is not None and spent >= budget_s and done >= min_repeats:
+            break
     return times, peak
 
 
@@ -77,22 +91,31 @@ def time_scoring(
     repeats: int = 300,
     warmup: int = 3,
     device: str | torch.device = "cpu",
+    budget_s: float | None = None,
 ) -> list[ScoringCost]:
-    """Median latency of one batch per model (``{name: (model, batch of inputs)}``)."""
+    """Median latency of one batch per model (``{name: (model, batch of inputs)}``) over
+    ``repeats`` timed repeats, fewer when they exceed ``budget_s`` (`time_calls`)."""
     device = torch.device(device)
     calls = {}
     for name, (model, inputs) in models.items():
         model = model.to(device).eval()
         x = inputs.to(device)
         calls[name] = torch.inference_mode()(lambda m=model, x=x: m(x))
-    times, peak = time_calls(calls, device, repeats, warmup)
+    times, peak = time_calls(calls, device, repeats, warmup, budget_s)
     out = []
     for name, (_, inputs) in models.items():
         median = statistics.median(times[name])
-        batch = len(inputs)
+        batch, timed = len(inputs), len(times[name])
         out.append(
             ScoringCost(
-                name, batch, repeats, 1e3 * median / batch, batch / median, peak[name], str(device)
+                name,
+                batch,
+                timed,
+                1e3 * median / batch,
+                batch / median,
+                peak[name],
+                str(device),
+                budget_s if timed < repeats else None,
             )
         )
     return out
@@ -105,6 +128,7 @@ def detector_scoring_costs(
     repeats: int = 300,
     warmup: int = 3,
     device: str = "cpu",
+    budget_s: float | None = None,
 ) -> list[ScoringCost]:
     """ActMap detectors on float32 maps and (with ``d_model``) ACT-ViT on its padded tensor of a
     generator of that hidden size, untrained weights (latency does not depend on them)."""
@@ -121,7 +145,7 @@ def detector_scoring_costs(
             ACTViT.from_config(ACTViTConfig(), d_model),
             torch.randn(batch, LAYER_GROUPS, N_MAX, d_model),
         )
-    return time_scoring(models, repeats, warmup, device)
+    return time_scoring(models, repeats, warmup, device, budget_s)
 
 
 @dataclass(frozen=True)
