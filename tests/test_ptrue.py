@@ -86,7 +86,9 @@ def test_target_token_is_single_and_falls_back_to_leading_space(tokenizer):
 def test_score_equals_softmax_of_direct_forward(model, tokenizer, use_chat):
     scorer = PTrue(model, tokenizer, use_chat=use_chat, batch_size=1)
     result = scorer.score(ROWS)
-    true_id = tokenizer("True", add_special_tokens=False)["input_ids"][0]
+    # the assistant turn starts with "True"; the plain prompt's "is:" continues with " True"
+    target = "True" if use_chat else " True"
+    (true_id,) = tokenizer(target, add_special_tokens=False)["input_ids"]
     for i, row in enumerate(ROWS):
         text = PTRUE_TEMPLATE.format(question=row.question, answer=row.answer)
         if use_chat:
@@ -99,7 +101,9 @@ def test_score_equals_softmax_of_direct_forward(model, tokenizer, use_chat):
         p_true = torch.softmax(logits, -1)[true_id].item()
         assert result.confidence[i] == pytest.approx(p_true, rel=1e-4)
         assert result.raw[i] == pytest.approx(-np.log(p_true), rel=1e-4)
-    assert result.details["target"] == "True" and result.details["chat_template"] is use_chat
+    assert result.details["target"] == target and result.details["chat_template"] is use_chat
+    given = PTrue(model, tokenizer, target="True", use_chat=use_chat).score(ROWS[:1])
+    assert given.details["target"] == "True"  # an explicit target is read as given
 
 
 def test_batched_equals_unbatched(model, tokenizer):

@@ -4,6 +4,12 @@ LM-Polygraph's variant: the verification prompt below (wrapped in the chat
 template for instruction-tuned models, plain for base models), one forward
 pass, and the log-softmax of the raw logits at the last position, read at the
 id of the target "True". Confidence = P("True"); raw = -log P("True").
+
+The target is spelled as the model would write it there: "True" at the start of
+a chat's assistant turn, " True" after the plain prompt's "The possible answer
+is:" (LM-Polygraph reads "True" in both; after "is:" a base model gives that
+token almost no mass -- Gemma-3-270M: mean P("True") .0001 against P(" True")
+.016 on its TriviaQA test rows -- so it read noise there).
 """
 
 from __future__ import annotations
@@ -121,7 +127,7 @@ class PTrue:
         model,
         tokenizer,
         template: str = PTRUE_TEMPLATE,
-        target: str = "True",
+        target: str | None = None,
         use_chat: bool | None = None,
         chat_kwargs: dict[str, Any] | None = None,
         batch_size: int = 8,
@@ -130,7 +136,7 @@ class PTrue:
         self.model = model  # the generator itself, judging its own answers
         self.tokenizer = tokenizer
         self.template = template  # str.format fields: {question}, {answer}
-        self.target = target  # read at its single-token id ("True", else " True")
+        self.target = target  # read at its single-token id; None: `default_target()`
         self.use_chat = use_chat  # None = use the chat template iff the tokenizer has one
         self.chat_kwargs = chat_kwargs  # extra template switches, as used for the answers
         self.batch_size = batch_size
@@ -138,6 +144,10 @@ class PTrue:
 
     def fit(self, train: Sequence[Any], y_train: np.ndarray, val=None, y_val=None) -> PTrue:
         return self
+
+    def default_target(self) -> str:
+        """ "True" where the chat's assistant turn starts, " True" after the plain prompt."""
+        return "True" if self._chat() else " True"
 
     def _chat(self) -> bool:
         if self.use_chat is not None:
@@ -159,7 +169,9 @@ class PTrue:
                 raise TypeError(
                     f"row {i}: PTrue scores PTrueInput(question, answer), got {type(row).__name__}"
                 )
-        target_id, target_str = target_token_id(self.tokenizer, self.target)
+        target_id, target_str = target_token_id(
+            self.tokenizer, self.default_target() if self.target is None else self.target
+        )
         pad_id = self.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else (self.tokenizer.eos_token_id or 0)
         logp = []
