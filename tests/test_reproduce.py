@@ -106,3 +106,22 @@ def test_capture_arguments_turn_a_table_into_flags(tmp_path):
         "--limit",
         "5",
     ]
+
+
+def test_a_store_spelled_two_ways_is_one_store(tmp_path):
+    """Configs in two folders that name the same store (``../stores/x`` from each) plan the
+    same copy stage: a finished copy is not redone because the path was spelled otherwise."""
+    from actmap.experiments.reproduce import plan
+
+    store = tmp_path / "stores" / "s"
+    store.mkdir(parents=True)
+    (store / "manifest.json").write_text("{}")
+    fingerprints = []
+    for folder in ("configs", "runs"):
+        (tmp_path / folder).mkdir()
+        raw = {"out": "../out", "stores": [{"name": "s", "path": "../stores/s"}]}
+        config = config_from_dict(raw, tmp_path / folder)
+        assert config.stores[0].path == store.resolve() and config.out == tmp_path / "out"
+        copy = next(s for s in plan(config) if s.name == "copy/s")
+        fingerprints.append(copy.fingerprint())
+    assert fingerprints[0] == fingerprints[1]

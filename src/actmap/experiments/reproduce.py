@@ -101,7 +101,9 @@ def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
             raise ActmapUserError(
                 f"reproduce config: a [[stores]] table needs 'name' (and 'path'); unknown {extra}"
             )
-        store_path = base / entry.get("path", Path("stores") / entry["name"])
+        # resolved: a stage's fingerprint names the store, so two spellings of one folder
+        # (``../stores/x`` from configs/ and from runs/) must not read as two stores
+        store_path = (base / entry.get("path", Path("stores") / entry["name"])).resolve()
         baselines = _tuple(entry.get("baselines", list(SINGLE_PASS)), "baselines")
         stores.append(StoreSpec(entry["name"], store_path, entry.get("capture"), baselines))
     names = [s.name for s in stores]
@@ -116,7 +118,7 @@ def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
     from actmap.report.sections import check_rows
 
     return ReproduceConfig(
-        out=base / raw["out"],
+        out=(base / raw["out"]).resolve(),
         stores=tuple(stores),
         detectors=detectors,
         seeds=tuple(int(s) for s in _tuple(raw.get("seeds", [42, 123, 456]), "seeds")),
