@@ -206,6 +206,32 @@ def test_learning_curve_points(store):
     assert "unavailable" in curve.to_markdown()
 
 
+def test_learning_curve_fits_a_baseline_once_per_distinct_subsample():
+    """At 100% every seed draws all the training rows: a baseline (its fit does not read the
+    seed) is fit once and its scores serve every seed; smaller fractions fit per seed."""
+    from types import SimpleNamespace
+
+    from actmap.experiments.learning_curve import _baseline_point
+
+    fits = []
+
+    class MeanOfRows:  # a deterministic stand-in baseline: its scores depend on its rows only
+        def scores(self, rows, labels, seed):
+            fits.append(tuple(rows))
+            return SimpleNamespace(confidence=np.full(4, float(np.mean(rows)))), False
+
+    labels = {"train": np.arange(20) % 2, "test": np.array([0, 1, 0, 1])}
+    full = [balanced_subsample(labels["train"], 1.0, s) for s in (1, 2, 3)]
+    point = _baseline_point(MeanOfRows(), "m", full, labels, (1, 2, 3))
+    assert fits == [tuple(range(20))] and point.confidence.shape == (3, 4)
+    np.testing.assert_array_equal(point.confidence, np.full((3, 4), 9.5))
+    fits.clear()
+    half = [balanced_subsample(labels["train"], 0.5, s) for s in (1, 2, 3)]
+    point = _baseline_point(MeanOfRows(), "m", half, labels, (1, 2, 3))
+    assert fits == [tuple(r) for r in half]  # three different draws, three fits
+    np.testing.assert_array_equal(point.confidence[:, 0], [np.mean(r) for r in half])
+
+
 # --- localization --------------------------------------------------------------------------
 
 

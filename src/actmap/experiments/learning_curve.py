@@ -210,8 +210,14 @@ def _actmap_point(method, subsamples, maps, labels, splits, val, test, config) -
 
 
 def _baseline_point(baseline: _Baseline, method, subsamples, labels, seeds) -> SeedScores:
-    confidence, probability = [], False
+    """One fit per distinct subsample: a baseline's fit does not depend on the learning-curve
+    seed (TAD's folds and ACT-ViT's seeds are its own), so seeds that drew the same rows
+    (every seed at 100%) share it."""
+    confidence, probability, fits = [], False, {}
     for seed, rows in zip(seeds, subsamples, strict=True):
-        result, probability = baseline.scores(rows, labels, seed)
+        key = np.asarray(rows).tobytes()
+        if key not in fits:
+            fits[key] = baseline.scores(rows, labels, seed)
+        result, probability = fits[key]
         confidence.append(result.confidence)
     return SeedScores(method, labels["test"], np.stack(confidence), tuple(seeds), probability)
