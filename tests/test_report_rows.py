@@ -55,6 +55,8 @@ def test_evaluate_reads_the_rows_asked_and_never_writes_the_store(trained, tmp_p
     y = meta.set_index("id").loc[expected, "label"].to_numpy()
     p = frozen_scores(run, store, expected)["1"]
     assert report["per_seed"]["1"]["auroc"] == pytest.approx(roc_auc_score(y, p))
+    # read and scored a few rows at a time: the same scores
+    np.testing.assert_allclose(frozen_scores(run, store, expected, chunk=7)["1"], p, rtol=1e-6)
 
 
 def test_empty_answers_count_as_incorrect_at_natural_prevalence(trained, tmp_path):

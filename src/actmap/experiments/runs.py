@@ -265,23 +265,38 @@ def train_on_store(
     return runs, splits
 
 
-def frozen_scores(run: str | Path, store, ids: Sequence[str]) -> dict[str, np.ndarray]:
+FROZEN_CHUNK = 2048  # maps read and scored at once (about 200 MB of float16 maps)
+
+
+def frozen_scores(
+    run: str | Path, store, ids: Sequence[str], chunk: int | None = None
+) -> dict[str, np.ndarray]:
     """p(correct) of every seed of a run folder's frozen detectors on ``ids`` of ``store``
-    (an opened MapStore, only read): ``{seed: (N,) probabilities}``."""
+    (an opened MapStore, only read): ``{seed: (N,) probabilities}``. The maps are read and
+    scored ``chunk`` rows at a time (a transfer target's every row would not fit in memory;
+    each row's score does not depend on the others)."""
     from actmap.answer_features import scalars_from_store
     from actmap.detectors import ActMapPlus, load_detector
     from actmap.runs import read_run
 
     checked = read_run(Path(run))
-    maps, _ = store.load_maps(list(ids))
-    out = {}
-    for seed, folder in checked.seed_dirs.items():
-        detector = load_detector(folder)
-        if isinstance(detector, ActMapPlus):  # it also reads the per-answer scalars
-            out[str(seed)] = detector.predict_proba(maps, scalars_from_store(store, list(ids)))
-        else:
-            out[str(seed)] = detector.predict_proba(maps)
-    return out
+    detectors = {str(seed): load_detector(folder) for seed, folder in checked.seed_dirs.items()}
+    ids, step = list(ids), chunk or FROZEN_CHUNK
+    parts: dict[str, list[np.ndarray]] = {seed: [] for seed in detectors}
+    for start in range(0, len(ids), step):
+        part = ids[start : start + step]
+        maps, _ = store.load_maps(part)
+        scalars = None
+        for seed, detector in detectors.items():
+            if isinstance(detector, ActMapPlus):  # it also reads the per-answer scalars
+                if scalars is None:
+                    scalars = scalars_from_store(store, part)
+                parts[seed].append(detector.predict_proba(maps, scalars))
+            else:
+                parts[seed].append(detector.predict_proba(maps))
+    return {
+        seed: np.concatenate(p) if p else np.zeros(0, dtype=np.float32) for seed, p in parts.items()
+    }
 
 
 def evaluate_run(
