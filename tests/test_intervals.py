@@ -141,3 +141,36 @@ def test_ece_interval_refuses_scores_that_are_not_probabilities():
 
     with pytest.raises(ValueError, match="probs must lie in"):
         bootstrap(np.array([0.2, 1.5, 0.3, 0.9]), np.array([0, 1, 0, 1]), metrics.ece)
+
+
+def test_risk_coverage_rows_and_their_intervals_equal_the_scalar_metric_loop():
+    from actmap import metrics
+    from actmap.intervals import (
+        coverage_at_risk_metric,
+        coverage_at_risk_rows,
+        risk_at_coverage_metric,
+        risk_at_coverage_rows,
+    )
+
+    rng = np.random.default_rng(2)
+    y = rng.integers(0, 2, (150, 30))
+    p = np.round(rng.random((150, 30)) * 0.6 + 0.4 * y, 1)  # ties; some rows reach 5% risk
+    for target in (0.05, 0.3):
+        np.testing.assert_array_equal(
+            coverage_at_risk_rows(p, y, target),
+            [metrics.coverage_at_risk(s, t, target) for s, t in zip(p, y, strict=True)],
+        )
+    for coverage in (0.8, 0.5, 1.0):
+        np.testing.assert_array_equal(
+            risk_at_coverage_rows(p, y, coverage),
+            [metrics.risk_at_coverage(s, t, coverage) for s, t in zip(p, y, strict=True)],
+        )
+    scores, labels = p[:3], y[0]  # (S, n): three seeds on the same rows
+    for fast, scalar in (
+        (coverage_at_risk_metric(0.05), lambda s, t: metrics.coverage_at_risk(s, t, 0.05)),
+        (risk_at_coverage_metric(0.8), lambda s, t: metrics.risk_at_coverage(s, t, 0.8)),
+    ):
+        assert fast(p[0], y[0]) == scalar(p[0], y[0])
+        a = bootstrap(scores, labels, fast, n_resamples=300, seed=9)
+        b = bootstrap(scores, labels, scalar, n_resamples=300, seed=9)  # a resample at a time
+        assert (a.estimate, a.low, a.high, a.redrawn) == (b.estimate, b.low, b.high, b.redrawn)

@@ -14,7 +14,8 @@ A method trained with several seeds on the same rows passes its scores as an
 
 AUROC, AUPRC and ECE (`actmap.metrics`) are computed on all resamples at once
 (`ROW_METRICS`: the same values as the scalar metric on each resample, tested against
-a direct loop); any other metric is called once per resample.
+a direct loop), and so are coverage at a risk and risk at a coverage (`RowMetric`, whose
+``rows`` does it); any other metric is called once per resample.
 """
 
 from __future__ import annotations
@@ -74,6 +75,56 @@ def ece_rows(probs: np.ndarray, labels: np.ndarray, n_bins: int = 10) -> np.ndar
     flat = (bins + n_bins * np.arange(r)[:, None]).ravel()  # (R * n,) bin of each row's entry
     gap = np.bincount(flat, labels.ravel() - probs.ravel(), minlength=r * n_bins)
     return np.abs(gap.reshape(r, n_bins)).sum(axis=1) / n
+
+
+def _risk_by_coverage(scores: np.ndarray, labels: np.ndarray):
+    """Per row of (R, n) scores: (coverage, risk, end of a tie group) at every position of
+    the rows sorted from the most confident down (`actmap.metrics.risk_coverage_curve`)."""
+    order = np.argsort(-scores, axis=1, kind="stable")
+    s = np.take_along_axis(scores, order, axis=1)
+    errors = 1 - np.take_along_axis(labels, order, axis=1)
+    accepted = np.arange(1, s.shape[1] + 1)
+    risk = np.cumsum(errors, axis=1) / accepted
+    last = np.concatenate([s[:, 1:] != s[:, :-1], np.ones((len(s), 1), bool)], axis=1)
+    return accepted / s.shape[1], risk, last
+
+
+def coverage_at_risk_rows(scores: np.ndarray, labels: np.ndarray, target: float) -> np.ndarray:
+    """`actmap.metrics.coverage_at_risk` of every row of (R, n) scores, at once."""
+    coverage, risk, last = _risk_by_coverage(scores, labels)
+    ok = last & (risk <= target + 1e-12)
+    return np.where(ok, coverage, 0.0).max(axis=1)
+
+
+def risk_at_coverage_rows(scores: np.ndarray, labels: np.ndarray, coverage: float) -> np.ndarray:
+    """`actmap.metrics.risk_at_coverage` of every row of (R, n) scores, at once."""
+    covered, risk, last = _risk_by_coverage(scores, labels)
+    first = np.argmax(last & (covered >= coverage - 1e-12), axis=1)  # the last row always is
+    return risk[np.arange(len(risk)), first]
+
+
+@dataclass(frozen=True)
+class RowMetric:
+    """A metric with a parameter, callable as ``metric(scores, labels)`` like any other, that
+    `bootstrap` also computes on all resamples at once through ``rows``."""
+
+    scalar: Callable[..., float]  # scalar(scores, labels, value)
+    vectorised: Callable[..., np.ndarray]  # vectorised((R, n) scores, (R, n) labels, value)
+    value: float
+
+    def __call__(self, scores, labels) -> float:
+        return self.scalar(scores, labels, self.value)
+
+    def rows(self, scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        return self.vectorised(scores, labels, self.value)
+
+
+def coverage_at_risk_metric(target: float) -> RowMetric:
+    return RowMetric(metrics.coverage_at_risk, coverage_at_risk_rows, target)
+
+
+def risk_at_coverage_metric(coverage: float) -> RowMetric:
+    return RowMetric(metrics.risk_at_coverage, risk_at_coverage_rows, coverage)
 
 
 # metrics computed on all resamples at once: (R, n) scores, (R, n) labels -> (R,)
@@ -147,7 +198,7 @@ def _interval(estimate, values, n, n_resamples, level, redrawn) -> Interval:
 def _metric_values(metric: Metric | None, s: np.ndarray, y: np.ndarray, idx) -> np.ndarray:
     """metric on every resample of a (k, n) block: AUROC (``metric=None``), AUPRC and ECE all
     at once (`ROW_METRICS`), any other metric one resample at a time."""
-    rows = ROW_METRICS.get(metrics.auroc if metric is None else metric)
+    rows = getattr(metric, "rows", None) or ROW_METRICS.get(metric or metrics.auroc)
     if rows is None:
         return np.array([metric(s[i], y[i]) for i in idx])
     return rows(s[idx], y[idx])

@@ -34,7 +34,13 @@ import numpy as np
 
 from actmap import metrics
 from actmap.experiments.common import SeedScores
-from actmap.intervals import N_RESAMPLES, Interval, bootstrap
+from actmap.intervals import (
+    N_RESAMPLES,
+    Interval,
+    bootstrap,
+    coverage_at_risk_metric,
+    risk_at_coverage_metric,
+)
 from actmap.prior import logit, shift_to_prevalence, sigmoid
 
 
@@ -240,13 +246,8 @@ def selective_prediction(
     scores: SeedScores, config: CalibrationConfig = CalibrationConfig()
 ) -> SelectivePrediction:
     coverage, risk = metrics.risk_coverage_curve(scores.confidence[0], scores.labels)
-
-    def cov(s, y):
-        return metrics.coverage_at_risk(s, y, config.risk)
-
-    def rsk(s, y):
-        return metrics.risk_at_coverage(s, y, config.coverage)
-
+    cov = coverage_at_risk_metric(config.risk)  # computed on all resamples at once
+    rsk = risk_at_coverage_metric(config.coverage)
     kwargs = {"n_resamples": config.n_resamples, "seed": config.seed}
     return SelectivePrediction(
         coverage.tolist(),
