@@ -122,6 +122,7 @@ def test_sections_read_the_runs_fits_instead_of_training_them_again(
     assert set(done.sections.values()) == {"done"}, done.sections
     abl = json.loads((done.json_dir / "ablations.json").read_text())
     full = next(v for v in abl["variants"] if v["name"] == "full")
+    assert full["reason"].startswith("read:") and "full (read:" in done.report.read_text()
     np.testing.assert_allclose(full["scores"]["confidence"], from_run.confidence, atol=1e-6)
     curve = json.loads((done.json_dir / "learning_curve.json").read_text())["synthetic-store"]
     point = next(p for p in curve["points"] if p["fraction"] == 1.0)

@@ -192,8 +192,9 @@ class AblationResult:
             seeds = ", ".join(f"{a:.3f}" for a in s.per_seed)
             shape = "x".join(map(str, v.map_shape)) if v.map_shape else ""
             delta = f"{s.difference} vs {s.reference}" if s.difference is not None else ""
+            name = f"{v.name} ({v.reason})" if v.reason else v.name
             lines.append(
-                f"| {v.name} | {v.group} | {v.detector or 'length'} | {shape} | {seeds} | {s.auroc} | "
+                f"| {name} | {v.group} | {v.detector or 'length'} | {shape} | {seeds} | {s.auroc} | "
                 f"{delta} | {s.auroc.n} |"
             )
         return "\n".join(lines) + "\n"
@@ -473,7 +474,7 @@ def run_ablations(
             group,
             description,
             "done",
-            "" if reference is not None or _reference_of(name) is None else "reference missing",
+            _note(name, reference, known),
             detector,
             variant_map_shape(name, config),
             summary,
@@ -490,6 +491,16 @@ def run_ablations(
         [results[n] for n in config.variants if n in results],
         inputs.hidden_source,
     )
+
+
+READ_NOTE = "read: the same fit made elsewhere (not retrained)"
+
+
+def _note(name: str, reference, known: Mapping) -> str:
+    notes = [READ_NOTE] if name in known else []
+    if reference is None and _reference_of(name) is not None:
+        notes.append("reference missing")
+    return "; ".join(notes)
 
 
 def seed_means(result: AblationResult, names: Sequence[str] | None = None) -> dict[str, float]:
