@@ -19,7 +19,7 @@ from actmap.detectors import (
     register_detector,
 )
 from actmap.detectors.mlp import mlp_parameters
-from actmap.detectors.vit import Attention, drop_path
+from actmap.detectors.vit import Attention, drop_path, dropout, dropout_mask
 from actmap.training import TrainConfig, predict_logits
 
 PAPER_TOTAL = 2_401_985
@@ -139,6 +139,67 @@ def test_drop_path_drops_whole_samples():
     assert torch.equal(drop_path(x, 0.25, training=False), x)
 
 
+@pytest.mark.parametrize("p", [0.1, 0.15, 0.3])
+def test_dropout_mask_keeps_each_entry_independently_with_probability_one_minus_p(p):
+    torch.manual_seed(0)
+    x = torch.empty(400, 1000)
+    mask = dropout_mask(x, p)
+    assert mask.shape == x.shape and mask.dtype == torch.float32
+    kept = mask != 0
+    assert torch.equal(mask[kept], torch.full((int(kept.sum()),), 1 / (1 - p)))
+    n = x.numel()
+    sd = math.sqrt(p * (1 - p) / n)
+    assert abs(1 - kept.float().mean().item() - p) < 5 * sd  # binomial, 5 sigma
+    # the two halves of one 64-bit draw (even / odd entries) and neighbouring rows are independent
+    pairs = kept.view(-1, 2)
+    assert (pairs[:, 0] & pairs[:, 1]).float().mean().item() == pytest.approx(
+        (1 - p) ** 2, abs=0.01
+    )
+    assert (kept[1:] & kept[:-1]).float().mean().item() == pytest.approx((1 - p) ** 2, abs=0.01)
+    torch.manual_seed(0)
+    assert torch.equal(dropout_mask(x, p), mask)  # seeded by torch's generator
+    assert not torch.equal(dropout_mask(x, p), mask)
+    odd = dropout_mask(torch.empty(3, 5, dtype=torch.bfloat16), p)  # odd count, bf16
+    assert odd.dtype == torch.bfloat16 and odd.shape == (3, 5)
+
+
+def test_dropout_keeps_the_mean_and_is_off_in_eval():
+    torch.manual_seed(0)
+    x = torch.rand(200, 500, dtype=torch.float64) + 0.5
+    out = dropout(x, 0.3, training=True)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], x[kept] / 0.7)
+    assert out.mean().item() == pytest.approx(x.mean().item(), rel=0.01)
+    assert dropout(x, 0.3, training=False) is x and dropout(x, 0.0, training=True) is x
+    assert torch.equal(dropout(x, 1.0, training=True), torch.zeros_like(x))
+    with pytest.raises(ValueError, match="dropout probability"):
+        dropout_mask(x, 1.0)
+
+
+def test_training_attention_is_softmax_attention_with_dropped_weights():
+    torch.manual_seed(0)
+    attn = Attention(dim=12, heads=3, attn_drop=0.25).train()
+    x = torch.randn(2, 5, 12)
+    torch.manual_seed(1)
+    got = attn(x)
+    torch.manual_seed(1)
+    # the same draw by hand: 32 random bits per weight, kept when >= the 25% quantile
+    words = torch.empty(2 * 3 * 5 * 5 // 2, dtype=torch.int64).random_(-(2**63), None)
+    keep = (words.view(torch.int32).view(2, 3, 5, 5) >= -(2**31) + 2**30).double() / 0.75
+    q, k, v = attn.qkv(x).double().split(12, dim=-1)
+    heads = []
+    for hd in range(3):
+        sl = slice(4 * hd, 4 * hd + 4)
+        weights = torch.softmax(q[..., sl] @ k[..., sl].transpose(1, 2) / 2.0, dim=-1)
+        heads.append((weights * keep[:, hd]) @ v[..., sl])
+    expected = attn.proj(torch.cat(heads, dim=-1).float())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    attn.attn_drop = 0.0  # no dropout: the fused kernel's result
+    qkv = attn.qkv(x).reshape(2, 5, 3, 3, 4).permute(2, 0, 3, 1, 4)
+    fused = attn.proj(F.scaled_dot_product_attention(*qkv).transpose(1, 2).reshape(2, 5, 12))
+    torch.testing.assert_close(attn(x), fused)
+
+
 def test_vit_dropout_only_in_training_mode():
     model = create_detector("vit", depth=2)
     x = torch.randn(4, 12, 32, 128)
@@ -239,6 +300,22 @@ def test_float16_maps_score_in_batches_exactly_like_one_float32_pass():
     got = predict_logits(model, maps16, batch_size=4)  # 4 + 4 + 3, one reused buffer
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not model.training
+
+
+def test_vit_scores_at_most_its_cpu_scoring_rows_per_forward_pass(monkeypatch):
+    torch.manual_seed(0)
+    model = create_detector("vit", depth=1, dim=32, heads=2, readout_hidden=8).eval()
+    monkeypatch.setattr(model, "cpu_scoring_rows", 4)
+    rows = []
+    model.register_forward_pre_hook(lambda m, args: rows.append(len(args[0])))
+    maps16 = torch.randn(10, 12, 32, 128).half()
+    with torch.inference_mode():
+        expected = model(maps16.float())
+    rows.clear()
+    for precision, tolerance in (("float32", 1e-5), ("bfloat16", 5e-2)):
+        got = predict_logits(model, maps16, batch_size=256, precision=precision)
+        torch.testing.assert_close(got, expected, rtol=0, atol=tolerance)
+    assert rows == [4, 4, 2] * 2
 
 
 def test_bf16_scoring_runs_in_bf16_and_keeps_the_ranking(fitted, tmp_path):

@@ -294,7 +294,8 @@ _BUFFERS = threading.local()  # per thread: {(dtype, device): last input buffer 
 
 
 def _input_buffer(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """This thread's reusable (B, C, H, W) input buffer of `dtype`, replaced when the shape changes.
+    """This thread's reusable (B, C, H, W) input buffer of `dtype`: the first B rows of one
+    kept buffer, replaced when a map's shape changes or more rows are asked for.
 
     A fresh 50 MB batch costs page faults on every call (more than the
     conversion itself on the CPU); a server or benchmark scoring batch after
@@ -303,9 +304,9 @@ def _input_buffer(shape: torch.Size, dtype: torch.dtype, device: torch.device) -
     if not hasattr(_BUFFERS, "tensors"):
         _BUFFERS.tensors = {}
     buffer = _BUFFERS.tensors.get((dtype, device))
-    if buffer is None or buffer.shape != shape:
+    if buffer is None or buffer.shape[1:] != shape[1:] or len(buffer) < shape[0]:
         buffer = _BUFFERS.tensors[(dtype, device)] = torch.empty(shape, dtype=dtype, device=device)
-    return buffer
+    return buffer[: shape[0]]
 
 
 @torch.inference_mode()
@@ -321,11 +322,15 @@ def predict_logits(
     Stored float16 maps are converted batch by batch into one reused buffer.
     ``precision="bfloat16"`` runs the model under bf16 autocast (float16 inputs
     go to bf16 through `copy_maps_`); "float32" computes exactly as the model
-    was trained.
+    was trained. On the CPU a model's ``cpu_scoring_rows`` (the ViT's: 64)
+    caps the rows per forward pass, so its activations stay in cache; the
+    logits do not depend on the batch.
     """
     if precision not in SCORING_PRECISIONS:
         raise ValueError(f"precision must be one of {SCORING_PRECISIONS}, got {precision!r}")
     device = device or next(model.parameters()).device
+    if device.type == "cpu":
+        batch_size = min(batch_size, getattr(model, "cpu_scoring_rows", batch_size))
     dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
     was_training = model.training
     model.eval()
