@@ -447,3 +447,44 @@ def test_bf16_scoring_from_float16_equals_a_direct_bf16_forward():
         float32 = predict_logits(model, maps16, batch_size=4)
         with torch.inference_mode():
             torch.testing.assert_close(float32, model(maps16.float()), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_scoring_pads_to_one_shape_and_falls_back_to_eager(monkeypatch, caplog):
+    import actmap.training as training
+
+    torch.manual_seed(0)
+    model = create_detector("vit", depth=1, dim=32, heads=2, readout_hidden=8).eval()
+    maps16 = torch.randn(10, 12, 32, 128).half()
+    with torch.inference_mode():
+        expected = model(maps16.float())
+    shapes = []
+
+    def fake_compile(module):  # stands in for torch.compile: records what it is called with
+        def forward(x):
+            shapes.append(tuple(x.shape))
+            return module(x)
+
+        return forward
+
+    monkeypatch.setattr(training, "compiler_available", lambda device: True)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    got = predict_logits(model, maps16, batch_size=4, compile=True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert shapes == [(4, 12, 32, 128)] * 3  # the last 2 maps padded to 4 rows
+
+    other = create_detector("vit", depth=1, dim=32, heads=2, readout_hidden=8).eval()
+    other.load_state_dict(model.state_dict())
+
+    def failing_compile(module):
+        def forward(x):
+            raise RuntimeError("no backend here")
+
+        return forward
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    with caplog.at_level("WARNING", logger="actmap.training"):
+        got = predict_logits(other, maps16, batch_size=4, compile=True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert "torch.compile failed (RuntimeError: no backend here); running eagerly" in caplog.text
+    assert "_compiled_forward" not in dict(other.named_modules())  # not a submodule
+    assert set(other.state_dict()) == set(model.state_dict())

@@ -10,10 +10,12 @@ folders are the experiments' side (`actmap.experiments.runs`).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import math
 import os
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -309,6 +311,43 @@ def _input_buffer(shape: torch.Size, dtype: torch.dtype, device: torch.device) -
     return buffer[: shape[0]]
 
 
+def compiler_available(device: torch.device) -> bool:
+    """Whether torch.compile's default backend can build code here: a C++ compiler for
+    the CPU (inductor's CPU code is C++), Triton for CUDA."""
+    if device.type == "cpu":
+        return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++"))
+    return importlib.util.find_spec("triton") is not None
+
+
+def _compiled(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`torch.compile(model)`, made once per model and kept on it (outside its submodules
+    and state dict); the model itself where nothing can be compiled here."""
+    forward = model.__dict__.get("_compiled_forward")
+    if forward is None:
+        if compiler_available(device):
+            forward = torch.compile(model)
+        else:
+            log.warning(
+                "torch.compile needs a C++ compiler (CPU) or Triton (CUDA); running eagerly"
+            )
+            forward = model
+        object.__setattr__(model, "_compiled_forward", forward)
+    return forward
+
+
+def _forward(model: nn.Module, x: torch.Tensor, compile_model: bool, device: torch.device):
+    """``model(x)``, through torch.compile when asked; a failed compile falls back to eager."""
+    forward = _compiled(model, device) if compile_model else model
+    if forward is model:
+        return model(x)
+    try:
+        return forward(x)
+    except Exception as error:  # a backend that cannot build this graph here: score eagerly
+        log.warning("torch.compile failed (%s: %s); running eagerly", type(error).__name__, error)
+        object.__setattr__(model, "_compiled_forward", model)
+        return model(x)
+
+
 @torch.inference_mode()
 def predict_logits(
     model: nn.Module,
@@ -316,6 +355,7 @@ def predict_logits(
     batch_size: int = 256,
     device: torch.device | None = None,
     precision: str = "float32",
+    compile: bool = False,
 ) -> torch.Tensor:
     """Eval-mode logits for (N, C, H, W) maps of any float dtype; returns (N,) float32 on CPU.
 
@@ -325,6 +365,11 @@ def predict_logits(
     was trained. On the CPU a model's ``cpu_scoring_rows`` (the ViT's: 64)
     caps the rows per forward pass, so its activations stay in cache; the
     logits do not depend on the batch.
+
+    ``compile=True`` runs the model through `torch.compile` (compiled at the
+    first call, minutes on a small CPU, then kept on the model; a short last
+    batch is padded so one shape is compiled). It is optional: where nothing
+    can be compiled, or the compile fails, the model runs eagerly with a warning.
     """
     if precision not in SCORING_PRECISIONS:
         raise ValueError(f"precision must be one of {SCORING_PRECISIONS}, got {precision!r}")
@@ -339,12 +384,20 @@ def predict_logits(
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             for start in range(0, len(maps), batch_size):
                 chunk = maps[start : start + batch_size]
-                if chunk.dtype == dtype and chunk.device == device:
+                n = len(chunk)
+                pad = compile and start > 0 and n < batch_size  # one compiled shape
+                if chunk.dtype == dtype and chunk.device == device and not pad:
                     x = chunk
                 else:
-                    buffer = _input_buffer(chunk.shape, dtype, device)
-                    x = copy_maps_(buffer, chunk)  # (B, C, H, W), no fresh batch
-                logits[start : start + len(chunk)] = model(x).float().cpu()
+                    rows = batch_size if pad else n
+                    buffer = _input_buffer((rows, *chunk.shape[1:]), dtype, device)
+                    copy_maps_(buffer[:n], chunk)  # (B, C, H, W), no fresh batch
+                    x = (
+                        buffer.index_fill_(0, torch.arange(n, rows, device=device), 0)
+                        if pad
+                        else buffer
+                    )
+                logits[start : start + n] = _forward(model, x, compile, device)[:n].float().cpu()
     finally:
         model.train(was_training)
     return logits
