@@ -18,9 +18,11 @@ run with interleaved repeats (median, warm-up excluded):
   torch.compile, compile time printed apart and excluded).
 
 Training: the paper's recipe (noise, mixup, clipping, validation) on synthetic
-maps; the second epoch's wall time per 1,000 training maps, float32 (the paper's
-recipe) and bf16 autocast (`TrainConfig(precision="bfloat16")`), with `--compile`
-also `TrainConfig(compile=True)`. The last table prints each target figure beside
+maps; the median epoch's wall time per 1,000 training maps (epochs 2-3), float32
+(the paper's recipe) and bf16 autocast (`TrainConfig(precision="bfloat16")`), each
+beside the ViT's training path before this version (`prev`: torch's dropout masks
+and the fused-kernel attention, `benchmarks/previous_vit.py`; `--no-previous-training`
+skips it). The last table prints each target figure beside
 its reference (the quiet 2-core figure before this version, or the paper's L40S)
 and its target. The load average is printed: on a shared machine every figure
 is slower; the "cpu" columns (process CPU time, all threads) are disturbed less.
@@ -29,6 +31,7 @@ is slower; the "cpu" columns (process CPU time, all threads) are disturbed less.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from previous_vit import previous_training
 
 from actmap.detectors import create_detector
 from actmap.experiments.cost import time_calls
@@ -166,6 +170,7 @@ def bench_training(
     n_val: int,
     precision: str = "float32",
     epochs: int = 3,
+    previous: bool = False,
 ) -> dict:
     """Wall time of one epoch of the paper's recipe (noise, mixup, clip, validation):
     the median over the epochs after the first (which pays warm-up effects).
@@ -179,20 +184,21 @@ def bench_training(
     cfg = TrainConfig(max_epochs=epochs, device=str(device), precision=precision)
     torch.manual_seed(0)
     cpu_start = time.process_time()
-    result = train_detector(
-        create_detector(name),
-        maps[:n_train],
-        labels[:n_train],
-        maps[n_train:],
-        labels[n_train:],
-        cfg,
-        seed=42,
-    )
+    with previous_training() if previous else contextlib.nullcontext():
+        result = train_detector(
+            create_detector(name),
+            maps[:n_train],
+            labels[:n_train],
+            maps[n_train:],
+            labels[n_train:],
+            cfg,
+            seed=42,
+        )
     cpu_epoch_s = (time.process_time() - cpu_start) / len(result.history)
     epoch_s = statistics.median(r.epoch_time_s for r in result.history[1:] or result.history)
     return {
         "detector": name,
-        "precision": precision,
+        "precision": precision + (" prev" if previous else ""),
         "epoch_s": epoch_s,
         "s_per_1k_maps": 1e3 * epoch_s / n_train,
         "cpu_s_per_1k_maps": 1e3 * cpu_epoch_s / n_train,
@@ -252,6 +258,12 @@ def main() -> None:
     parser.add_argument("--train-maps", type=int, default=512, help="0 skips training timing")
     parser.add_argument("--val-maps", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=3, help="training epochs per timing")
+    parser.add_argument(
+        "--no-previous-training",
+        dest="previous_training",
+        action="store_false",
+        help="skip the ViT's training path before this version (benchmarks/previous_vit.py)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -287,9 +299,10 @@ def main() -> None:
     if args.train_maps > 0:
         precisions = ["float32"] + (["bfloat16"] if bf16_supported(device) else [])
         training = [
-            bench_training(d, device, args.train_maps, args.val_maps, precision, args.epochs)
+            bench_training(d, device, args.train_maps, args.val_maps, precision, args.epochs, prev)
             for d in args.detectors
             for precision in precisions
+            for prev in ((False, True) if d == "vit" and args.previous_training else (False,))
         ]
         print(
             f"\ntraining: {args.train_maps} synthetic maps + {args.val_maps} validation, "
@@ -297,12 +310,12 @@ def main() -> None:
             "paper's recipe, bfloat16 autocast is TrainConfig(precision='bfloat16')"
         )
         print(
-            f"{'detector':<8} {'precision':<9} {'s/epoch':>9} {'s per 1k maps':>14} "
+            f"{'detector':<8} {'precision':<13} {'s/epoch':>9} {'s per 1k maps':>14} "
             f"{'cpu s per 1k':>13}"
         )
         for r in training:
             print(
-                f"{r['detector']:<8} {r['precision']:<9} {r['epoch_s']:>9.2f} "
+                f"{r['detector']:<8} {r['precision']:<13} {r['epoch_s']:>9.2f} "
                 f"{r['s_per_1k_maps']:>14.2f} {r['cpu_s_per_1k_maps']:>13.2f}"
             )
         print("paper: < 20 GPU-minutes per seed (80 epochs at most)")

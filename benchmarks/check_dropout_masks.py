@@ -28,24 +28,12 @@ import time
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
+from previous_vit import torch_masks
 from sklearn.metrics import roc_auc_score
 
-import actmap.detectors.vit as vit
 from actmap.detectors import create_detector
 from actmap.experiments.runs import load_balanced
 from actmap.training import TrainConfig, predict_logits, train_detector
-
-
-@contextlib.contextmanager
-def torch_masks():
-    """The ViT's dropout through `F.dropout` (torch's masks) inside the block."""
-    fast = vit.dropout
-    vit.dropout = lambda x, p, training: F.dropout(x, p, training) if training and p else x
-    try:
-        yield
-    finally:
-        vit.dropout = fast
 
 
 def main() -> None:
