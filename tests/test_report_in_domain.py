@@ -97,3 +97,22 @@ def test_store_column_reads_stored_results_and_runs(tmp_path):
     }
     vs_tad = next(p for p in column.paired if p.b == "tad")
     assert vs_tad.difference.n == len(rows.ids) - 2  # the rows both scored
+
+
+def test_every_method_lands_in_the_paper_family_of_its_table():
+    """The taxonomy by hand: the permuted-label control is a control (not a white-box
+    "label"), a permuted variant of a method keeps that method's family."""
+    from actmap.experiments.in_domain import family_of
+
+    expected = {
+        "permuted_label": "control",
+        "answer_length": "control",
+        "semantic_entropy": "black",
+        "perplexity": "grey",
+        "p_true": "grey",
+        "tad": "white",
+        "actvit": "white",
+        "permuted_tad": "white",
+        "actmap-vit": "actmap",
+    }
+    assert {m: family_of(m) for m in expected} == expected

@@ -45,6 +45,8 @@ FAMILY_ORDER = ("black", "grey", "white", "actmap", "control")
 def family_of(method: str) -> str:
     if method.startswith("actmap"):
         return "actmap"
+    if method in FAMILIES:  # "permuted_label" is the control itself, not a permuted "label"
+        return FAMILIES[method]
     return FAMILIES.get(method.removeprefix("permuted_"), "white")
 
 
