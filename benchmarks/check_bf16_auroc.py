@@ -28,6 +28,16 @@ from actmap.experiments.runs import load_balanced
 from actmap.training import TrainConfig, predict_logits, train_detector
 
 
+def balanced_tensors(store: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{split: (maps, labels)} of the store's recorded balanced rows, as tensors; prints their
+    sizes and the machine's load beside the store."""
+    splits, _ = load_balanced(store)
+    data = {k: (torch.as_tensor(v.maps), torch.as_tensor(v.labels)) for k, v in splits.items()}
+    sizes = {k: len(labels) for k, (_, labels) in data.items()}
+    print(f"store {store}, balanced rows {sizes}, load average {os.getloadavg()}", flush=True)
+    return data
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True)
@@ -36,10 +46,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    splits, _ = load_balanced(args.store)
-    data = {k: (torch.as_tensor(v.maps), torch.as_tensor(v.labels)) for k, v in splits.items()}
-    sizes = {k: len(labels) for k, (_, labels) in data.items()}
-    print(f"store {args.store}, balanced rows {sizes}, load average {os.getloadavg()}")
+    data = balanced_tensors(args.store)
     cpu = torch.device("cpu")
     rows = {}
     for name, epochs in (("mlp", args.mlp_epochs), ("vit", args.vit_epochs)):

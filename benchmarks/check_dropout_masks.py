@@ -28,11 +28,11 @@ import time
 from dataclasses import replace
 
 import torch
+from check_bf16_auroc import balanced_tensors
 from previous_vit import torch_masks
 from sklearn.metrics import roc_auc_score
 
 from actmap.detectors import create_detector
-from actmap.experiments.runs import load_balanced
 from actmap.training import TrainConfig, predict_logits, train_detector
 
 
@@ -45,10 +45,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    splits, _ = load_balanced(args.store)
-    data = {k: (torch.as_tensor(v.maps), torch.as_tensor(v.labels)) for k, v in splits.items()}
+    data = balanced_tensors(args.store)
     sizes = {k: len(labels) for k, (_, labels) in data.items()}
-    print(f"store {args.store}, balanced rows {sizes}, load average {os.getloadavg()}", flush=True)
     config = replace(TrainConfig(), max_epochs=args.epochs, device="cpu", precision=args.precision)
     rows: dict[str, list[dict]] = {"torch": [], "fast": []}
     for seed in args.seeds:
