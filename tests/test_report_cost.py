@@ -117,3 +117,32 @@ def test_timing_stops_at_its_budget_with_the_same_repeats_for_every_call():
     assert all(c.budget_s == 0.2 for c in costs)
     (full,) = time_scoring({"a": models["a"]}, repeats=3, warmup=0, budget_s=10.0)
     assert full.repeats == 3 and full.budget_s is None  # every asked repeat was timed
+
+
+def test_cost_quality_labels_of_near_coincident_points_do_not_overlap():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    from actmap.report.plots.cost import plot_cost_quality
+
+    # the full run's three ActMap points: 4.3-8.7 ms, AUROC .742-.748 (labels overlapped)
+    points = {
+        "actmap-logreg": (4.3, 0.748, 6),
+        "actmap-mlp": (4.4, 0.745, 6),
+        "actmap-vit": (8.7, 0.742, 6),
+        "tad": (0.3, 0.772, 6),
+        "perplexity": (0.012, 0.62, 6),
+    }
+    figure = plot_cost_quality(points, {m: "actmap" for m in points})
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.draw(renderer)  # the boxes as drawn, measured by matplotlib itself
+    texts = [t for t in figure.axes[0].texts if "(6)" in t.get_text()]
+    boxes = [Text.get_window_extent(t, renderer) for t in texts]  # the text, not its leader line
+    assert len(boxes) == 5
+    overlapping = [
+        (texts[i].get_text(), texts[j].get_text())
+        for i in range(5)
+        for j in range(i + 1, 5)
+        if boxes[i].overlaps(boxes[j])
+    ]
+    assert overlapping == []

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The baselines the full reproduce run left out (CPU time), on the store copies under
+# runs/reproduce-full/stores (issue: the grid, item 5; issue: the report, item 1). Resumable:
+# a method whose results cover a store's balanced rows is skipped, and sampled answers are
+# kept in each store's samples table (shared by EigenScore and Semantic Entropy).
+#   setsid nohup experiments/baselines-queue.sh > logs/baselines-queue.log 2>&1 < /dev/null &
+# Order: the paper's settings on one pair first (SmolLM2 x built-in: EigenScore with 10
+# samples, the full 24-configuration ACT-ViT sweep, Semantic Entropy with 10 samples at
+# T = 1.0, top-p 0.9 and the Qwen2.5-Coder-1.5B judge); then EigenScore (10 samples) and
+# ACT-ViT (the 6-configuration grid) on every other store, smallest first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${OMP_NUM_THREADS:-1}
+A=${ACTMAP:-.venv/bin/actmap}
+STORES=${STORES:-runs/reproduce-full/stores}
+run() { echo "=== $(date -Is) start: $*"; "$@"; echo "=== $(date -Is) end rc=$?: $*"; }
+run $A baselines --store "$STORES/smollm2-builtin" --methods eigenscore,actvit \
+  --actvit-grid full --n-samples 10 --device cpu
+for store in gemma3-builtin smollm2-nq_open smollm2-gsm8k gemma3-triviaqa smollm2-triviaqa; do
+  run $A baselines --store "$STORES/$store" --methods eigenscore,actvit \
+    --actvit-grid small --n-samples 10 --device cpu
+done
+run $A baselines --store "$STORES/smollm2-builtin" --methods semantic_entropy --n-samples 10 \
+  --judge qwen2.5-coder-1.5b-instruct --device cpu
+echo "=== $(date -Is) queue done"
