@@ -206,6 +206,34 @@ def test_learning_curve_points(store):
     assert "unavailable" in curve.to_markdown()
 
 
+def test_learning_curve_skips_a_point_too_small_to_fit_and_keeps_the_rest(store, monkeypatch):
+    """A fit that cannot run on a small fraction's rows (TAD's stacking needs 5 training
+    sequences; a 300-row TriviaQA slice has 4 at 10%) is a skipped point, not a lost section."""
+    import actmap.experiments.learning_curve as lc
+
+    real = lc._actmap_point
+
+    def needs_many_rows(method, subsamples, *args):
+        if len(subsamples[0]) < 20:
+            raise ValueError(f"needs at least 20 training rows, got {len(subsamples[0])}")
+        return real(method, subsamples, *args)
+
+    monkeypatch.setattr(lc, "_actmap_point", needs_many_rows)
+    config = LearningCurveConfig(
+        fractions=(0.1, 1.0), seeds=(1,), methods=("logreg",), max_epochs=4, n_resamples=50
+    )
+    curve = run_learning_curve(store, config)
+    small = 2 * round(0.1 * curve.rows["train"] / 2)
+    assert small < 20 <= curve.rows["train"]
+    assert [p.fraction for p in curve.curve("logreg")] == [1.0]
+    assert curve.skipped == [
+        ("logreg", 0.1, small, f"needs at least 20 training rows, got {small}")
+    ]
+    assert curve.to_json()["skipped"][0]["n_train"] == small
+    row = next(line for line in curve.to_markdown().splitlines() if line.startswith("| logreg"))
+    assert f"skipped (n={small})" in row and f"(n={curve.rows['train']})" in row
+
+
 def test_learning_curve_fits_a_baseline_once_per_distinct_subsample():
     """At 100% every seed draws all the training rows: a baseline (its fit does not read the
     seed) is fit once and its scores serve every seed; smaller fractions fit per seed."""

@@ -86,6 +86,9 @@ class LearningCurve:
     rows: dict[str, int]
     points: list[CurvePoint] = field(default_factory=list)
     unavailable: dict[str, str] = field(default_factory=dict)  # method -> why
+    # (method, fraction, n_train, why): a fit that cannot run on so few rows (e.g. TAD's
+    # stacking needs 5 training sequences); the other points of the curve are kept
+    skipped: list[tuple[str, float, int, str]] = field(default_factory=list)
 
     def curve(self, method: str) -> list[CurvePoint]:
         return sorted((p for p in self.points if p.method == method), key=lambda p: p.fraction)
@@ -97,19 +100,20 @@ class LearningCurve:
             "rows": self.rows,
             "points": [p.to_json() for p in self.points],
             "unavailable": self.unavailable,
+            "skipped": [
+                {"method": m, "fraction": f, "n_train": n, "reason": why}
+                for m, f, n, why in self.skipped
+            ],
         }
 
     def to_markdown(self) -> str:
         fractions = self.config.fractions
         head = " | ".join(f"{100 * f:g}%" for f in fractions)
         lines = [f"| method | {head} |", "|---" * (len(fractions) + 1) + "|"]
-        for method in dict.fromkeys(p.method for p in self.points):
-            cells = [
-                f"{p.summary.auroc} (n={p.n_train})"
-                for f in fractions
-                for p in self.curve(method)
-                if p.fraction == f
-            ]
+        fitted = {(p.method, p.fraction): f"{p.summary.auroc} (n={p.n_train})" for p in self.points}
+        fitted |= {(m, f): f"skipped (n={n}): {why}" for m, f, n, why in self.skipped}
+        for method in dict.fromkeys(m for m, _ in fitted):
+            cells = [fitted.get((method, f), "") for f in fractions]
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         for method, reason in self.unavailable.items():
             lines.append(f"| {method} | unavailable: {reason} |" + " |" * (len(fractions) - 1))
@@ -163,7 +167,7 @@ def run_learning_curve(
         labels[split] = meta["label"].to_numpy(dtype=np.int64)
     val = LabeledMaps(maps["validation"], labels["validation"], splits["validation"])
     test = LabeledMaps(maps["test"], labels["test"], splits["test"])
-    points, unavailable = [], {}
+    points, unavailable, skipped = [], {}, []
     for method in config.methods:
         baseline = None
         if method in SUPERVISED_BASELINES:
@@ -176,17 +180,24 @@ def run_learning_curve(
             if progress is not None:
                 progress(method, fraction)
             subsamples = [balanced_subsample(labels["train"], fraction, s) for s in config.seeds]
-            if baseline is None and fraction == 1.0 and method in (known or {}):
-                scores = dataclasses.replace(known[method], method=method)
-            elif baseline is None:
-                scores = _actmap_point(method, subsamples, maps, labels, splits, val, test, config)
-            else:
-                scores = _baseline_point(baseline, method, subsamples, labels, config.seeds)
+            try:
+                if baseline is None and fraction == 1.0 and method in (known or {}):
+                    scores = dataclasses.replace(known[method], method=method)
+                elif baseline is None:
+                    scores = _actmap_point(
+                        method, subsamples, maps, labels, splits, val, test, config
+                    )
+                else:
+                    scores = _baseline_point(baseline, method, subsamples, labels, config.seeds)
+            except ValueError as reason:  # too few rows for this fit at this fraction
+                log.warning("learning curve %s at %g skipped: %s", method, fraction, reason)
+                skipped.append((method, fraction, len(subsamples[0]), str(reason)))
+                continue
             summary = auroc_summary(scores, n_resamples=config.n_resamples)
             points.append(CurvePoint(method, fraction, len(subsamples[0]), summary))
             log.info("learning curve %s at %g: %s", method, fraction, summary.auroc)
     rows = {s: len(v) for s, v in splits.items()}
-    return LearningCurve(str(store.root), config, rows, points, unavailable)
+    return LearningCurve(str(store.root), config, rows, points, unavailable, skipped)
 
 
 def _actmap_point(method, subsamples, maps, labels, splits, val, test, config) -> SeedScores:
