@@ -154,6 +154,18 @@ def test_judge_check_metrics_match_sklearn_and_resume(tmp_path):
     assert result.auroc.low <= result.auroc.estimate <= result.auroc.high
 
 
+def test_judge_check_extended_to_more_pairs_rescores_a_pair_whose_negative_changed(tmp_path):
+    rows = article_rows(20)
+    small, large = claim_pairs(rows, 7), claim_pairs(rows, 20)
+    assert large[:6] == small[:6] and large[6].negative_from != small[6].negative_from
+    judge = OverlapJudge()
+    judge_check(judge, small, tmp_path)
+    judge_check(judge, large, tmp_path)
+    assert judge.calls == 14 + 2 * 14  # 13 new pairs and the 7th again, with its new negative
+    saved = json.loads((tmp_path / "judge-check.json").read_text())["items"]
+    assert [i["negative_from"] for i in saved] == [p.negative_from for p in large]
+
+
 def test_judge_check_refuses_a_cache_of_another_judge(tmp_path):
     pairs = claim_pairs(article_rows(4), 4)
     judge_check(OverlapJudge(), pairs, tmp_path)

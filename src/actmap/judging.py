@@ -224,7 +224,8 @@ def judge_check(
     """Score every pair's two claims with ``judge``; resumable through ``out/judge-check.json``.
 
     The cache records per pair both support probabilities and the seconds they took; a
-    rerun with the same ``out`` scores only the pairs not cached yet.
+    rerun with the same ``out`` scores only the pairs not cached yet (a pair whose negative
+    changed, as the last one of a smaller check does, is scored again).
     """
     path = Path(out) / CHECK_CACHE if out is not None else None
     done = _read_check_cache(path, judge.name) if path is not None else {}
@@ -234,11 +235,15 @@ def judge_check(
             items = [done[p.article_id] for p in pairs if p.article_id in done]
             atomic_write_text(path, json.dumps({"judge": judge.name, "items": items}, indent=1))
 
+    def cached(pair: ClaimPair) -> bool:  # the same negative: a check of fewer pairs
+        # took the last article's negative from another article (the cyclic shift)
+        return done.get(pair.article_id, {}).get("negative_from") == pair.negative_from
+
     if progress is not None and done:
-        progress(sum(p.article_id in done for p in pairs))
+        progress(sum(cached(p) for p in pairs))
     fresh = 0
     for pair in pairs:
-        if pair.article_id in done:
+        if cached(pair):
             continue
         start = time.perf_counter()
         positive = judge.support_probability(pair.article, pair.positive)
