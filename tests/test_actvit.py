@@ -323,3 +323,33 @@ def test_scorer_errors():
     with pytest.raises(BaselineUnavailable, match="keep_dense"):
         scorer.fit([_generation(None)], np.array([1]), x, y)
     assert ACTViTScorer.supervised is True and ACTViTScorer.name == "actvit"
+
+
+def test_grid_option_names_the_configurations_swept():
+    from types import SimpleNamespace
+
+    from actmap.baselines.options import BaselineOptions
+    from actmap.errors import ActmapUserError
+
+    def grid_of(name):
+        inputs = SimpleNamespace(
+            require_table=lambda table, method: None,
+            options=BaselineOptions(actvit_grid=name, device="cpu"),
+        )
+        return ACTViTScorer.from_inputs(inputs).grid
+
+    assert grid_of("full") == SWEEP_GRID
+    small = grid_of("small")
+    assert len(small) == 6 and {(c.dim, c.depth) for c in small} == {(128, 1)}
+    assert {(c.weight_decay, c.patch) for c in small} == set(
+        itertools.product((1.0, 1e-3), ((1, 1), (8, 1), (4, 2)))
+    )
+    (selected,) = grid_of("selected")  # the paper's selected configuration, no sweep
+    assert (selected.dim, selected.depth, selected.weight_decay, selected.patch) == (
+        128,
+        1,
+        1e-3,
+        (4, 2),
+    )
+    with pytest.raises(ActmapUserError, match="actvit_grid must be one of full, small, selected"):
+        BaselineOptions(actvit_grid="tiny")

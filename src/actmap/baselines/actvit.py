@@ -668,6 +668,8 @@ class ACTViTScorer:
             grid = SWEEP_GRID
         elif grid == "small":  # the paper's selected width and depth; every decay and patch shape
             grid = tuple(c for c in SWEEP_GRID if c.dim == 128 and c.depth == 1)
+        elif grid == "selected":  # no sweep: the paper's selected configuration (ACTViTConfig())
+            grid = (ACTViTConfig(),)
         return cls(
             grid=tuple(grid),
             epochs=inputs.options.actvit_epochs,

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from actmap.errors import ActmapUserError
 from actmap.generation import N_SAMPLES, SAMPLE_TEMPERATURE, SAMPLE_TOP_P
 
+ACTVIT_GRIDS = ("full", "small", "selected")
+
 
 @dataclass(frozen=True)
 class BaselineOptions:
@@ -25,7 +27,9 @@ class BaselineOptions:
     sample_seed: int = 0  # each row's sampling seed derives from it and the row id
     samples_commit_every: int = 16  # prompts per samples shard (what a killed run loses)
     ptrue_batch_size: int = 8  # verification prompts per forward pass
-    actvit_grid: str | tuple = "full"  # "full" (24 configs), "small" (6), or ACTViTConfigs
+    # "full" (24 configs), "small" (6), "selected" (1: ACTViTConfig(), the paper's selected
+    # configuration), or a tuple of ACTViTConfigs
+    actvit_grid: str | tuple = "full"
     actvit_epochs: int | None = 15  # ACT-ViT's published 15 epochs; None = each config's own
     actvit_seeds: tuple[int, ...] = (42, 123, 456)  # selection seed first, then retrains
     permuted_inner: str = "tad"  # the supervised scorer permuted_label refits on shuffled labels
@@ -38,7 +42,7 @@ class BaselineOptions:
             )
         if self.score_chunk < 1 or self.samples_commit_every < 1:
             raise ActmapUserError("score_chunk and samples_commit_every must be >= 1")
-        if isinstance(self.actvit_grid, str) and self.actvit_grid not in ("full", "small"):
+        if isinstance(self.actvit_grid, str) and self.actvit_grid not in ACTVIT_GRIDS:
             raise ActmapUserError(
-                f"actvit_grid must be 'full' or 'small', got {self.actvit_grid!r}"
+                f"actvit_grid must be one of {', '.join(ACTVIT_GRIDS)}, got {self.actvit_grid!r}"
             )

@@ -59,7 +59,10 @@ def baselines_command(
     sample_max_new_tokens: int = typer.Option(
         None, help="Tokens per sampled answer (default: the store's capture setting)."
     ),
-    actvit_grid: str = typer.Option("full", help="full (24 configurations) | small (6)."),
+    actvit_grid: str = typer.Option(
+        "full",
+        help="full (24 configurations) | small (6: width 128, depth 1) | selected (1: the paper's selected configuration, no sweep).",
+    ),
     actvit_epochs: int = typer.Option(15, help="ACT-ViT epochs per configuration and seed."),
     tad_previous: int = typer.Option(
         None, help="TAD's K previous tokens (default: min(10, keys in the store))."
