@@ -34,6 +34,7 @@ DEFAULT_NLI_MODEL = "microsoft/deberta-large-mnli"  # Kuhn 2023 and LM-Polygraph
 # Qwen2.5-Coder-1.5B-Instruct is the strongest instruction-tuned LLM that runs offline here.
 LLM_JUDGES = {
     "qwen2.5-coder-1.5b-instruct": "~/.cache/actmap-models/qwen2.5-coder-1.5b-instruct.gguf",
+    "qwen2.5-coder-0.5b-instruct": "~/.cache/actmap-models/qwen2.5-coder-0.5b-instruct.gguf",
 }
 DEFAULT_LLM_JUDGE = LLM_JUDGES["qwen2.5-coder-1.5b-instruct"]
 
