@@ -7,15 +7,17 @@
 #    are a GPU job; a smaller check still gives its accuracy, AUROC and s/claim on the same
 #    pairs). Each check caches every pair in runs/judge-check/<judge>/judge-check.json.
 # 2. SmolLM2 summaries of all 1,500 local articles (384 new tokens, zero-shot).
-# 3. Judged labels (every sentence supported at 0.5) with JUDGE (the check's choice by
-#    quality per second), LABEL_LIMIT summaries per run; rerun to continue.
+# 3. Judged labels (every sentence supported at 0.5) with JUDGE, LABEL_LIMIT summaries per
+#    run; rerun to continue. JUDGE defaults to the 1.5B: on the first 50 pairs the 0.5B ranks
+#    well (AUROC .926) but gives every claim, its own article's highlight included, a support
+#    below 0.5 (accuracy .500), so at the paper's 0.5 it would label every summary unsupported.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${OMP_NUM_THREADS:-1}
 A=${ACTMAP:-.venv/bin/actmap}
 GET=../shared/models/get-model
 CHECK_15B_PAIRS=${CHECK_15B_PAIRS:-50}
-JUDGE=${JUDGE:-qwen2.5-coder-0.5b-instruct}
+JUDGE=${JUDGE:-qwen2.5-coder-1.5b-instruct}
 LABEL_LIMIT=${LABEL_LIMIT:-1500}
 run() { echo "=== $(date -Is) start: $*"; "$@"; echo "=== $(date -Is) end rc=$?: $*"; }
 run $A judge check --judge "$($GET qwen2.5-coder-0.5b-instruct)" --pairs 500 \
