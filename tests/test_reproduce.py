@@ -125,3 +125,28 @@ def test_a_store_spelled_two_ways_is_one_store(tmp_path):
         copy = next(s for s in plan(config) if s.name == "copy/s")
         fingerprints.append(copy.fingerprint())
     assert fingerprints[0] == fingerprints[1]
+
+
+def test_copy_is_redone_when_rows_change_not_when_a_no_op_run_is_logged(tmp_path):
+    """A capture that resumes a finished store logs a run with nothing written: that must not
+    renew the copy (and retrain everything after it); a new shard must."""
+    from actmap.experiments.reproduce import plan
+
+    store = tmp_path / "stores" / "s"
+    store.mkdir(parents=True)
+    manifest = {"config": {"task": "t"}, "shards": {"maps": {"part-0.parquet": 32}}, "runs": []}
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    config = config_from_dict(
+        {"out": "out", "stores": [{"name": "s", "path": "stores/s"}]}, tmp_path
+    )
+
+    def copy_fingerprint():
+        return next(s for s in plan(config) if s.name == "copy/s").fingerprint()
+
+    before = copy_fingerprint()
+    manifest["runs"].append({"written": 0, "skipped_existing": 32})
+    (store / "manifest.json").write_text(json.dumps(manifest, indent=2))  # also a new mtime
+    assert copy_fingerprint() == before
+    manifest["shards"]["maps"]["part-1.parquet"] = 8
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    assert copy_fingerprint() != before

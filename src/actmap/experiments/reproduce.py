@@ -173,6 +173,25 @@ class Stage:
         return result
 
 
+# Manifest keys that log what was done to a store without changing its rows: a capture that
+# resumes a finished store appends a run record with nothing written.
+LOG_KEYS = ("runs",)
+
+
+def source_content(path: Path) -> str | None:
+    """A digest of the store's manifest without its log keys: what the copy holds. It
+    changes when shards, config or results change, not when a no-op capture run is logged."""
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        return None
+    try:
+        data = json.loads(manifest.read_text())
+    except ValueError:
+        return None
+    kept = {k: v for k, v in data.items() if k not in LOG_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def link_copy(source: Path, target: Path) -> None:
     """A copy of a store whose immutable shards are hard links (a copy where links fail);
     the manifest is copied, and the writer lock is left behind."""
@@ -274,9 +293,7 @@ def copy_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> Stage:
         progress(1, 1, "")
 
     def settings() -> dict[str, Any]:
-        manifest = spec.path / "manifest.json"
-        stamp = manifest.stat().st_mtime_ns if manifest.is_file() else None
-        return {"source": str(spec.path), "manifest_mtime": stamp}
+        return {"source": str(spec.path), "content": source_content(spec.path)}
 
     return Stage(
         f"copy/{spec.name}",
