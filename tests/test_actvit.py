@@ -353,3 +353,19 @@ def test_grid_option_names_the_configurations_swept():
     )
     with pytest.raises(ActmapUserError, match="actvit_grid must be one of full, small, selected"):
         BaselineOptions(actvit_grid="tiny")
+
+
+def test_inputs_beyond_float16_saturate_and_nan_is_named():
+    from actmap.baselines.actvit import _as_batch
+
+    x = torch.zeros(3, 8, 100, 4, dtype=torch.float16)
+    x[1, 2, 5, 0], x[1, 0, 0, 3], x[2, 7, 99, 1] = float("inf"), float("-inf"), 7.0
+    out = _as_batch(x)
+    assert torch.isfinite(out).all()
+    assert out[1, 2, 5, 0] == 65504 and out[1, 0, 0, 3] == -65504  # float16's largest
+    unchanged = torch.ones_like(out, dtype=torch.bool)
+    unchanged[1, 2, 5, 0] = unchanged[1, 0, 0, 3] = False
+    assert torch.equal(out[unchanged], x[unchanged])
+    x[2, 3, 3, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN in rows \[2\]"):
+        _as_batch(x)

@@ -122,7 +122,29 @@ def _as_batch(rows: Any, pad_mode: PadMode = "zero") -> torch.Tensor:
         raise ValueError(
             f"ACT-ViT inputs must be (n, {LAYER_GROUPS}, {N_MAX}, D), got {tuple(batch.shape)}"
         )
-    return batch.to(torch.float16)
+    return _saturate(batch.to(torch.float16))
+
+
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def _saturate(batch: torch.Tensor) -> torch.Tensor:
+    """±inf (a state beyond float16's range when the dense table was written: Gemma-3's
+    residual stream reaches 6e4) becomes ±65504, the nearest float16; NaN is an error."""
+    bad = ~torch.isfinite(batch)
+    if not bad.any():
+        return batch
+    rows = bad.flatten(1).any(1).nonzero().flatten().tolist()
+    if torch.isnan(batch).any():
+        nan_rows = torch.isnan(batch).flatten(1).any(1).nonzero().flatten().tolist()
+        raise ValueError(f"ACT-ViT inputs hold NaN in rows {nan_rows[:10]} (of {len(batch)})")
+    logger.warning(
+        "ACT-ViT: %d values in %d rows beyond the float16 range saturated to ±%g",
+        int(bad.sum()),
+        len(rows),
+        FLOAT16_MAX,
+    )
+    return batch.clamp(-FLOAT16_MAX, FLOAT16_MAX)
 
 
 # --------------------------------------------------------------------------- artifacts
