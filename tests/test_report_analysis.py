@@ -129,3 +129,33 @@ def test_sections_read_the_runs_fits_instead_of_training_them_again(
     assert point["per_seed"] == pytest.approx(from_run.per_seed())
     # trained here: segments_1 (two seeds at once) and the 50% point (one seed at a time)
     assert trained == ["logreg", "logreg", "logreg"]
+
+
+def test_calibration_shows_baselines_not_controls(tmp_path):
+    """The strongest stored methods beside ActMap are baselines: a control (the permuted-label
+    refit, answer length) is left out even with the highest test AUROC."""
+    from test_report_in_domain import write_result
+
+    from actmap.rows import rows_to_score
+
+    root = synthetic_store(tmp_path / "s", signal=2.0).root
+    store = MapStore.open(root)
+    ids = rows_to_score(store, "balanced").ids
+    labels = store.metadata().set_index("id").loc[ids, "label"].to_numpy()
+    store.close()
+    write_result(root, "permuted_label", ids, labels.astype(float), True)  # perfect AUROC
+    write_result(root, "perplexity", ids, np.linspace(0, 1, len(ids)), True)
+    context = ReportContext(
+        stores=store_refs([root]),
+        runs={},
+        out=tmp_path / "out",
+        scratch=tmp_path / "scratch",
+        seeds=(1,),
+        n_resamples=50,
+        max_epochs=2,
+        options={"calibration": {"replicates": 2}},
+    )
+    done = build_report(context, [calibration.SECTION])
+    assert done.sections["calibration"] == "done", done.sections
+    cal = json.loads((done.json_dir / "calibration.json").read_text())
+    assert [m["method"] for m in cal["methods"]] == ["actmap-mlp", "perplexity"]

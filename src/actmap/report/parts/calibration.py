@@ -27,6 +27,7 @@ def compute_calibration(context: ReportContext):
         strongest,
     )
     from actmap.experiments.common import scores_from_results
+    from actmap.experiments.in_domain import family_of
 
     refs = largest_stores(context, "calibration")
     if not refs:
@@ -41,6 +42,8 @@ def compute_calibration(context: ReportContext):
     stored = sorted(t.split("/", 1)[1] for t in store.tables() if t.startswith("results/"))
     baselines = []
     for method in stored:
+        if family_of(method) == "control":  # a control is not a baseline to calibrate beside
+            continue
         try:
             baselines.append(scores_from_results(store, method, ids, labels))
         except Exception:  # noqa: BLE001 -- a result on other rows is left out, not fatal
