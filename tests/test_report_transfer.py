@@ -56,3 +56,31 @@ def test_transfer_rows_kinds_values_and_read_only_targets(tmp_path):
     )
     assert same.auroc.estimate == pytest.approx(roc_auc_score(meta["label"], p))
     assert same.auroc.n == len(meta)
+
+
+def test_cross_task_and_model_scale_rows_appear_when_their_stores_exist(tmp_path):
+    """A labelled CNN/DM store beside a short-form one of its generator gives cross-task rows
+    both ways; Qwen2.5-Coder 0.5B and 1.5B stores of one dataset give model-scale rows both
+    ways (generator names as captured: a .gguf path or a model name)."""
+    small = "/models/qwen2.5-coder-0.5b-instruct.gguf"
+    specs = {
+        "small-qa": dict(generator=small, task="triviaqa", seed=1),
+        "large-qa": dict(generator="Qwen2.5-Coder-1.5B-Instruct", task="triviaqa", seed=2),
+        "small-cnn": dict(generator=small, task="cnn_dm", seed=3, signal=-2.0),
+    }
+    stores = []
+    for name, kw in specs.items():
+        kw = {"signal": 2.0, **kw}
+        synthetic_store(tmp_path / name, **kw)
+        stores.append(StoreInfo(name, tmp_path / name, kw["generator"], kw["task"]))
+    detector_for = detectors_from_runs({}, "logreg", tmp_path / "scratch", (1,), 10, "cpu")
+    result = transfer_rows(stores, detector_for, lambda t: None, "logreg", "all", 100)
+    by_kind = {}
+    for row in result.rows:
+        by_kind.setdefault(row.kind, []).append(row)
+    scale = {(r.source, r.target): r for r in by_kind["model scale"]}
+    assert set(scale) == {("small-qa", "large-qa"), ("large-qa", "small-qa")}
+    assert all(not r.skipped and r.auroc.estimate > 0.8 for r in scale.values())  # same signal
+    task = {(r.source, r.target): r for r in by_kind["cross-task"]}
+    assert set(task) == {("small-qa", "small-cnn"), ("small-cnn", "small-qa")}
+    assert all(not r.skipped and r.auroc.estimate < 0.2 for r in task.values())  # flipped
