@@ -27,17 +27,26 @@ def store_path(tmp_path_factory):
     return synthetic_store(tmp_path_factory.mktemp("analysis") / "synthetic-store").root
 
 
-def test_analysis_sections_render_without_writing_into_the_store(store_path, tmp_path):
-    before = sorted(p.name for p in store_path.iterdir())
-    context = ReportContext(
-        stores=store_refs([store_path]),
+def one_seed_context(root, tmp_path, options) -> ReportContext:
+    """A report over one store with no runs: one seed, 2 epochs, 50 resamples."""
+    return ReportContext(
+        stores=store_refs([root]),
         runs={},
         out=tmp_path / "out",
         scratch=tmp_path / "scratch",
         seeds=(1,),
         n_resamples=50,
         max_epochs=2,
-        options={
+        options=options,
+    )
+
+
+def test_analysis_sections_render_without_writing_into_the_store(store_path, tmp_path):
+    before = sorted(p.name for p in store_path.iterdir())
+    context = one_seed_context(
+        store_path,
+        tmp_path,
+        {
             "ablations": {
                 "variants": ("full", "segments_1", "answer_length"),
                 "recapture": False,
@@ -145,16 +154,7 @@ def test_calibration_shows_baselines_not_controls(tmp_path):
     store.close()
     write_result(root, "permuted_label", ids, labels.astype(float), True)  # perfect AUROC
     write_result(root, "perplexity", ids, np.linspace(0, 1, len(ids)), True)
-    context = ReportContext(
-        stores=store_refs([root]),
-        runs={},
-        out=tmp_path / "out",
-        scratch=tmp_path / "scratch",
-        seeds=(1,),
-        n_resamples=50,
-        max_epochs=2,
-        options={"calibration": {"replicates": 2}},
-    )
+    context = one_seed_context(root, tmp_path, {"calibration": {"replicates": 2}})
     done = build_report(context, [calibration.SECTION])
     assert done.sections["calibration"] == "done", done.sections
     cal = json.loads((done.json_dir / "calibration.json").read_text())

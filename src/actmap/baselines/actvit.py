@@ -131,17 +131,20 @@ FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 def _saturate(batch: torch.Tensor) -> torch.Tensor:
     """±inf (a state beyond float16's range when the dense table was written: Gemma-3's
     residual stream reaches 6e4) becomes ±65504, the nearest float16; NaN is an error."""
+
+    def rows_with(mask: torch.Tensor) -> list[int]:
+        return mask.flatten(1).any(1).nonzero().flatten().tolist()
+
     bad = ~torch.isfinite(batch)
     if not bad.any():
         return batch
-    rows = bad.flatten(1).any(1).nonzero().flatten().tolist()
-    if torch.isnan(batch).any():
-        nan_rows = torch.isnan(batch).flatten(1).any(1).nonzero().flatten().tolist()
-        raise ValueError(f"ACT-ViT inputs hold NaN in rows {nan_rows[:10]} (of {len(batch)})")
+    nan = torch.isnan(batch)
+    if nan.any():
+        raise ValueError(f"ACT-ViT inputs hold NaN in rows {rows_with(nan)[:10]} (of {len(batch)})")
     logger.warning(
         "ACT-ViT: %d values in %d rows beyond the float16 range saturated to ±%g",
         int(bad.sum()),
-        len(rows),
+        len(rows_with(bad)),
         FLOAT16_MAX,
     )
     return batch.clamp(-FLOAT16_MAX, FLOAT16_MAX)
