@@ -5,7 +5,8 @@
 # Order: SmolLM2 on all 9,313 TriviaQA questions (the train split's remaining rows), the
 # prompt check of Qwen2.5-Coder-1.5B (plain vs chat, 100 validation questions per dataset),
 # then Qwen2.5-Coder-0.5B and -1.5B on the same 1,000 questions per split of each dataset
-# (plain 5-shot prompts: the prompt check's choice for 0.5B), held-out splits first.
+# (plain 5-shot prompts: the prompt check's choice at both scales), held-out splits first,
+# then Gemma-3-270M on NQ-Open, GSM8K and all of TriviaQA.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -17,13 +18,28 @@ run() { echo "=== $(date -Is) start: $*"; "$@"; echo "=== $(date -Is) end rc=$?:
 run $A capture --task triviaqa --out "$OUT/smollm2-triviaqa" "${KEEP[@]}" --splits train
 run experiments/prompt_check.sh qwen2.5-coder-1.5b-instruct
 for task in triviaqa nq_open gsm8k; do
-  for splits in validation,test train; do
-    for name in qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct; do
-      model=$(../shared/models/get-model "$name")
-      short=qwen-${name:14:4}   # qwen-0.5b, qwen-1.5b
+  # the 0.5B's store first (held-out splits, then train): it is 4-5x faster than the 1.5B,
+  # so a complete store exists early; then the 1.5B on the same questions
+  for name in qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct; do
+    model=$(../shared/models/get-model "$name")
+    short=qwen-${name:14:4}   # qwen-0.5b, qwen-1.5b
+    for splits in validation,test train; do
       run $A capture --task $task --model "$model" --out "$OUT/$short-$task" "${KEEP[@]}" \
         --splits $splits --limit "$PER_SPLIT"
     done
   done
 done
+# Gemma-3-270M (a base model: plain 5-shot prompts) on NQ-Open and GSM8K, then every
+# TriviaQA question (its store holds 400 per split from experiments/capture-queue.sh)
+# (no --no-chat-template: Gemma-3-270M has none, and its TriviaQA store's config says so)
+GEMMA=$(../shared/models/get-model gemma3-270m)
+GKEEP=(--attention-keys 10 --keep-dense --share-prefix 32)
+for task in nq_open gsm8k; do
+  for splits in validation,test train; do
+    run $A capture --task $task --model "$GEMMA" --out "$OUT/gemma3-$task" "${GKEEP[@]}" \
+      --splits $splits --limit "$PER_SPLIT"
+  done
+done
+run $A capture --task triviaqa --model "$GEMMA" --out "$OUT/gemma3-triviaqa" "${GKEEP[@]}" \
+  --splits validation,test,train
 echo "=== $(date -Is) queue done"
