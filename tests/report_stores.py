@@ -29,13 +29,14 @@ def synthetic_store(
     shape: tuple[int, int, int] = SHAPE,
     prevalence: float = 0.5,
     seed: int = 0,
+    judge: str | None = None,
 ) -> Path:
     """A committed store at ``root``; row ``k`` of a split is correct with probability
     ``prevalence``; its answer length is noise (so the length control is chance)."""
     rng = np.random.default_rng(seed)
     config = {
         "model": {"name": generator, "revision": "0"},
-        "task": {"task": task},
+        "task": {"task": task} if judge is None else {"task": task, "judge": judge},
         "map": {"n_segments": 4, "layers_out": shape[1], "coords_out": shape[2]},
     }
     store = MapStore.create(root, config, map_shape=shape)

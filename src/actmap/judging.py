@@ -198,6 +198,35 @@ class JudgeCheck:
     def to_json(self) -> dict:
         return {**asdict(self), "auroc": self.auroc.to_json()}
 
+    @classmethod
+    def from_json(cls, data: dict) -> JudgeCheck:
+        return cls(**{**data, "auroc": Interval(**data["auroc"])})
+
+    def summary(self) -> str:
+        """One line to print beside a figure whose labels this judge made."""
+        return (
+            f"judge {self.judge}: check on {self.pairs} CNN/DM pairs, accuracy "
+            f"{self.accuracy:.3f} at support >= {self.threshold:g}, AUROC {self.auroc}, "
+            f"{self.seconds_per_claim:.1f} s per claim"
+        )
+
+
+CHECK_RESULT = "check.json"
+
+
+def read_judge_check(path: str | Path) -> JudgeCheck:
+    """The result `actmap judge check --out DIR` wrote: ``DIR`` or ``DIR/check.json``."""
+    path = Path(path)
+    file = path / CHECK_RESULT if path.is_dir() else path
+    try:
+        return JudgeCheck.from_json(json.loads(file.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        raise ActmapUserError(
+            f"{file} does not exist; run `actmap judge check --out {path}` first"
+        ) from None
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ActmapUserError(f"{file} is not a judge-check result ({err!r})") from None
+
 
 def _read_check_cache(path: Path, judge: str) -> dict[str, dict]:
     if not path.exists():

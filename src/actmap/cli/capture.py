@@ -489,7 +489,7 @@ def judge_check_command(
     with user_errors():
         from actmap.artifacts import write_json
         from actmap.data.datasets import load_cnn_dm
-        from actmap.judging import claim_pairs, judge_check
+        from actmap.judging import CHECK_RESULT, claim_pairs, judge_check
 
         rows = [r for r in load_cnn_dm(data_dir) if r.meta.get("source_split") == "validation"]
         the_pairs = claim_pairs(rows, pairs, seed)
@@ -500,9 +500,9 @@ def judge_check_command(
             result = judge_check(
                 the_judge, the_pairs, out, threshold, progress=lambda n: bar.advance(job, n)
             )
-        write_json(Path(out) / "check.json", result.to_json())
+        write_json(Path(out) / CHECK_RESULT, result.to_json())
         console.print(
             f"judge {result.judge}: {result.pairs} pairs, accuracy {result.accuracy:.3f}, "
             f"AUROC {result.auroc}, {result.seconds_per_claim:.2f} s per claim; "
-            f"written to {Path(out) / 'check.json'}"
+            f"written to {Path(out) / CHECK_RESULT}"
         )

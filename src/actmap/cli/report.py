@@ -28,11 +28,17 @@ def report(
     max_epochs: int = typer.Option(None, help="Cap the recipe's epochs (quick looks)."),
     device: str = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     only: str = typer.Option(None, help="Comma-separated section names to run (default: all)."),
+    judge_check: list[Path] = typer.Option(
+        None,
+        "--judge-check",
+        help="An `actmap judge check --out` folder, read beside the figures of the stores its "
+        "judge labelled (repeat for several judges).",
+    ),
 ) -> None:
     """Write report.md, figures/*.png and json/*.json answering the paper's questions."""
     with user_errors():
         from actmap.report.assemble import build_report
-        from actmap.report.inputs import find_runs, store_refs
+        from actmap.report.inputs import find_runs, read_judge_checks, store_refs
         from actmap.report.registry import select_sections
         from actmap.report.sections import ReportContext, check_rows
 
@@ -47,6 +53,7 @@ def report(
             n_resamples=n_resamples,
             device=device,
             max_epochs=max_epochs,
+            judge_checks=read_judge_checks(judge_check or []),
         )
         sections = select_sections(only.split(",") if only else None)
 

@@ -36,7 +36,7 @@ The rules, per claim:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 HOLDS, FAILS, UNSURE = "holds", "does not hold", "inconclusive"
@@ -59,9 +59,10 @@ class Claim:
 @dataclass(frozen=True)
 class ClaimsResult:
     claims: list[Claim]
+    judge_notes: dict[str, str] = field(default_factory=dict)  # judge-labelled store -> check
 
     def to_json(self) -> dict[str, Any]:
-        return {"claims": [c.to_json() for c in self.claims]}
+        return {"claims": [c.to_json() for c in self.claims], "judge_notes": self.judge_notes}
 
 
 def _ci(iv) -> str:

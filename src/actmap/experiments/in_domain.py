@@ -307,6 +307,11 @@ def store_column(
 class InDomainMatrix:
     columns: list[InDomainColumn]
     skipped: dict[str, str] = field(default_factory=dict)  # store -> why it has no column
+    judge_notes: dict[str, str] = field(default_factory=dict)  # judge-labelled store -> check
 
     def to_json(self) -> dict[str, Any]:
-        return {"columns": [c.to_json() for c in self.columns], "skipped": self.skipped}
+        return {
+            "columns": [c.to_json() for c in self.columns],
+            "skipped": self.skipped,
+            "judge_notes": self.judge_notes,
+        }

@@ -64,6 +64,7 @@ class ReproduceConfig:
     sections: tuple[str, ...] | None = None  # None: every section
     baseline_options: dict[str, Any] = field(default_factory=dict)  # BaselineOptions fields
     report_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per section
+    judge_checks: tuple[Path, ...] = ()  # `actmap judge check` folders, read by the report
 
     def to_json(self) -> dict[str, Any]:
         return json.loads(json.dumps(asdict(self), default=str))
@@ -129,6 +130,9 @@ def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
         sections=None if sections is None else _tuple(sections, "report.sections"),
         baseline_options=dict(raw.get("baseline_options", {})),
         report_options={k: dict(v) for k, v in report.items()},
+        judge_checks=tuple(
+            (base / p).resolve() for p in _tuple(raw.get("judge_checks", []), "judge_checks")
+        ),
     )
 
 
@@ -379,7 +383,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
 
 
 def report_context(config: ReproduceConfig):
-    from actmap.report.inputs import find_runs, store_refs
+    from actmap.report.inputs import find_runs, read_judge_checks, store_refs
     from actmap.report.sections import ReportContext
 
     refs = store_refs([copy_path(config, s) for s in config.stores])
@@ -394,6 +398,7 @@ def report_context(config: ReproduceConfig):
         device=config.device,
         max_epochs=config.max_epochs,
         options=config.report_options,
+        judge_checks=read_judge_checks(config.judge_checks),
     )
 
 

@@ -73,6 +73,7 @@ class TransferResult:
     detector: str
     target_rows: str
     notes: list[str] = field(default_factory=list)
+    judge_notes: dict[str, str] = field(default_factory=dict)  # judge-labelled store -> check
 
     def by_kind(self, kind: str) -> list[TransferRow]:
         return [r for r in self.rows if r.kind == kind]
@@ -83,6 +84,7 @@ class TransferResult:
             "target_rows": self.target_rows,
             "rows": [r.to_json() for r in self.rows],
             "notes": self.notes,
+            "judge_notes": self.judge_notes,
         }
 
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from actmap.errors import ActmapUserError
 from actmap.report.sections import StoreRef
+
+if TYPE_CHECKING:
+    from actmap.judging import JudgeCheck
 
 
 def store_ref(path: str | Path, name: str | None = None) -> StoreRef:
@@ -20,7 +24,8 @@ def store_ref(path: str | Path, name: str | None = None) -> StoreRef:
     config = read_manifest(path).get("config", {})
     generator = str(config.get("model", {}).get("name") or "unknown")
     task = str(config.get("task", {}).get("task") or "unknown")
-    return StoreRef(name or path.name, path, generator, task)
+    judge = config.get("task", {}).get("judge")
+    return StoreRef(name or path.name, path, generator, task, None if judge is None else str(judge))
 
 
 def store_refs(paths: Iterable[str | Path]) -> dict[str, StoreRef]:
@@ -52,3 +57,18 @@ def find_runs(runs_dir: str | Path | None, stores: Iterable[str]) -> dict[str, d
             if any(run.glob("seed-*/config.json")):
                 found.setdefault(name, {})[run.name] = run
     return found
+
+
+def read_judge_checks(paths: Iterable[str | Path]) -> dict[str, JudgeCheck]:
+    """``{judge name: check}`` from `actmap judge check` output folders (one check per judge)."""
+    from actmap.judging import read_judge_check
+
+    checks: dict[str, JudgeCheck] = {}
+    for path in paths:
+        check = read_judge_check(path)
+        if check.judge in checks:
+            raise ActmapUserError(
+                f"two judge checks of {check.judge}: give one folder per judge ({path})"
+            )
+        checks[check.judge] = check
+    return checks

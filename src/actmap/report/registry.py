@@ -17,6 +17,7 @@ def report_sections() -> list[Section]:
         claims,
         cost,
         in_domain,
+        judge_check,
         learning_curve,
         localization,
         map_channels,
@@ -25,6 +26,7 @@ def report_sections() -> list[Section]:
 
     return [
         map_channels.SECTION,
+        judge_check.SECTION,
         in_domain.SECTION,
         transfer.SECTION,
         ablations.SECTION,

@@ -17,11 +17,14 @@ are missing returns a result that says so (``Skipped``), never raises for that.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from actmap.judging import JudgeCheck
 
 Rows = Literal["balanced", "test", "all"]
 ROWS_HELP = (
@@ -60,6 +63,7 @@ class StoreRef:
     path: Path
     generator: str
     task: str
+    judge: str | None = None  # who labelled it (CNN/DM summaries), from its manifest
 
 
 @dataclass
@@ -109,9 +113,26 @@ class ReportContext:
     results: dict[str, SectionResult] = field(default_factory=dict)
     timings: Timings = field(default_factory=Timings)
     cache: dict[Any, Any] = field(default_factory=dict)  # what several sections read, once
+    judge_checks: Mapping[str, JudgeCheck] = field(default_factory=dict)  # by judge name
 
     def option(self, section: str, name: str, default: Any = None) -> Any:
         return self.options.get(section, {}).get(name, default)
+
+    def judge_notes(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """``{store: line}`` for every judge-labelled store among ``names`` (default: all): its
+        judge's check, read beside every figure of that store, or that none was given."""
+        notes = {}
+        for name in self.stores if names is None else names:
+            judge = self.stores[name].judge if name in self.stores else None
+            if judge is None:
+                continue
+            check = self.judge_checks.get(judge)
+            notes[name] = (
+                check.summary()
+                if check is not None
+                else f"judge {judge}: no judge check given (labels unchecked)"
+            )
+        return notes
 
     def stores_of(self, generator: str | None = None, task: str | None = None) -> list[StoreRef]:
         return [
@@ -134,6 +155,19 @@ class Section:
 def figure_markdown(path: Path, caption: str) -> str:
     """A figure line for report.md (figures live in ``figures/`` beside it) with its caption."""
     return f"![{caption}](figures/{Path(path).name})\n\n*{caption}*\n"
+
+
+JUDGED = "‡"  # marks a judge-labelled store's name in a table
+
+
+def judged_name(name: str, notes: Mapping[str, str]) -> str:
+    return f"{name} {JUDGED}" if name in notes else name
+
+
+def judge_footnote(notes: Mapping[str, str]) -> str:
+    """Lines under a table that shows judge-labelled stores: each one's judge check."""
+    lines = "".join(f"- {JUDGED} labels of {store}: {note}\n" for store, note in notes.items())
+    return "\n" + lines if lines else ""  # a blank line ends the table above
 
 
 def skipped_markdown(result: Skipped) -> str:

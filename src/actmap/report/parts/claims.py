@@ -5,14 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from actmap.experiments.claims import ClaimsResult
-from actmap.report.sections import ReportContext, Section
+from actmap.report.sections import ReportContext, Section, judge_footnote
 
 
 def compute(context: ReportContext) -> ClaimsResult:
     from actmap.experiments.claims import check_claims
 
     tasks = {s.name: s.task for s in context.stores.values()}
-    return check_claims(context.results, tasks)
+    result = check_claims(context.results, tasks)
+    cited = [
+        n for n, note in context.judge_notes().items() if any(n in c.ours for c in result.claims)
+    ]
+    result.judge_notes.update(context.judge_notes(cited))
+    return result
 
 
 def render(result: ClaimsResult, figure_dir: Path) -> str:
@@ -27,7 +32,7 @@ def render(result: ClaimsResult, figure_dir: Path) -> str:
         cells = [cell.replace("|", "\\|") for cell in (c.claim, c.paper, c.ours)]
         rule = c.rule.replace("|", "\\|")
         lines.append(f"| {' | '.join(cells)} | **{c.verdict}** | {rule} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + judge_footnote(result.judge_notes)
 
 
 SECTION = Section("claims", "The paper's claims, checked", compute, render)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from actmap.experiments.in_domain import FAMILY_ORDER, InDomainColumn, InDomainMatrix
-from actmap.report.sections import ReportContext, Section
+from actmap.report.sections import ReportContext, Section, judge_footnote, judged_name
 
 FAMILY_TITLE = {
     "black": "black box",
@@ -34,7 +34,7 @@ def compute(context: ReportContext) -> InDomainMatrix:
             skipped[ref.name] = "no method scored its balanced test rows"
             continue
         columns.append(column)
-    return InDomainMatrix(columns, skipped)
+    return InDomainMatrix(columns, skipped, context.judge_notes([c.store for c in columns]))
 
 
 def _cell_text(column: InDomainColumn, method: str, metric: str) -> str:
@@ -52,12 +52,13 @@ def matrix_table(matrix: InDomainMatrix, metric: str) -> str:
     """Rows: methods grouped black/grey/white box, then ActMap, then controls; columns: stores."""
     methods = {(c.family, c.method) for col in matrix.columns for c in col.cells}
     ordered = sorted(methods, key=lambda fm: (FAMILY_ORDER.index(fm[0]), fm[1]))
-    head = "| family | method | " + " | ".join(c.store for c in matrix.columns) + " |"
+    names = [judged_name(c.store, matrix.judge_notes) for c in matrix.columns]
+    head = "| family | method | " + " | ".join(names) + " |"
     lines = [head, "|---|---|" + "---|" * len(matrix.columns)]
     for family, method in ordered:
         cells = " | ".join(_cell_text(col, method, metric) for col in matrix.columns)
         lines.append(f"| {FAMILY_TITLE[family]} | {method} | {cells} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + judge_footnote(matrix.judge_notes)
 
 
 def paired_table(matrix: InDomainMatrix) -> str:
@@ -69,10 +70,10 @@ def paired_table(matrix: InDomainMatrix) -> str:
         for p in col.paired:
             d = p.difference
             lines.append(
-                f"| {col.store} | {p.a} | {p.b} | {d.estimate:+.3f} [{d.low:+.3f}, {d.high:+.3f}] "
+                f"| {judged_name(col.store, matrix.judge_notes)} | {p.a} | {p.b} | {d.estimate:+.3f} [{d.low:+.3f}, {d.high:+.3f}] "
                 f"| {d.n} | {'yes' if p.excludes_zero else 'no'} |"
             )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + judge_footnote(matrix.judge_notes)
 
 
 def render(matrix: InDomainMatrix, figure_dir: Path) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from actmap.experiments.transfer import TransferResult
-from actmap.report.sections import ReportContext, Section
+from actmap.report.sections import ReportContext, Section, judge_footnote, judged_name
 
 
 def compute(context: ReportContext) -> TransferResult:
@@ -27,7 +27,10 @@ def compute(context: ReportContext) -> TransferResult:
         run = context.runs.get(target.name, {}).get(detector)
         return None if run is None else Path(run)
 
-    return transfer_rows(stores, detector_for, own_run, detector, rows, context.n_resamples)
+    result = transfer_rows(stores, detector_for, own_run, detector, rows, context.n_resamples)
+    named = {n for r in result.rows for n in (*r.source.split("+"), r.target) if n}
+    result.judge_notes.update(context.judge_notes(sorted(named & set(context.stores))))
+    return result
 
 
 def _interval(value) -> str:
@@ -45,12 +48,15 @@ def render(result: TransferResult, figure_dir: Path) -> str:
         "| kind | source | target | transfer AUROC | target in-domain AUROC | empty | note |",
         "|---|---|---|---|---|---|---|",
     ]
+    notes = result.judge_notes
     for r in result.rows:
+        source = "+".join(judged_name(s, notes) for s in r.source.split("+")) if r.source else "--"
+        target = judged_name(r.target, notes) if r.target else "--"
         lines.append(
-            f"| {r.kind} | {r.source or '--'} | {r.target or '--'} | {_interval(r.auroc)} "
+            f"| {r.kind} | {source} | {target} | {_interval(r.auroc)} "
             f"| {_interval(r.in_domain)} | {r.n_empty} | {r.skipped} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + judge_footnote(notes)
 
 
 SECTION = Section("transfer", "Transfer and generalization (frozen detectors)", compute, render)
