@@ -12,6 +12,7 @@ from report_stores import synthetic_store
 from typer.testing import CliRunner
 
 from actmap.cli import app
+from actmap.errors import ActmapUserError
 from actmap.report.assemble import build_report
 from actmap.report.inputs import find_runs, store_refs
 from actmap.report.parts import map_channels
@@ -69,6 +70,16 @@ def test_find_runs_lists_detectors_with_seed_folders(tmp_path):
     (tmp_path / "s1" / "mlp" / "seed-42" / "config.json").write_text("{}")
     (tmp_path / "s1" / "empty").mkdir()
     assert find_runs(tmp_path, ["s1", "s2"]) == {"s1": {"mlp": tmp_path / "s1" / "mlp"}}
+
+
+def test_store_refs_read_each_manifest_and_refuse_two_stores_of_one_name(tmp_path):
+    a = synthetic_store(tmp_path / "a" / "s", generator="g", task="cnn_dm", judge="llm:j")
+    refs = store_refs([a])
+    assert (refs["s"].generator, refs["s"].task, refs["s"].judge) == ("g", "cnn_dm", "llm:j")
+    b = synthetic_store(tmp_path / "b" / "s")
+    assert store_refs([b])["s"].judge is None
+    with pytest.raises(ActmapUserError, match="two stores are named 's'"):
+        store_refs([a, b])
 
 
 def test_report_cli_writes_report_and_refuses_bad_rows(store, tmp_path):

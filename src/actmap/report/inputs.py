@@ -5,15 +5,17 @@ Runs live as ``<runs>/<store name>/<detector>/seed-<s>/`` (what `actmap reproduc
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from actmap.errors import ActmapUserError
 from actmap.report.sections import StoreRef
 
 if TYPE_CHECKING:
     from actmap.judging import JudgeCheck
+
+T = TypeVar("T")
 
 
 def store_ref(path: str | Path, name: str | None = None) -> StoreRef:
@@ -28,16 +30,29 @@ def store_ref(path: str | Path, name: str | None = None) -> StoreRef:
     return StoreRef(name or path.name, path, generator, task, None if judge is None else str(judge))
 
 
-def store_refs(paths: Iterable[str | Path]) -> dict[str, StoreRef]:
-    refs: dict[str, StoreRef] = {}
+def _one_each(
+    paths: Iterable[str | Path],
+    read: Callable[[str | Path], T],
+    key: Callable[[T], str],
+    clash: Callable[[T, str | Path], str],
+) -> dict[str, T]:
+    """``{key: item}`` of the item read from each path; two with one key are an error."""
+    found: dict[str, T] = {}
     for path in paths:
-        ref = store_ref(path)
-        if ref.name in refs:
-            raise ActmapUserError(
-                f"two stores are named '{ref.name}': {refs[ref.name].path}, {path}"
-            )
-        refs[ref.name] = ref
-    return refs
+        item = read(path)
+        if key(item) in found:
+            raise ActmapUserError(clash(found[key(item)], path))
+        found[key(item)] = item
+    return found
+
+
+def store_refs(paths: Iterable[str | Path]) -> dict[str, StoreRef]:
+    return _one_each(
+        paths,
+        store_ref,
+        lambda ref: ref.name,
+        lambda ref, path: f"two stores are named '{ref.name}': {ref.path}, {path}",
+    )
 
 
 def find_runs(runs_dir: str | Path | None, stores: Iterable[str]) -> dict[str, dict[str, Path]]:
@@ -63,12 +78,11 @@ def read_judge_checks(paths: Iterable[str | Path]) -> dict[str, JudgeCheck]:
     """``{judge name: check}`` from `actmap judge check` output folders (one check per judge)."""
     from actmap.judging import read_judge_check
 
-    checks: dict[str, JudgeCheck] = {}
-    for path in paths:
-        check = read_judge_check(path)
-        if check.judge in checks:
-            raise ActmapUserError(
-                f"two judge checks of {check.judge}: give one folder per judge ({path})"
-            )
-        checks[check.judge] = check
-    return checks
+    return _one_each(
+        paths,
+        read_judge_check,
+        lambda check: check.judge,
+        lambda check, path: (
+            f"two judge checks of {check.judge}: give one folder per judge ({path})"
+        ),
+    )
