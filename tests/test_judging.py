@@ -219,3 +219,23 @@ def test_cli_judge_check_runs_a_real_causal_lm_judge(tmp_path):
     assert 0.0 <= written["auroc"]["estimate"] <= 1.0
     bare = CliRunner().invoke(app, ["judge", "--store", str(tmp_path)])
     assert bare.exit_code != 0 and "--judge" in bare.output
+
+
+def test_a_bfloat16_judge_names_its_dtype_and_agrees_with_float32(tmp_path):
+    """bfloat16 weights (the CPU's fast path) give the judge its own name, so its labels and
+    checks never mix with float32 ones, and support probabilities within bfloat16's precision."""
+    import torch
+    from test_factuality import WORDS as JUDGE_WORDS
+
+    from actmap.cli.capture import load_factuality_judge
+
+    folder = judge_model_dir(tmp_path)
+    full = load_factuality_judge(str(folder))
+    half = load_factuality_judge(str(folder), "bfloat16")
+    assert full.name == "llm:judge-model" and half.name == "llm:judge-model@bfloat16"
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
+    document, claim = " ".join(JUDGE_WORDS[:8]), " ".join(JUDGE_WORDS[2:5])
+    p32, p16 = full.support_probability(document, claim), half.support_probability(document, claim)
+    assert 0.0 < p16 < 1.0 and p16 == pytest.approx(p32, abs=0.02)
+    with pytest.raises(ActmapUserError, match="judge dtype must be one of"):
+        load_factuality_judge(str(folder), "int8")

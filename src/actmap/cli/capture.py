@@ -39,15 +39,28 @@ CAPTURE_NEEDS: dict[str, dict] = {
 AUTO_SHARE_PREFIX = 64
 
 
-def load_factuality_judge(spec: str | None):
+JUDGE_DTYPES = ("float32", "bfloat16", "float16")
+JUDGE_DTYPE_HELP = (
+    "The LLM judge's weights: float32, or bfloat16 (about 4x faster on a CPU with AVX512-BF16; "
+    "named in the judge's name, so its labels and checks are not mixed with float32 ones)."
+)
+
+
+def load_factuality_judge(spec: str | None, dtype: str = "float32"):
     """CNN/DM's judge: 'minicheck:<path or hub id>', or any causal LM actmap can load (LLM judge)."""
     if spec is None:
         return None
     from actmap.data.factuality import LLMFactualityJudge, MiniCheckJudge
 
+    if dtype not in JUDGE_DTYPES:
+        raise ActmapUserError(
+            f"judge dtype must be one of {', '.join(JUDGE_DTYPES)}, not {dtype!r}"
+        )
     if spec.startswith("minicheck:"):
+        if dtype != "float32":
+            raise ActmapUserError("a MiniCheck judge runs in float32; drop --judge-dtype")
         return MiniCheckJudge.from_pretrained(spec.split(":", 1)[1])
-    return LLMFactualityJudge.from_pretrained(spec)
+    return LLMFactualityJudge.from_pretrained(spec, dtype=dtype)
 
 
 def load_task(
@@ -434,6 +447,7 @@ def judge_command(
     threshold: float = typer.Option(0.5, help="Support a sentence needs (MiniCheck: 0.5)."),
     batch_size: int = typer.Option(8, min=1, help="Summaries per committed batch."),
     limit: int = typer.Option(None, min=1, help="Judge at most this many summaries in this call."),
+    judge_dtype: str = typer.Option("float32", help=JUDGE_DTYPE_HELP),
 ) -> None:
     """Label the summaries of a store with a factuality judge (resumable, separate pass)."""
     if ctx.invoked_subcommand is not None:
@@ -452,7 +466,7 @@ def judge_command(
             )
         source = MapStore.open(store)
         console.print(f"loading judge [bold]{judge}[/bold] ...")
-        the_judge = load_factuality_judge(judge)
+        the_judge = load_factuality_judge(judge, judge_dtype)
         total = len(source.ids("maps"))
         with progress_bar() as bar:
             job = bar.add_task("judge summaries", total=total, info="")
@@ -484,6 +498,7 @@ def judge_check_command(
     threshold: float = typer.Option(0.5, help="Support that counts as 'supported'."),
     seed: int = typer.Option(0, help="Seed of the article order and the foreign claims."),
     data_dir: Path = typer.Option(None, help="Folder holding cnn_dm/ (default ../shared/data)."),
+    judge_dtype: str = typer.Option("float32", help=JUDGE_DTYPE_HELP),
 ) -> None:
     """Can the judge tell an article's own highlight from another article's? Accuracy, AUROC, s/claim."""
     with user_errors():
@@ -494,7 +509,7 @@ def judge_check_command(
         rows = [r for r in load_cnn_dm(data_dir) if r.meta.get("source_split") == "validation"]
         the_pairs = claim_pairs(rows, pairs, seed)
         console.print(f"loading judge [bold]{judge}[/bold] ...")
-        the_judge = load_factuality_judge(judge)
+        the_judge = load_factuality_judge(judge, judge_dtype)
         with progress_bar() as bar:
             job = bar.add_task("judge check", total=len(the_pairs), info="")
             result = judge_check(
