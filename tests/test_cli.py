@@ -144,6 +144,40 @@ def test_map_only_capture_and_the_prefix_default_of_new_and_old_stores(tmp_path,
     assert again.exit_code == 0 and "0 rows" in again.output.replace("\n", " "), again.output
 
 
+def test_a_bfloat16_capture_is_recorded_resumed_only_in_bfloat16_and_reloaded_so(
+    tmp_path, tiny_model_dir
+):
+    """--dtype bfloat16 runs the generator in bfloat16 (the maps are still built in float32
+    and finite), records the dtype in the store, refuses a float32 resume naming the key, and
+    the baselines reload the store's generator in the dtype that wrote it."""
+    import torch
+
+    from actmap.baselines.inputs import StoreInputs
+    from actmap.baselines.options import BaselineOptions
+
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": f"what is the capital {i}", "id": f"q{i}", "split": "test"} for i in (1, 2)]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    store = tmp_path / "store"
+    base = ["capture", "--prompts", str(prompts), "--model", str(tiny_model_dir)]
+    base += ["--out", str(store), "--splits", "test", "--max-new-tokens", "4"]
+    result = runner.invoke(app, [*base, "--dtype", "bfloat16"])
+    assert result.exit_code == 0, result.output
+    opened = MapStore.open(store)
+    assert opened.manifest["config"]["model"]["dtype"] == "bfloat16"
+    maps, _ = opened.load_maps()
+    assert maps.shape[0] == 2 and np.isfinite(maps).all() and maps.astype(np.float32).std() > 0
+    again = runner.invoke(app, base)  # float32 into a bfloat16 store
+    assert again.exit_code != 0 and "model.dtype" in again.output, again.output
+    resumed = runner.invoke(app, [*base, "--dtype", "bfloat16"])
+    assert resumed.exit_code == 0 and "0 rows" in resumed.output.replace("\n", " ")
+    model, _ = StoreInputs(opened, BaselineOptions(device="cpu"), {}).generator()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    bad = runner.invoke(app, [*base, "--out", str(tmp_path / "other"), "--dtype", "int8"])
+    assert bad.exit_code == 2 and "dtype must be one of float32, bfloat16, float16" in bad.output
+    assert not (tmp_path / "other").exists()  # refused before anything was written
+
+
 def test_capture_reports_bad_input_clearly(tmp_path, tiny_model_dir):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')

@@ -148,14 +148,15 @@ class StoreInputs:
         return self._model, self._tokenizer
 
     def _load_generator(self) -> tuple[Any, Any]:
-        from actmap.models import load_model
+        from actmap.models import load_model, stored_dtype
 
-        stored = self.store.manifest.get("config", {}).get("model", {})
+        config = self.store.manifest.get("config", {})
+        stored = config.get("model", {})
         name = self.generator_name()
         self.report("model", 0, 1, f"loading {name}")
         try:
             model, tokenizer, source = load_model(
-                name, revision=stored.get("revision") or "main", device=self.device()
+                name, stored.get("revision") or "main", self.device(), stored_dtype(config)
             )
         except (OSError, ValueError) as err:  # FileNotFoundError is an OSError
             text = str(err).strip()

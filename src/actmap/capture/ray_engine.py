@@ -136,6 +136,7 @@ class CaptureReplica:
         capture: dict,
         layers_path: str | None,
         threads: int,
+        dtype: str = "float32",
     ) -> None:
         import torch
 
@@ -143,7 +144,7 @@ class CaptureReplica:
 
         if device == "cpu":
             torch.set_num_threads(threads)  # the CPUs Ray gave this replica, no more
-        self.model, self.tokenizer, _ = load_model(model, revision=revision, device=device)
+        self.model, self.tokenizer, _ = load_model(model, revision, device, dtype)
         self.capture = CaptureConfig(**capture)
         self.layers_path = layers_path
 
@@ -200,10 +201,11 @@ def run_capture_ray(
     options: RayOptions = RayOptions(),
     progress: Callable[[int], None] | None = None,
     sort_by_length: bool = True,
+    dtype: str = "float32",
 ) -> RunSummary:
     """`actmap.capture.run.run_capture` on a pool of ``options.workers`` model replicas.
 
-    ``model`` / ``revision`` / ``device`` are what every replica loads (each on its own
+    ``model`` / ``revision`` / ``device`` / ``dtype`` are what every replica loads (each on its own
     GPU when ``gpus_per_worker`` is 1); ``tokenizer`` renders and sorts the prompts here.
     """
     ray = require_ray()
@@ -226,6 +228,7 @@ def run_capture_ray(
         "capture": asdict(capture),
         "layers_path": layers_path,
         "threads": max(1, int(options.cpus_per_worker)),
+        "dtype": dtype,
     }
     try:
         captured = _captured(plan, task, replica, options)

@@ -49,7 +49,12 @@ def example_id(example: Example) -> str:
 
 
 def store_config(
-    task: Task, source: ModelSource, capture: CaptureConfig, maps: MapConfig, keep: dict
+    task: Task,
+    source: ModelSource,
+    capture: CaptureConfig,
+    maps: MapConfig,
+    keep: dict,
+    dtype: str = "float32",
 ) -> dict:
     """The config a store is created with; a resumed run must match it exactly."""
     describe = getattr(task, "describe", None)
@@ -59,9 +64,12 @@ def store_config(
         del settings["share_prefix"]
     if settings["greybox"]:
         del settings["greybox"]
+    model = {"name": source.name, "revision": source.revision, "gguf_file": source.gguf_file}
+    if dtype != "float32":
+        model["dtype"] = dtype
     return {
         "task": describe() if describe else {"task": task.name},
-        "model": {"name": source.name, "revision": source.revision, "gguf_file": source.gguf_file},
+        "model": model,
         "capture": settings,
         "map": asdict(maps),
         "keep": keep,

@@ -17,6 +17,7 @@ from actmap.cli.common import (
     user_errors,
 )
 from actmap.errors import ActmapUserError
+from actmap.models import DTYPE_HELP, DTYPES
 
 SPLITS = ("train", "validation", "test")
 # What each method reads from a capture (`--methods`); a method not listed needs only the map
@@ -39,7 +40,7 @@ CAPTURE_NEEDS: dict[str, dict] = {
 AUTO_SHARE_PREFIX = 64
 
 
-JUDGE_DTYPES = ("float32", "bfloat16", "float16")
+JUDGE_DTYPES = DTYPES
 JUDGE_DTYPE_HELP = (
     "The LLM judge's weights: float32, or bfloat16 (about 4x faster on a CPU with AVX512-BF16; "
     "named in the judge's name, so its labels and checks are not mixed with float32 ones)."
@@ -187,6 +188,9 @@ def capture(
         True, help="Wrap prompts in the tokenizer's chat template (--no-chat-template: plain text)."
     ),
     device: str = typer.Option("cpu", help="cpu | cuda"),
+    dtype: str = typer.Option(
+        "float32", help=DTYPE_HELP + " Recorded in the store: a resume must use the same."
+    ),
     layers_path: str = typer.Option(
         None, help="Dotted path to the decoder-layer list for unknown layouts."
     ),
@@ -226,7 +230,13 @@ def capture(
         from actmap.capture import CaptureConfig
         from actmap.capture.run import natural_accuracy, run_capture, store_config
         from actmap.maps import MapConfig
-        from actmap.models import ModelSource, check_model, load_model, load_tokenizer
+        from actmap.models import (
+            ModelSource,
+            check_dtype,
+            check_model,
+            load_model,
+            load_tokenizer,
+        )
         from actmap.store import MapStore, claim_store
         from actmap.training import check_device
 
@@ -261,6 +271,7 @@ def capture(
             "dense": keep_dense,
         }
         # a missing path, an unreachable hub id or an absent device: refused before any write
+        check_dtype(dtype)
         check_model(model, revision)
         if engine not in ("local", "ray"):
             raise ActmapUserError(f"--engine must be 'local' or 'ray', got {engine!r}")
@@ -279,14 +290,16 @@ def capture(
             check_device(device)  # a Ray replica checks its own device on its own node
         # refuse a config mismatch or a second writer before the model's load time is spent
         asked = ModelSource(model, model, None, revision)
-        claim = claim_store(out, store_config(the_task, asked, config, MapConfig(), keep))
+        claim = claim_store(out, store_config(the_task, asked, config, MapConfig(), keep, dtype))
         try:
             with console.status(f"loading {model} ..."), quiet_transformers():
                 if engine == "ray":
                     lm, (tokenizer, source) = None, load_tokenizer(model, revision)
                 else:
-                    lm, tokenizer, source = load_model(model, revision=revision, device=device)
-            store = MapStore.create(out, store_config(the_task, source, config, MapConfig(), keep))
+                    lm, tokenizer, source = load_model(model, revision, device, dtype)
+            store = MapStore.create(
+                out, store_config(the_task, source, config, MapConfig(), keep, dtype)
+            )
         finally:
             claim.release()
         with progress_bar() as bar:
@@ -302,7 +315,7 @@ def capture(
 
                 summary = run_capture_ray(
                     model, revision, device, tokenizer, source, the_task, examples, store,
-                    options=options, **common,
+                    options=options, dtype=dtype, **common,
                 )  # fmt: skip
             else:
                 summary = run_capture(lm, tokenizer, source, the_task, examples, store, **common)

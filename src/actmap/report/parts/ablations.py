@@ -61,13 +61,14 @@ def unpooled_states(store, splits: dict, device: str | None):
     import logging
 
     from actmap.experiments.ablations import recapture_hidden
-    from actmap.models import load_model
+    from actmap.models import load_model, stored_dtype
 
-    name = store.manifest.get("config", {}).get("model", {}).get("name")
+    config = store.manifest.get("config", {})
+    name = config.get("model", {}).get("name")
     if not name:
         return None
     try:
-        model, tokenizer, _ = load_model(name, device=device or "cpu")
+        model, tokenizer, _ = load_model(name, device=device or "cpu", dtype=stored_dtype(config))
     except Exception as error:  # noqa: BLE001 -- the controls fall back to the dense states
         logging.getLogger(__name__).warning(
             "cannot load %s (%s): pooling controls use dense", name, error
