@@ -30,12 +30,13 @@ def synthetic_store(
     prevalence: float = 0.5,
     seed: int = 0,
     judge: str | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """A committed store at ``root``; row ``k`` of a split is correct with probability
     ``prevalence``; its answer length is noise (so the length control is chance)."""
     rng = np.random.default_rng(seed)
     config = {
-        "model": {"name": generator, "revision": "0"},
+        "model": {"name": generator, "revision": "0"} | ({"dtype": dtype} if dtype else {}),
         "task": {"task": task} if judge is None else {"task": task, "judge": judge},
         "map": {"n_segments": 4, "layers_out": shape[1], "coords_out": shape[2]},
     }

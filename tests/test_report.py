@@ -76,8 +76,9 @@ def test_store_refs_read_each_manifest_and_refuse_two_stores_of_one_name(tmp_pat
     a = synthetic_store(tmp_path / "a" / "s", generator="g", task="cnn_dm", judge="llm:j")
     refs = store_refs([a])
     assert (refs["s"].generator, refs["s"].task, refs["s"].judge) == ("g", "cnn_dm", "llm:j")
-    b = synthetic_store(tmp_path / "b" / "s")
-    assert store_refs([b])["s"].judge is None
+    assert refs["s"].dtype == "float32"  # no dtype recorded: float32
+    b = synthetic_store(tmp_path / "b" / "s", dtype="bfloat16")
+    assert store_refs([b])["s"].judge is None and store_refs([b])["s"].dtype == "bfloat16"
     with pytest.raises(ActmapUserError, match="two stores are named 's'"):
         store_refs([a, b])
 

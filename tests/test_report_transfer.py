@@ -84,3 +84,31 @@ def test_cross_task_and_model_scale_rows_appear_when_their_stores_exist(tmp_path
     task = {(r.source, r.target): r for r in by_kind["cross-task"]}
     assert set(task) == {("small-qa", "small-cnn"), ("small-cnn", "small-qa")}
     assert all(not r.skipped and r.auroc.estimate < 0.2 for r in task.values())  # flipped
+
+
+def test_dtype_rows_pair_one_generator_and_dataset_captured_in_two_dtypes(tmp_path):
+    """float32 and bfloat16 captures of one generator and dataset transfer both ways as
+    "dtype" rows, never as "cross-dataset" ones; a model-scale pair needs one dtype."""
+    small, large = "/m/qwen2.5-coder-0.5b-instruct.gguf", "/m/qwen2.5-coder-1.5b-instruct.gguf"
+    specs = {
+        "small-32": (small, "triviaqa", "float32", 1),
+        "small-16": (small, "triviaqa", "bfloat16", 2),
+        "large-16": (large, "triviaqa", "bfloat16", 3),
+        "small-nq": (small, "nq_open", "float32", 4),
+    }
+    stores = []
+    for name, (generator, task, dtype, seed) in specs.items():
+        synthetic_store(tmp_path / name, generator=generator, task=task, signal=2.0, seed=seed)
+        stores.append(StoreInfo(name, tmp_path / name, generator, task, dtype))
+    detector_for = detectors_from_runs({}, "logreg", tmp_path / "scratch", (1,), 10, "cpu")
+    result = transfer_rows(stores, detector_for, lambda t: None, "logreg", "all", 100)
+    pairs = {}
+    for row in result.rows:
+        pairs.setdefault(row.kind, set()).add((row.source, row.target))
+    assert pairs["dtype"] == {("small-32", "small-16"), ("small-16", "small-32")}
+    assert pairs["cross-dataset"] == {
+        (a, b) for a in ("small-32", "small-16") for b in ("small-nq",)
+    } | {(b, a) for a in ("small-32", "small-16") for b in ("small-nq",)}
+    assert pairs["model scale"] == {("small-16", "large-16"), ("large-16", "small-16")}
+    dtype_rows = [r for r in result.rows if r.kind == "dtype"]
+    assert all(r.auroc.estimate > 0.8 for r in dtype_rows)  # one signal, either dtype

@@ -9,7 +9,9 @@ never saw (the target's labels only score it):
   CNN/DM store);
 - leave-one-generator-out: a detector fit on the pooled balanced rows of the other
   generators of one dataset, scored on the held-out generator;
-- model scale: Qwen2.5-Coder 0.5B to 1.5B and back, same dataset.
+- model scale: Qwen2.5-Coder 0.5B to 1.5B and back, same dataset and dtype;
+- dtype: one generator and dataset captured in two dtypes (float32 and bfloat16), each
+  to the other: does a detector fit on one serve answers generated in the other?
 Every row carries the AUROC on the target rows with its bootstrap interval and n, and
 the target's in-domain AUROC (its own detector on its balanced test rows) beside it.
 A row that cannot be made says why (``skipped``). Target stores are only read.
@@ -39,11 +41,12 @@ class StoreInfo:
     path: Path
     generator: str
     task: str
+    dtype: str = "float32"  # the generator's, at capture
 
 
 @dataclass(frozen=True)
 class TransferRow:
-    kind: str  # cross-dataset | cross-task | leave-one-generator-out | model scale
+    kind: str  # cross-dataset | cross-task | leave-one-generator-out | model scale | dtype
     source: str  # store name(s) the detector was fit on
     target: str
     detector: str
@@ -155,7 +158,12 @@ def transfer_rows(
     short = [s for s in stores if s.task not in LONG_FORM]
     long = [s for s in stores if s.task in LONG_FORM]
     # cross-dataset
-    pairs = [(a, b) for a in short for b in short if a is not b and a.generator == b.generator]
+    pairs = [
+        (a, b)
+        for a in short
+        for b in short
+        if a is not b and a.generator == b.generator and a.task != b.task
+    ]
     out += [_row("cross-dataset", [a], b, *args) for a, b in pairs]
     if not pairs:
         out.append(_skip("cross-dataset", "no generator has two short-form stores"))
@@ -183,6 +191,7 @@ def transfer_rows(
             for b in stores:
                 if (
                     a.task == b.task
+                    and a.dtype == b.dtype  # a scale pair differs in scale only
                     and small in a.generator.lower()
                     and large in b.generator.lower()
                 ):
@@ -193,6 +202,16 @@ def transfer_rows(
     out += scale
     if not scale:
         out.append(_skip("model scale", "no dataset has both Qwen2.5-Coder 0.5B and 1.5B stores"))
+    # dtype: the same generator and dataset captured in two dtypes
+    pairs = [
+        (a, b)
+        for a in stores
+        for b in stores
+        if a.generator == b.generator and a.task == b.task and a.dtype != b.dtype
+    ]
+    out += [_row("dtype", [a], b, *args) for a, b in pairs]
+    if not pairs:
+        out.append(_skip("dtype", "no generator and dataset captured in two dtypes"))
     return TransferResult(out, detector, rows)
 
 

@@ -64,7 +64,13 @@ def header(context: ReportContext, commit: str | None) -> dict:
         "n_resamples": context.n_resamples,
         "max_epochs": context.max_epochs,
         "stores": {
-            s.name: {"path": str(s.path), "generator": s.generator, "task": s.task}
+            s.name: {
+                "path": str(s.path),
+                "generator": s.generator,
+                "dtype": s.dtype,
+                "task": s.task,
+                "judge": s.judge,
+            }
             for s in context.stores.values()
         },
         "runs": {k: {d: str(p) for d, p in v.items()} for k, v in context.runs.items()},
@@ -80,11 +86,12 @@ def header_markdown(head: dict, timings: dict[str, float]) -> str:
         f"{head['n_resamples']} bootstrap resamples per interval (95%, percentile)",
         f"- training epochs: {head['max_epochs'] or 'the paper recipe (80, early stopping)'}",
         "",
-        "| store | generator | task | path |",
-        "|---|---|---|---|",
+        "| store | generator | dtype | task | labels | path |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {name} | {s['generator']} | {s['task']} | `{s['path']}` |"
+        f"| {name} | {s['generator']} | {s.get('dtype', 'float32')} | {s['task']} "
+        f"| {'judge ' + s['judge'] if s.get('judge') else 'task rule'} | `{s['path']}` |"
         for name, s in head["stores"].items()
     ]
     runs = [(store, det, path) for store, v in head["runs"].items() for det, path in v.items()]

@@ -20,6 +20,7 @@ T = TypeVar("T")
 
 def store_ref(path: str | Path, name: str | None = None) -> StoreRef:
     """A store's name (its folder's name unless given), generator and task, from its manifest."""
+    from actmap.models import stored_dtype
     from actmap.store import read_manifest
 
     path = Path(path)
@@ -27,7 +28,8 @@ def store_ref(path: str | Path, name: str | None = None) -> StoreRef:
     generator = str(config.get("model", {}).get("name") or "unknown")
     task = str(config.get("task", {}).get("task") or "unknown")
     judge = config.get("task", {}).get("judge")
-    return StoreRef(name or path.name, path, generator, task, None if judge is None else str(judge))
+    judge = None if judge is None else str(judge)
+    return StoreRef(name or path.name, path, generator, task, judge, stored_dtype(config))
 
 
 def _one_each(

@@ -64,6 +64,7 @@ class StoreRef:
     generator: str
     task: str
     judge: str | None = None  # who labelled it (CNN/DM summaries), from its manifest
+    dtype: str = "float32"  # the generator's at capture, from its manifest
 
 
 @dataclass

@@ -13,7 +13,9 @@ def compute(context: ReportContext) -> TransferResult:
 
     detector = context.option("transfer", "detector", "mlp")
     rows = context.option("transfer", "rows", "all")
-    stores = [StoreInfo(s.name, s.path, s.generator, s.task) for s in context.stores.values()]
+    stores = [
+        StoreInfo(s.name, s.path, s.generator, s.task, s.dtype) for s in context.stores.values()
+    ]
     detector_for = detectors_from_runs(
         context.runs,
         detector,
