@@ -30,10 +30,10 @@ def test_help(command):
     assert result.exit_code == 0 and "Usage" in result.output
 
 
-def imbalanced_store(path, n=200, seed=0):
+def imbalanced_store(path, n=200, seed=0, config=None):
     """Channel 0 carries the label; about 30% of rows are correct, in every split."""
     rng = np.random.default_rng(seed)
-    store = MapStore.create(path, {"synthetic": True})
+    store = MapStore.create(path, config or {"synthetic": True})
     records = []
     for i in range(n):
         label = int(i % 10 < 3)
@@ -116,6 +116,36 @@ def test_policy_fit_and_serve_errors(trained, tmp_path):
          "--out", str(tmp_path / "p.toml"), "--split", "dev"],
     )  # fmt: skip
     assert bad_split.exit_code == 2 and "no labelled rows in split 'dev'" in flat(bad_split)
+
+
+def test_the_server_runs_the_generator_in_the_dtype_the_detector_was_fit_on(
+    tmp_path, tiny_model_dir, caplog
+):
+    """A detector fit on maps a bfloat16 generator wrote is served with the generator in
+    bfloat16 by default; another --dtype is honoured, with a warning naming both."""
+    import logging
+
+    import torch
+
+    from actmap.serve.app import ServeSettings, build_engine
+
+    store = tmp_path / "store"
+    imbalanced_store(store, n=40, config={"model": {"name": "m", "dtype": "bfloat16"}})
+    run = tmp_path / "run"
+    args = ["train", "--store", str(store), "--out", str(run), "--detector", "logreg"]
+    assert runner.invoke(app, [*args, "--seeds", "0", "--max-epochs", "1"]).exit_code == 0
+    assert load_detector_run(run).dtype == "bfloat16"
+    settings = ServeSettings(model=str(tiny_model_dir), detector=run)
+    engine = build_engine(settings)
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    with caplog.at_level(logging.WARNING, logger="actmap.serve.app"):
+        engine = build_engine(
+            ServeSettings(model=str(tiny_model_dir), detector=run, dtype="float32")
+        )
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    assert "in float32, but detector" in caplog.text and "captured in bfloat16" in caplog.text
+    served = runner.invoke(app, ["serve", "--detector", str(run), "--dtype", "int4"])
+    assert served.exit_code == 2 and "dtype must be one of" in flat(served)
 
 
 def test_audit_rescore_and_summary(trained, tmp_path):

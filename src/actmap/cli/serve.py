@@ -76,6 +76,11 @@ def serve(
     ),
     score_every: int = typer.Option(1, help="Tokens between running scores while streaming."),
     device: str = typer.Option("cpu", help="cpu | cuda"),
+    dtype: str = typer.Option(
+        None,
+        help="The generator's dtype: float32 | bfloat16 | float16 (default: the one the "
+        "detector's training maps were captured in).",
+    ),
     monitor: Path = typer.Option(
         None,
         help="Shift monitor (`actmap monitor fit`; its folder or the run holding it): every "
@@ -96,7 +101,7 @@ def serve(
             api_key=api_key or None, default_max_tokens=max_tokens, max_tokens_cap=max_tokens_cap,
             max_body_bytes=max_body_bytes, max_context=max_context, max_batch=batch_size,
             batch_window_ms=batch_window_ms, max_queue=queue_size, timeout_s=timeout,
-            stream_scores=stream_scores, score_every=score_every, device=device,
+            stream_scores=stream_scores, score_every=score_every, device=device, dtype=dtype,
             monitor=monitor, monitor_window=monitor_window,
         )  # fmt: skip
         if host not in LOOPBACK and not settings.api_key:

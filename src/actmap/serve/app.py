@@ -84,6 +84,7 @@ class ServeSettings:
     stream_scores: bool = False  # running p(correct) in every streamed chunk by default
     score_every: int = 1  # tokens between running scores
     device: str = "cpu"
+    dtype: str | None = None  # the generator's; None = the dtype the detector's maps came from
     monitor: Path | None = None  # shift monitor folder (or a run folder holding monitor/)
     monitor_window: int = 50  # answers per window test
 
@@ -128,7 +129,17 @@ def build_engine(settings: ServeSettings) -> Engine:
         raise ActmapUserError("a detector run folder is required (--detector RUN)")
     policy = load_policy(settings.policy) if settings.policy else Policy()
     detector = load_detector_run(settings.detector, settings.seed, settings.device)
-    model, tokenizer, source = load_model(settings.model, device=settings.device)  # no remote code
+    dtype = settings.dtype or detector.dtype
+    if dtype != detector.dtype:
+        log.warning(
+            "serving %s in %s, but detector %s was fit on maps captured in %s: scores may shift",
+            settings.model,
+            dtype,
+            detector.id,
+            detector.dtype,
+        )
+    # no remote code
+    model, tokenizer, source = load_model(settings.model, device=settings.device, dtype=dtype)
     limit = getattr(
         getattr(model.config, "text_config", model.config), "max_position_embeddings", 2048
     )

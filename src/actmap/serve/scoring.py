@@ -36,6 +36,7 @@ class LoadedDetector:
     id: str  # "<name>:<run>/seed-<s>:<weights sha256 prefix>"
     map_config: MapConfig
     path: Path
+    dtype: str = "float32"  # the generator's dtype when the detector's training maps were captured
 
     @property
     def requires(self) -> tuple[str, ...]:
@@ -86,6 +87,7 @@ def load_detector_run(
 ) -> LoadedDetector:
     """The detector of a run folder: ``seed`` when given, else the best validation AUROC."""
     from actmap.detectors import load_detector
+    from actmap.models import stored_dtype
 
     run = Path(run)
     if not run.exists():
@@ -95,10 +97,11 @@ def load_detector_run(
     kind = detector.name if isinstance(detector, ActMapPlus) else detector.detector
     store_config = detector.metadata_.get("inputs", {}).get("store_config") or {}
     map_config = MapConfig(**store_config.get("map", {}))
+    dtype = stored_dtype(store_config)
     name = f"{run.name}/{folder.name}" if folder != run else folder.name
     ident = f"{kind}:{name}:{file_digest(folder / 'model.safetensors')[:12]}"
     log.info("detector %s from %s", ident, folder)
-    return LoadedDetector(detector, ident, map_config, folder)
+    return LoadedDetector(detector, ident, map_config, folder, dtype)
 
 
 def stored_form(maps: torch.Tensor) -> np.ndarray:
