@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -279,6 +280,52 @@ def test_tiny_sweep_selects_by_validation_and_round_trips(tmp_path):
         assert all(torch.equal(a.state[k], b.state[k]) for k in a.state)
 
 
+def test_a_killed_sweep_resumes_at_the_next_configuration_with_the_same_result(
+    tmp_path, monkeypatch
+):
+    """Each finished configuration is kept; a rerun after a kill trains only the rest and
+    selects, retrains and scores exactly as one uninterrupted sweep does."""
+    import actmap.baselines.actvit as actvit
+
+    train, val = separable(48, 4, 0, shift=0.5), separable(24, 4, 1, shift=0.5)
+    test = separable(24, 4, 2)
+    grid = [TINY, dataclasses.replace(TINY, patch=(4, 2)), dataclasses.replace(TINY, depth=2)]
+    kw = dict(seed=42, retrain_seeds=(123,), grid=grid, epochs=1, device="cpu")
+    whole = run_sweep(train, val, test, **kw)
+
+    real, calls = actvit.train_config, []
+
+    def killed_at_third(config, *args, **kwargs):
+        calls.append(config)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the session ends mid-sweep
+        return real(config, *args, **kwargs)
+
+    monkeypatch.setattr(actvit, "train_config", killed_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(train, val, test, progress_dir=tmp_path, **kw)
+    assert len(list(tmp_path.glob("*/best-config-*.safetensors"))) == 1  # the best so far
+    calls.clear()
+    other_val = separable(24, 4, 3, shift=0.5)  # other rows: their own state, none reused
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(train, other_val, test, progress_dir=tmp_path, **kw)
+    assert len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(
+        actvit, "train_config", lambda c, *a, **k: calls.append(c) or real(c, *a, **k)
+    )
+    resumed = run_sweep(train, val, test, progress_dir=tmp_path, **kw)
+    assert calls[0] == dataclasses.replace(grid[2], epochs=1) and len(calls) == 2  # + a retrain
+    assert resumed.grid == whole.grid and resumed.selected == whole.selected
+    for a, b in zip(resumed.runs, whole.runs, strict=True):
+        np.testing.assert_array_equal(a.test_scores, b.test_scores)
+    # a finished sweep leaves no partial state; an unreadable one is named, not guessed at
+    (progress,) = tmp_path.glob(f"*/{actvit.SWEEP_PROGRESS}")  # the other rows' sweep
+    progress.write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable sweep progress"):
+        run_sweep(train, other_val, test, progress_dir=tmp_path, **kw)
+
+
 def _generation(dense: torch.Tensor | None) -> Generation:
     T = 3
     return Generation(
@@ -335,8 +382,11 @@ def test_grid_option_names_the_configurations_swept():
         inputs = SimpleNamespace(
             require_table=lambda table, method: None,
             options=BaselineOptions(actvit_grid=name, device="cpu"),
+            store=SimpleNamespace(root=Path("/stores/s")),
         )
-        return ACTViTScorer.from_inputs(inputs).grid
+        scorer = ACTViTScorer.from_inputs(inputs)
+        assert scorer.progress_dir == Path("/stores/s/actvit-sweeps")  # resumable in the store
+        return scorer.grid
 
     assert grid_of("full") == SWEEP_GRID
     small = grid_of("small")

@@ -19,10 +19,12 @@ grid with seed 42 and retrains the selected configuration with 123 and 456.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
 import math
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -559,23 +561,8 @@ class SweepResult:
             "runs": [],
         }
         for run in self.runs:
-            fname = f"seed-{run.seed}.safetensors"
-            tensors = {f"state.{k}": v for k, v in run.state.items()}
-            if run.test_scores is not None:
-                tensors["test_scores"] = torch.from_numpy(np.asarray(run.test_scores, np.float64))
-            _atomic_save(
-                tensors, directory / fname, {"config": json.dumps(self.selected.to_dict())}
-            )
-            meta["runs"].append(
-                {
-                    "seed": run.seed,
-                    "best_epoch": run.best_epoch,
-                    "val_auroc": run.val_auroc,
-                    "test_auroc": run.test_auroc,
-                    "history": [dataclasses.asdict(h) for h in run.history],
-                    "file": fname,
-                }
-            )
+            file = f"seed-{run.seed}.safetensors"
+            meta["runs"].append(_save_run(run, self.selected, directory / file))
         atomic_write_text(directory / "result.json", json.dumps(meta, indent=2))
         return directory
 
@@ -583,33 +570,110 @@ class SweepResult:
     def load(cls, directory: str | Path) -> SweepResult:
         directory = Path(directory)
         meta = json.loads((directory / "result.json").read_text())
-        runs = []
-        for r in meta["runs"]:
-            tensors = load_file(str(directory / r["file"]))
-            state = {k[len("state.") :]: v for k, v in tensors.items() if k.startswith("state.")}
-            scores = tensors.get("test_scores")
-            runs.append(
-                SeedRun(
-                    seed=r["seed"],
-                    best_epoch=r["best_epoch"],
-                    val_auroc=r["val_auroc"],
-                    history=tuple(EpochStats(**h) for h in r["history"]),
-                    state=state,
-                    test_auroc=r["test_auroc"],
-                    test_scores=None if scores is None else scores.numpy(),
-                )
-            )
-        grid = tuple(
-            ConfigResult(**{**g, "config": ACTViTConfig.from_dict(g["config"])})
-            for g in meta["grid"]
-        )
         return cls(
             d_model=meta["d_model"],
-            grid=grid,
+            grid=_config_results(meta["grid"]),
             selected=ACTViTConfig.from_dict(meta["selected"]),
             n_params=meta["n_params"],
-            runs=tuple(runs),
+            runs=tuple(_load_run(r, directory) for r in meta["runs"]),
         )
+
+
+def _config_results(rows: list[dict]) -> tuple[ConfigResult, ...]:
+    return tuple(ConfigResult(**{**g, "config": ACTViTConfig.from_dict(g["config"])}) for g in rows)
+
+
+def _save_run(run: SeedRun, config: ACTViTConfig, path: Path) -> dict:
+    """One seed's checkpoint (and test scores) as safetensors; returns its JSON record."""
+    tensors = {f"state.{k}": v for k, v in run.state.items()}
+    if run.test_scores is not None:
+        tensors["test_scores"] = torch.from_numpy(np.asarray(run.test_scores, np.float64))
+    _atomic_save(tensors, path, {"config": json.dumps(config.to_dict())})
+    return {**_save_meta(run), "file": path.name}
+
+
+def _save_meta(run: SeedRun) -> dict:
+    return {
+        "seed": run.seed,
+        "best_epoch": run.best_epoch,
+        "val_auroc": run.val_auroc,
+        "test_auroc": run.test_auroc,
+        "history": [dataclasses.asdict(h) for h in run.history],
+    }
+
+
+def _load_run(record: dict, directory: Path) -> SeedRun:
+    tensors = load_file(str(directory / record["file"]))
+    state = {k[len("state.") :]: v for k, v in tensors.items() if k.startswith("state.")}
+    scores = tensors.get("test_scores")
+    return SeedRun(
+        seed=record["seed"],
+        best_epoch=record["best_epoch"],
+        val_auroc=record["val_auroc"],
+        history=tuple(EpochStats(**h) for h in record["history"]),
+        state=state,
+        test_auroc=record["test_auroc"],
+        test_scores=None if scores is None else scores.numpy(),
+    )
+
+
+SWEEP_PROGRESS = "sweep-progress.json"
+SWEEP_FOLDER = "actvit-sweeps"  # in a store: one folder per sweep key
+
+
+def sweep_key(grid: Sequence[ACTViTConfig], seed: int, train: Any, val: Any) -> str:
+    """What a sweep's partial results hold for: the grid, the selection seed and the rows."""
+    digest = hashlib.sha256(json.dumps([[c.to_dict() for c in grid], seed]).encode())
+    for split in (train, val):
+        digest.update(split.x.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(np.asarray(split.y, np.float32).tobytes())
+    return digest.hexdigest()[:20]
+
+
+class SweepProgress:
+    """The configurations a sweep has trained and its best run so far, kept in ``folder`` after
+    each configuration so a killed sweep resumes at the next one (CPU sweeps take hours).
+
+    ``sweep-progress.json`` names the best run's checkpoint file; a new best is written under
+    a new name before the JSON points at it, so a kill between the two leaves the old pair."""
+
+    def __init__(self, folder: Path, key: str) -> None:
+        self.folder = Path(folder) / key
+        self.path = self.folder / SWEEP_PROGRESS
+
+    def load(self) -> tuple[list[ConfigResult], SeedRun | None, int]:
+        if not self.path.exists():
+            return [], None, -1
+        try:
+            meta = json.loads(self.path.read_text(encoding="utf-8"))
+            return (
+                list(_config_results(meta["grid"])),
+                _load_run(meta["best_run"], self.folder),
+                meta["best"],
+            )
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"{self.path}: unreadable sweep progress ({err!r}); move it away"
+            ) from None
+
+    def save(self, results: list[ConfigResult], best_run: SeedRun, best: int) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        file = self.folder / f"best-config-{best}.safetensors"
+        if not file.exists():
+            _save_run(best_run, results[best].config, file)
+        meta = {
+            "grid": [{**dataclasses.asdict(g), "config": g.config.to_dict()} for g in results],
+            "best": best,
+            "best_run": {**_save_meta(best_run), "file": file.name},
+        }
+        atomic_write_text(self.path, json.dumps(meta, indent=1))
+        for old in self.folder.glob("best-config-*.safetensors"):
+            if old != file:
+                old.unlink()
+
+    def clear(self) -> None:
+        """The sweep is done (its result is the caller's to keep): drop the partial state."""
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def run_sweep(
@@ -622,11 +686,15 @@ def run_sweep(
     grid: Sequence[ACTViTConfig] = SWEEP_GRID,
     epochs: int | None = None,
     device: str | torch.device | None = None,
+    progress_dir: str | Path | None = None,
 ) -> SweepResult:
     """Train every grid configuration with `seed`, select by validation AUROC, retrain with the rest.
 
     Ties between configurations keep the earlier grid entry. The test split is
-    only scored with each seed's selected checkpoint, never used to select.
+    only scored with each seed's selected checkpoint, never used to select. With
+    ``progress_dir``, each finished configuration is kept there (`SweepProgress`, under a key
+    of the grid, seed and rows) until the sweep returns, and a rerun of the same sweep after
+    a kill starts at the next configuration.
     """
     if not grid:
         raise ValueError("grid is empty")
@@ -636,19 +704,30 @@ def run_sweep(
     val = _check_split(val, "val", need_both_classes=True)
     d_model = train.x.shape[-1]
 
-    results, best_run, best_i = [], None, -1
+    kept = None
+    if progress_dir is not None:
+        kept = SweepProgress(Path(progress_dir), sweep_key(grid, seed, train, val))
+    results, best_run, best_i = kept.load() if kept is not None else ([], None, -1)
+    if results:
+        logger.info("sweep resumed after %d of %d configurations", len(results), len(grid))
     for i, config in enumerate(grid):
+        if i < len(results):
+            continue
         run = train_config(config, train, val, None, seed=seed, device=device)
         n_params = count_parameters(ACTViT.from_config(config, d_model))
         results.append(ConfigResult(config, run.val_auroc, run.best_epoch, n_params))
         logger.info("config %d/%d %s: val AUROC %.4f", i + 1, len(grid), config, run.val_auroc)
         if best_run is None or run.val_auroc > best_run.val_auroc:
             best_run, best_i = run, i
+        if kept is not None:
+            kept.save(results, best_run, best_i)
     selected = grid[best_i]
 
     runs = [_score_test(selected, best_run, test, d_model, device)]
     for s in retrain_seeds:
         runs.append(train_config(selected, train, val, test, seed=s, device=device))
+    if kept is not None:
+        kept.clear()
     return SweepResult(d_model, tuple(results), selected, results[best_i].n_params, tuple(runs))
 
 
@@ -700,6 +779,7 @@ class ACTViTScorer:
             epochs=inputs.options.actvit_epochs,
             seeds=inputs.options.actvit_seeds,
             device=inputs.options.device,
+            progress_dir=inputs.store.root / SWEEP_FOLDER,  # a killed sweep resumes
         )
 
     @property
@@ -715,8 +795,10 @@ class ACTViTScorer:
         epochs: int | None = None,
         layer_pad_mode: PadMode = "zero",
         device: str | None = None,
+        progress_dir: str | Path | None = None,
     ):
         self.config = config
+        self.progress_dir = progress_dir
         self.seeds = tuple(seeds)
         self.grid = tuple(grid)
         self.epochs = epochs
@@ -745,6 +827,7 @@ class ACTViTScorer:
             grid=grid,
             epochs=self.epochs,
             device=self.device,
+            progress_dir=self.progress_dir,
         )
         device = resolve_device(self.device)
         self.models_ = []
