@@ -281,3 +281,19 @@ def test_cache_key_is_the_full_prompt(smol_tokenizer):
     assert chat.key("Paris", "London", QUESTION) != chat.key("London", "Paris", QUESTION)
     with pytest.raises(ValueError, match="no path"):
         chat.save()
+
+
+def test_a_bfloat16_entailment_judge_is_named_apart(tiny_model_dir):
+    """SE's LLM judge loads in the dtype asked; a non-float32 one has its own name, so its
+    cached verdicts never answer for the float32 judge; a dtype we do not know is refused."""
+    from actmap.baselines.judges import load_llm_judge
+    from actmap.baselines.options import BaselineOptions
+    from actmap.errors import ActmapUserError
+
+    full = load_llm_judge(str(tiny_model_dir))
+    half = load_llm_judge(str(tiny_model_dir), dtype="bfloat16")
+    assert half.name == full.name + "@bfloat16"
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
+    assert half.check_implication("paris", "paris", "what is the capital") in (0, 1, 2)
+    with pytest.raises(ActmapUserError, match="dtype must be one of"):
+        BaselineOptions(judge_dtype="int8")

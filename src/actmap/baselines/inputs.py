@@ -184,7 +184,9 @@ class StoreInputs:
                 raise BaselineUnavailable(
                     "Semantic Entropy needs an entailment judge and --judge none was given"
                 )
-            self._judge = load_llm_judge(self.options.judge, device=self.device())
+            self._judge = load_llm_judge(
+                self.options.judge, device=self.device(), dtype=self.options.judge_dtype
+            )
         if not isinstance(self._judge, CachedJudge):
             self._judge = CachedJudge(self._judge, self.store.root / JUDGE_CACHE)
         return self._judge

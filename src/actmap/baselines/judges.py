@@ -228,14 +228,17 @@ class LLMEntailmentJudge:
         return parse_entailment(self.respond(premise_text, hypothesis_text, question))
 
 
-def load_llm_judge(name: str = DEFAULT_LLM_JUDGE, device: str = "cpu") -> LLMEntailmentJudge:
-    """The LLM judge from a short name, a ``.gguf`` path, a local folder or a hub id."""
+def load_llm_judge(
+    name: str = DEFAULT_LLM_JUDGE, device: str = "cpu", dtype: str = "float32"
+) -> LLMEntailmentJudge:
+    """The LLM judge from a short name, a ``.gguf`` path, a local folder or a hub id; a dtype
+    other than float32 is part of its name (its cached verdicts are its own)."""
     from actmap.models import load_model
 
     name = LLM_JUDGES.get(name, name)
 
     try:
-        model, tokenizer, source = load_model(name, device=device)
+        model, tokenizer, source = load_model(name, device=device, dtype=dtype)
     except (FileNotFoundError, OSError) as err:
         raise BaselineUnavailable(
             f"LLM judge '{name}' cannot be loaded ({err}); "
@@ -243,7 +246,7 @@ def load_llm_judge(name: str = DEFAULT_LLM_JUDGE, device: str = "cpu") -> LLMEnt
             "folder or .gguf file of an instruction-tuned LLM"
         ) from err
     label = Path(source.gguf_file).stem if source.gguf_file else Path(source.name).name
-    return LLMEntailmentJudge(model, tokenizer, label)
+    return LLMEntailmentJudge(model, tokenizer, label + ("" if dtype == "float32" else f"@{dtype}"))
 
 
 # -- cache -------------------------------------------------------------------------------------

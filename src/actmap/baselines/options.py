@@ -18,6 +18,7 @@ class BaselineOptions:
     model: str | None = None  # generator for P(True) and sampling; None = the store's own model
     device: str | None = None  # "cpu" | "cuda"; None = cuda when available
     judge: str | None = "qwen2.5-coder-1.5b-instruct"  # SE's LLM judge (name or path); None = none
+    judge_dtype: str = "float32"  # the LLM judge's weights; not float32: part of its name
     instruct: bool = True  # RAUQ's alpha rule; every generator in the paper is instruction-tuned
     tad_previous: int | None = None  # TAD's K; None = min(10, attention keys in the store)
     n_samples: int = N_SAMPLES  # SE and EigenScore: answers sampled per prompt
@@ -42,6 +43,9 @@ class BaselineOptions:
             )
         if self.score_chunk < 1 or self.samples_commit_every < 1:
             raise ActmapUserError("score_chunk and samples_commit_every must be >= 1")
+        from actmap.models import check_dtype
+
+        check_dtype(self.judge_dtype)
         if isinstance(self.actvit_grid, str) and self.actvit_grid not in ACTVIT_GRIDS:
             raise ActmapUserError(
                 f"actvit_grid must be one of {', '.join(ACTVIT_GRIDS)}, got {self.actvit_grid!r}"
