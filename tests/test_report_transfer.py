@@ -110,5 +110,8 @@ def test_dtype_rows_pair_one_generator_and_dataset_captured_in_two_dtypes(tmp_pa
         (a, b) for a in ("small-32", "small-16") for b in ("small-nq",)
     } | {(b, a) for a in ("small-32", "small-16") for b in ("small-nq",)}
     assert pairs["model scale"] == {("small-16", "large-16"), ("large-16", "small-16")}
+    # leave-one-generator-out pools one store per other generator (the first listed)
+    assert ("small-32", "large-16") in pairs["leave-one-generator-out"]
+    assert not any("small-16" in source for source, _ in pairs["leave-one-generator-out"])
     dtype_rows = [r for r in result.rows if r.kind == "dtype"]
     assert all(r.auroc.estimate > 0.8 for r in dtype_rows)  # one signal, either dtype

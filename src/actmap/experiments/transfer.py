@@ -178,7 +178,12 @@ def transfer_rows(
     for task in sorted({s.task for s in stores}):
         same = [s for s in stores if s.task == task]
         for held in same:
-            others = [s for s in same if s.generator != held.generator]
+            # one store per other generator, the first listed (a generator captured in two
+            # dtypes counts once)
+            others: list[StoreInfo] = []
+            for s in same:
+                if s.generator not in {held.generator, *(o.generator for o in others)}:
+                    others.append(s)
             if others:
                 logo.append(_row("leave-one-generator-out", others, held, *args))
     out += logo
