@@ -9,7 +9,10 @@
 # a killed run resumes at the next one. Measured on this CPU at 1 thread beside two other jobs,
 # one epoch over the 118 rows takes 2-120 s per configuration (1x1 patches and width 1024 the
 # slowest), about 7 hours for the sweep; NICE (default 10) leaves the cores to the capture
-# queues first. Semantic Entropy at its settings (10 samples, T = 1.0, top-p 0.9) ran on this
+# queues first. Memory: the depth-3 configuration with 1x1 patches (800 patch tokens) reached
+# 12.8 GB RSS and was killed for memory beside the 1.5B capture and judge (session 7, after
+# the six width-128 depth-1 configurations had finished and been kept): run it with the
+# machine to itself, or beside jobs that leave it 14 GB. Semantic Entropy at its settings (10 samples, T = 1.0, top-p 0.9) ran on this
 # store in session 6 with the 0.5B judge (degenerate: see docs/report.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
