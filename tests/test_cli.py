@@ -273,3 +273,15 @@ def test_train_then_evaluate_on_a_store(tmp_path):
     )
     assert transfer.exit_code == 0, transfer.output
     assert json.loads((tmp_path / "t.json").read_text())["mean"]["auroc"] > 0.9
+    assert "test metrics (balanced rows)" in transfer.output
+    # every labelled row: the table says so (it once said "balanced rows" for any --rows)
+    every = runner.invoke(
+        app,
+        ["evaluate", "--run", str(run), "--store", str(tmp_path / "other"), "--rows", "all",
+         "--out", str(tmp_path / "all.json")],
+    )  # fmt: skip
+    assert every.exit_code == 0, every.output
+    written = json.loads((tmp_path / "all.json").read_text())
+    flat = " ".join(every.output.split())
+    assert f"metrics (all rows: n={written['n']}, {written['n_correct']} correct)" in flat
+    assert "balanced rows" not in flat

@@ -88,7 +88,13 @@ def print_summary(summary: dict) -> None:
     from rich.table import Table
 
     detector = summary.get("detector")
-    title = f"{detector + ' ' if detector else ''}test metrics (balanced rows)"
+    rows = summary.get("rows", "balanced")  # what `evaluate --rows` scored; training: balanced
+    scored = (
+        "test metrics (balanced rows)"
+        if rows == "balanced"
+        else f"metrics ({rows} rows: n={summary.get('n')}, {summary.get('n_correct')} correct)"
+    )
+    title = f"{detector + ' ' if detector else ''}{scored}"
     table = Table(title=title)
     for column in ("seed", "AUROC", "AUPRC", "ECE"):
         table.add_column(column)
