@@ -131,8 +131,9 @@ def test_a_store_spelled_two_ways_is_one_store(tmp_path):
 
 
 def test_copy_is_redone_when_rows_change_not_when_a_no_op_run_is_logged(tmp_path):
-    """A capture that resumes a finished store logs a run with nothing written: that must not
-    renew the copy (and retrain everything after it); a new shard must."""
+    """A capture that resumes a finished store logs a run with nothing written, and training
+    on the source writes its balanced split: neither may renew the copy (and retrain everything
+    after it); a new shard must."""
     from actmap.experiments.reproduce import plan
 
     store = tmp_path / "stores" / "s"
@@ -149,6 +150,11 @@ def test_copy_is_redone_when_rows_change_not_when_a_no_op_run_is_logged(tmp_path
     before = copy_fingerprint()
     manifest["runs"].append({"written": 0, "skipped_existing": 32})
     (store / "manifest.json").write_text(json.dumps(manifest, indent=2))  # also a new mtime
+    assert copy_fingerprint() == before
+    # `actmap train` on the source writes its balanced split (derived from the rows)
+    manifest["balanced"] = {"test": {"correct": 3, "incorrect": 29, "per_class": 3}}
+    manifest["shards"]["splits"] = {"part-0.parquet": 6}
+    (store / "manifest.json").write_text(json.dumps(manifest))
     assert copy_fingerprint() == before
     manifest["shards"]["maps"]["part-1.parquet"] = 8
     (store / "manifest.json").write_text(json.dumps(manifest))

@@ -180,11 +180,16 @@ class Stage:
 # Manifest keys that log what was done to a store without changing its rows: a capture that
 # resumes a finished store appends a run record with nothing written.
 LOG_KEYS = ("runs",)
+# What a reader derives from the rows and writes back (`actmap train` on the source store
+# writes its balanced split): a function of the rows, so the copy derives the same itself.
+DERIVED_KEYS = ("balanced",)
+DERIVED_TABLES = ("splits",)
 
 
 def source_content(path: Path) -> str | None:
-    """A digest of the store's manifest without its log keys: what the copy holds. It
-    changes when shards, config or results change, not when a no-op capture run is logged."""
+    """A digest of the store's manifest without its log keys and derived tables: what the
+    copy holds. It changes when shards, config or results change, not when a no-op capture
+    run is logged or a training run writes the balanced split into the source."""
     manifest = path / "manifest.json"
     if not manifest.is_file():
         return None
@@ -192,7 +197,9 @@ def source_content(path: Path) -> str | None:
         data = json.loads(manifest.read_text())
     except ValueError:
         return None
-    kept = {k: v for k, v in data.items() if k not in LOG_KEYS}
+    kept = {k: v for k, v in data.items() if k not in LOG_KEYS + DERIVED_KEYS}
+    if isinstance(kept.get("shards"), dict):
+        kept["shards"] = {k: v for k, v in kept["shards"].items() if k not in DERIVED_TABLES}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
