@@ -115,3 +115,6 @@ def test_dtype_rows_pair_one_generator_and_dataset_captured_in_two_dtypes(tmp_pa
     assert not any("small-16" in source for source, _ in pairs["leave-one-generator-out"])
     dtype_rows = [r for r in result.rows if r.kind == "dtype"]
     assert all(r.auroc.estimate > 0.8 for r in dtype_rows)  # one signal, either dtype
+    # the two stores share their questions: only the target's test rows are scored
+    test_rows = (MapStore.open(tmp_path / "small-16").metadata()["split"] == "test").sum()
+    assert all(r.rows == "test" and r.auroc.n == test_rows for r in dtype_rows)

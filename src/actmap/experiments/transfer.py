@@ -11,7 +11,8 @@ never saw (the target's labels only score it):
   generators of one dataset, scored on the held-out generator;
 - model scale: Qwen2.5-Coder 0.5B to 1.5B and back, same dataset and dtype;
 - dtype: one generator and dataset captured in two dtypes (float32 and bfloat16), each
-  to the other: does a detector fit on one serve answers generated in the other?
+  to the other, on the target's test rows (the stores share their questions): does a
+  detector fit on one serve answers generated in the other?
 Every row carries the AUROC on the target rows with its bootstrap interval and n, and
 the target's in-domain AUROC (its own detector on its balanced test rows) beside it.
 A row that cannot be made says why (``skipped``). Target stores are only read.
@@ -214,7 +215,10 @@ def transfer_rows(
         for b in stores
         if a.generator == b.generator and a.task == b.task and a.dtype != b.dtype
     ]
-    out += [_row("dtype", [a], b, *args) for a, b in pairs]
+    # the same questions in both stores: the target's test rows only, or the source's
+    # training questions would be scored again (in the other dtype)
+    held_out = (detector_for, own_run, detector, "test", n_resamples)
+    out += [_row("dtype", [a], b, *held_out) for a, b in pairs]
     if not pairs:
         out.append(_skip("dtype", "no generator and dataset captured in two dtypes"))
     return TransferResult(out, detector, rows)

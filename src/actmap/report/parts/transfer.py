@@ -41,6 +41,12 @@ def _interval(value) -> str:
     return f"{value.estimate:.3f} [{value.low:.3f}, {value.high:.3f}] n={value.n}"
 
 
+def _note(row, target_rows: str) -> str:
+    if row.skipped or not row.rows or row.rows == target_rows:
+        return row.skipped
+    return f"the target's {row.rows} rows (source and target share their questions)"
+
+
 def render(result: TransferResult, figure_dir: Path) -> str:
     lines = [
         f"Detector: actmap-{result.detector}, fit on the source and frozen; scored on the "
@@ -56,7 +62,7 @@ def render(result: TransferResult, figure_dir: Path) -> str:
         target = judged_name(r.target, notes) if r.target else "--"
         lines.append(
             f"| {r.kind} | {source} | {target} | {_interval(r.auroc)} "
-            f"| {_interval(r.in_domain)} | {r.n_empty} | {r.skipped} |"
+            f"| {_interval(r.in_domain)} | {r.n_empty} | {_note(r, result.target_rows)} |"
         )
     return "\n".join(lines) + "\n" + judge_footnote(notes)
 
