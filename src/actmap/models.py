@@ -146,6 +146,11 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
+def dtype_tag(dtype: str) -> str:
+    """What a non-float32 model's name carries ("@bfloat16"), so what it made stays apart."""
+    return "" if dtype == "float32" else f"@{dtype}"
+
+
 def stored_dtype(config: dict) -> str:
     """The dtype a store's generator ran in (its config's ``model.dtype``; float32 if absent)."""
     return str(config.get("model", {}).get("dtype") or "float32")

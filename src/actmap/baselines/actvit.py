@@ -557,7 +557,7 @@ class SweepResult:
             "selected": self.selected.to_dict(),
             "n_params": self.n_params,
             "test_auroc_mean": self.test_auroc_mean,
-            "grid": [{**dataclasses.asdict(g), "config": g.config.to_dict()} for g in self.grid],
+            "grid": _config_records(self.grid),
             "runs": [],
         }
         for run in self.runs:
@@ -577,6 +577,10 @@ class SweepResult:
             n_params=meta["n_params"],
             runs=tuple(_load_run(r, directory) for r in meta["runs"]),
         )
+
+
+def _config_records(results: Sequence[ConfigResult]) -> list[dict]:
+    return [{**dataclasses.asdict(g), "config": g.config.to_dict()} for g in results]
 
 
 def _config_results(rows: list[dict]) -> tuple[ConfigResult, ...]:
@@ -662,7 +666,7 @@ class SweepProgress:
         if not file.exists():
             _save_run(best_run, results[best].config, file)
         meta = {
-            "grid": [{**dataclasses.asdict(g), "config": g.config.to_dict()} for g in results],
+            "grid": _config_records(results),
             "best": best,
             "best_run": {**_save_meta(best_run), "file": file.name},
         }

@@ -233,7 +233,7 @@ def load_llm_judge(
 ) -> LLMEntailmentJudge:
     """The LLM judge from a short name, a ``.gguf`` path, a local folder or a hub id; a dtype
     other than float32 is part of its name (its cached verdicts are its own)."""
-    from actmap.models import load_model
+    from actmap.models import dtype_tag, load_model
 
     name = LLM_JUDGES.get(name, name)
 
@@ -246,7 +246,7 @@ def load_llm_judge(
             "folder or .gguf file of an instruction-tuned LLM"
         ) from err
     label = Path(source.gguf_file).stem if source.gguf_file else Path(source.name).name
-    return LLMEntailmentJudge(model, tokenizer, label + ("" if dtype == "float32" else f"@{dtype}"))
+    return LLMEntailmentJudge(model, tokenizer, label + dtype_tag(dtype))
 
 
 # -- cache -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import typer
 
 from actmap.cli.app import app
 from actmap.cli.common import (
+    JUDGE_DTYPE_HELP,
     console,
     fraction,
     parse_resolution,
@@ -40,23 +41,14 @@ CAPTURE_NEEDS: dict[str, dict] = {
 AUTO_SHARE_PREFIX = 64
 
 
-JUDGE_DTYPES = DTYPES
-JUDGE_DTYPE_HELP = (
-    "The LLM judge's weights: float32, or bfloat16 (about 4x faster on a CPU with AVX512-BF16; "
-    "named in the judge's name, so its labels and checks are not mixed with float32 ones)."
-)
-
-
 def load_factuality_judge(spec: str | None, dtype: str = "float32"):
     """CNN/DM's judge: 'minicheck:<path or hub id>', or any causal LM actmap can load (LLM judge)."""
     if spec is None:
         return None
     from actmap.data.factuality import LLMFactualityJudge, MiniCheckJudge
 
-    if dtype not in JUDGE_DTYPES:
-        raise ActmapUserError(
-            f"judge dtype must be one of {', '.join(JUDGE_DTYPES)}, not {dtype!r}"
-        )
+    if dtype not in DTYPES:
+        raise ActmapUserError(f"judge dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if spec.startswith("minicheck:"):
         if dtype != "float32":
             raise ActmapUserError("a MiniCheck judge runs in float32; drop --judge-dtype")

@@ -323,11 +323,10 @@ class LLMFactualityJudge:
 
         ``dtype`` other than float32 (bfloat16: about 4x the matmul rate of float32 on a CPU
         with AVX512-BF16) is part of the judge's name: its labels and checks are its own."""
-        from actmap.models import load_model
+        from actmap.models import dtype_tag, load_model
 
         model, tokenizer, source = load_model(name_or_path, device=device, dtype=dtype)
-        suffix = "" if dtype == "float32" else f"@{dtype}"
-        kw.setdefault("name", f"llm:{Path(source.name).stem}{suffix}")
+        kw.setdefault("name", f"llm:{Path(source.name).stem}{dtype_tag(dtype)}")
         return cls(model, tokenizer, **kw)
 
     def prompt(self, document: str, claim: str) -> str:

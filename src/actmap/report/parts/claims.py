@@ -13,10 +13,11 @@ def compute(context: ReportContext) -> ClaimsResult:
 
     tasks = {s.name: s.task for s in context.stores.values()}
     result = check_claims(context.results, tasks)
-    cited = [
-        n for n, note in context.judge_notes().items() if any(n in c.ours for c in result.claims)
-    ]
-    result.judge_notes.update(context.judge_notes(cited))
+    result.judge_notes.update(
+        (store, note)
+        for store, note in context.judge_notes().items()
+        if any(store in c.ours for c in result.claims)  # the stores a claim cites
+    )
     return result
 
 
