@@ -62,6 +62,7 @@ def test_baselines_help_lists_the_options():
     for option in (
         "--methods",
         "--judge",
+        "--judge-prompt",
         "--force",
         "--n-samples",
         "--actvit-grid",
@@ -106,3 +107,6 @@ def test_baselines_then_compare(store_path, tmp_path):
 def test_bad_method_name_is_a_clear_error(store_path):
     result = CliRunner().invoke(app, ["baselines", "--store", str(store_path), "--methods", "nope"])
     assert result.exit_code == 2 and "unknown method 'nope'" in result.output
+    args = ["baselines", "--store", str(store_path), "--methods", "se", "--judge-prompt", "nli"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "judge_prompt must be one of" in result.output

@@ -16,6 +16,7 @@ from actmap.baselines.judges import (
     CachedJudge,
     LLMEntailmentJudge,
     NLIJudge,
+    SameAnswerJudge,
     entailment_prompt,
     nli_label_map,
     parse_entailment,
@@ -129,6 +130,89 @@ def test_llm_judge_prompt_and_template(smol_tokenizer):
     assert templated.endswith("<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="question"):
         chat.check_implication("Paris", "London", None)
+
+
+# -- same-answer judge -------------------------------------------------------------------------
+def _same_answer_model(tokenizer, answer: str):
+    """A forced Llama whose next token after the same-answer prompt is ``answer``'s first."""
+    probe = SameAnswerJudge(forced_llama(tokenizer, 0, []), tokenizer, "tiny")
+    text = probe.render("Paris", "London", QUESTION)
+    last = tokenizer(text, add_special_tokens=False)["input_ids"][-1]
+    first = tokenizer(answer, add_special_tokens=False)["input_ids"][0]
+    return forced_llama(tokenizer, last, [first])
+
+
+@pytest.mark.parametrize("answer, label", [("yes", ENTAILMENT), ("No", CONTRADICTION)])
+def test_same_answer_judge_reads_yes_against_no(smol_tokenizer, answer, label):
+    """The verdict is the sign of log p(yes) - log p(no), each side summed over its lower- and
+    capitalised first token; checked against the probabilities summed by hand."""
+    model = _same_answer_model(smol_tokenizer, answer)
+    judge = SameAnswerJudge(model, smol_tokenizer, "tiny")
+    assert judge.check_implication("Paris", "London", QUESTION) == label
+    text = judge.render("Paris", "London", QUESTION)
+    ids = smol_tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        probs = model(ids).logits[0, -1].double().softmax(-1)
+    first = {
+        w: smol_tokenizer(w, add_special_tokens=False)["input_ids"][0]
+        for w in ("yes", "Yes", "no", "No")
+    }
+    p_yes = sum(probs[first[w]] for w in {"yes", "Yes"})
+    p_no = sum(probs[first[w]] for w in {"no", "No"})
+    expected = float(torch.log(p_yes) - torch.log(p_no))
+    assert judge.margin("Paris", "London", QUESTION) == pytest.approx(expected, abs=1e-4)
+    assert (expected > 0) == (label == ENTAILMENT)
+
+
+def test_same_answer_judge_prompt_name_and_question(smol_tokenizer):
+    model = forced_llama(smol_tokenizer, 0, [])
+    judge = SameAnswerJudge(model, smol_tokenizer, "tiny")
+    templated = judge.render("Paris", "London", QUESTION)
+    assert templated.endswith("<|im_start|>assistant\n")
+    assert f"Question: {QUESTION}\nAnswer 1: Paris\nAnswer 2: London\n" in templated
+    assert judge.name == "llm-same:tiny"
+    with pytest.raises(ValueError, match="question-conditioned"):
+        judge.check_implication("Paris", "London", None)
+    bare = SameAnswerJudge(
+        model, smol_tokenizer, "tiny", condition_on_question=False, use_chat_template=False
+    )
+    assert bare.name == "llm-same:tiny:unconditioned"
+    assert bare.render("Paris", "London", None) == (
+        "Answer 1: Paris\nAnswer 2: London\n"
+        "Do the two answers name the same thing? Respond only with yes or no.\nResponse:"
+    )
+    # its verdicts are cached apart from the entailment judge's on the same texts
+    entail = CachedJudge(LLMEntailmentJudge(model, smol_tokenizer, "tiny"))
+    assert CachedJudge(judge).key("Paris", "London", QUESTION) != entail.key(
+        "Paris", "London", QUESTION
+    )
+
+
+def test_load_llm_judge_prompt(embedded_gguf, tiny_model_dir):
+    from actmap.baselines.judges import load_llm_judge
+    from actmap.baselines.options import BaselineOptions
+    from actmap.errors import ActmapUserError
+
+    same = load_llm_judge(str(embedded_gguf), prompt="same_answer")
+    assert isinstance(same, SameAnswerJudge)
+    # the baselines' options reach the judge SE loads, behind the store's verdict cache
+    from types import SimpleNamespace
+
+    from actmap.baselines.inputs import StoreInputs
+
+    options = BaselineOptions(judge=str(embedded_gguf), judge_prompt="same_answer", device="cpu")
+    cached = StoreInputs(SimpleNamespace(root=tiny_model_dir), options, {}).entailment_judge()
+    assert isinstance(cached.judge, SameAnswerJudge) and cached.name == same.name
+    assert cached.path == tiny_model_dir / "judge-cache.json"
+    assert same.name == f"llm-same:{embedded_gguf.stem}"
+    assert same.check_implication("Paris", "Paris", QUESTION) in (ENTAILMENT, CONTRADICTION)
+    # a tokenizer that cannot tell yes from no (both unknown words) is refused
+    with pytest.raises(ValueError, match="starts 'yes' and 'no' with one token"):
+        load_llm_judge(str(tiny_model_dir), prompt="same_answer")
+    with pytest.raises(ValueError, match="judge prompt must be one of"):
+        load_llm_judge(str(tiny_model_dir), prompt="nli")
+    with pytest.raises(ActmapUserError, match="judge_prompt must be one of"):
+        BaselineOptions(judge_prompt="yes-no")
 
 
 # -- NLI judge ---------------------------------------------------------------------------------

@@ -185,7 +185,10 @@ class StoreInputs:
                     "Semantic Entropy needs an entailment judge and --judge none was given"
                 )
             self._judge = load_llm_judge(
-                self.options.judge, device=self.device(), dtype=self.options.judge_dtype
+                self.options.judge,
+                device=self.device(),
+                dtype=self.options.judge_dtype,
+                prompt=self.options.judge_prompt,
             )
         if not isinstance(self._judge, CachedJudge):
             self._judge = CachedJudge(self._judge, self.store.root / JUDGE_CACHE)

@@ -1,11 +1,15 @@
 """Entailment judges for Semantic Entropy's clustering (BASELINES.md decision 5, B2 step 4).
 
 One small interface, ``check_implication(premise, hypothesis, question) ->
-0 | 1 | 2`` (contradiction, neutral, entailment), with two implementations:
+0 | 1 | 2`` (contradiction, neutral, entailment), with three implementations:
 
 - `NLIJudge`: a sequence-classification NLI model (``microsoft/deberta-large-mnli``
   or any local folder), label ids read from ``config.id2label`` by name.
 - `LLMEntailmentJudge`: any causal LM asked the Nature prompt, greedy decoding.
+- `SameAnswerJudge`: any causal LM asked whether two answers to the question name
+  the same thing, read from one forward pass (yes vs no). Small offline LLMs answer
+  the Nature prompt "neutral" whatever the pair (Qwen2.5-Coder-1.5B did for every
+  one of 120 real TriviaQA pairs); see docs/data.md for the check behind this judge.
 
 `CachedJudge` wraps either with a cache keyed by a hash of the judge's name
 and its full input, kept in memory and optionally in a JSON file. Every judge
@@ -228,12 +232,103 @@ class LLMEntailmentJudge:
         return parse_entailment(self.respond(premise_text, hypothesis_text, question))
 
 
+# -- same-answer judge --------------------------------------------------------------------------
+def same_answer_prompt(answer_1: str, answer_2: str, question: str | None = None) -> str:
+    """Two answers, one yes/no question: do they name the same thing?"""
+    head = "" if question is None else f"Question: {question}\n"
+    return (
+        f"{head}Answer 1: {answer_1}\nAnswer 2: {answer_2}\n"
+        "Do the two answers name the same thing? Respond only with yes or no."
+    )
+
+
+class SameAnswerJudge:
+    """Any causal LM asked `same_answer_prompt`; one forward pass, no decoding.
+
+    The verdict is the sign of the margin log p(yes) - log p(no) over the first answer
+    token (each side the log-sum of its lower- and capitalised first token): entailment
+    when yes wins, else contradiction. The question is in the prompt by default (the
+    Nature code conditions on it). Chat template when the tokenizer has one."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_name: str,
+        condition_on_question: bool = True,
+        use_chat_template: bool | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.condition_on_question = condition_on_question
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if use_chat_template and not has_template:
+            raise ValueError(
+                f"use_chat_template=True but {model_name}'s tokenizer has no chat template"
+            )
+        self.use_chat_template = has_template if use_chat_template is None else use_chat_template
+        self.yes_ids = self._first_ids("yes", "Yes")
+        self.no_ids = self._first_ids("no", "No")
+        if set(self.yes_ids) & set(self.no_ids):
+            raise ValueError(f"{model_name}'s tokenizer starts 'yes' and 'no' with one token")
+        suffix = "" if condition_on_question else ":unconditioned"
+        self.name = f"llm-same:{model_name}{suffix}"
+
+    def _first_ids(self, *words: str) -> list[int]:
+        return sorted({self.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in words})
+
+    def render(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> str:
+        """The exact text fed to the model."""
+        if self.condition_on_question and question is None:
+            raise ValueError(f"{self.name} is question-conditioned but question is None")
+        asked = question if self.condition_on_question else None
+        prompt = same_answer_prompt(premise_text, hypothesis_text, asked)
+        if not self.use_chat_template:
+            return prompt + "\nResponse:"
+        messages = [{"role": "user", "content": prompt}]
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
+    @torch.inference_mode()
+    def margin(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> float:
+        """log p(yes) - log p(no) for the first answer token."""
+        text = self.render(premise_text, hypothesis_text, question)
+        device = next(self.model.parameters()).device
+        encoded = self.tokenizer(
+            text, return_tensors="pt", add_special_tokens=not self.use_chat_template
+        )
+        logits = self.model(**{k: v.to(device) for k, v in encoded.items()}).logits[0, -1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        yes = torch.logsumexp(logp[self.yes_ids], dim=0)
+        no = torch.logsumexp(logp[self.no_ids], dim=0)
+        return float(yes - no)
+
+    def check_implication(
+        self, premise_text: str, hypothesis_text: str, question: str | None = None
+    ) -> int:
+        yes = self.margin(premise_text, hypothesis_text, question) > 0
+        return ENTAILMENT if yes else CONTRADICTION
+
+
+JUDGE_PROMPTS = ("entailment", "same_answer")  # LLMEntailmentJudge, SameAnswerJudge
+
+
 def load_llm_judge(
-    name: str = DEFAULT_LLM_JUDGE, device: str = "cpu", dtype: str = "float32"
-) -> LLMEntailmentJudge:
+    name: str = DEFAULT_LLM_JUDGE,
+    device: str = "cpu",
+    dtype: str = "float32",
+    prompt: str = "entailment",
+) -> LLMEntailmentJudge | SameAnswerJudge:
     """The LLM judge from a short name, a ``.gguf`` path, a local folder or a hub id; a dtype
-    other than float32 is part of its name (its cached verdicts are its own)."""
+    other than float32 is part of its name (its cached verdicts are its own). ``prompt``:
+    "entailment" (the Nature prompt, `LLMEntailmentJudge`) or "same_answer"
+    (`SameAnswerJudge`)."""
     from actmap.models import dtype_tag, load_model
+
+    if prompt not in JUDGE_PROMPTS:
+        raise ValueError(f"judge prompt must be one of {JUDGE_PROMPTS}, got {prompt!r}")
 
     name = LLM_JUDGES.get(name, name)
 
@@ -246,7 +341,8 @@ def load_llm_judge(
             "folder or .gguf file of an instruction-tuned LLM"
         ) from err
     label = Path(source.gguf_file).stem if source.gguf_file else Path(source.name).name
-    return LLMEntailmentJudge(model, tokenizer, label + dtype_tag(dtype))
+    kind = SameAnswerJudge if prompt == "same_answer" else LLMEntailmentJudge
+    return kind(model, tokenizer, label + dtype_tag(dtype))
 
 
 # -- cache -------------------------------------------------------------------------------------

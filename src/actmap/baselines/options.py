@@ -19,6 +19,7 @@ class BaselineOptions:
     device: str | None = None  # "cpu" | "cuda"; None = cuda when available
     judge: str | None = "qwen2.5-coder-1.5b-instruct"  # SE's LLM judge (name or path); None = none
     judge_dtype: str = "float32"  # the LLM judge's weights; not float32: part of its name
+    judge_prompt: str = "entailment"  # "entailment" (Nature prompt) | "same_answer" (yes/no)
     instruct: bool = True  # RAUQ's alpha rule; every generator in the paper is instruction-tuned
     tad_previous: int | None = None  # TAD's K; None = min(10, attention keys in the store)
     n_samples: int = N_SAMPLES  # SE and EigenScore: answers sampled per prompt
@@ -46,6 +47,12 @@ class BaselineOptions:
         from actmap.models import check_dtype
 
         check_dtype(self.judge_dtype)
+        from actmap.baselines.judges import JUDGE_PROMPTS
+
+        if self.judge_prompt not in JUDGE_PROMPTS:
+            raise ActmapUserError(
+                f"judge_prompt must be one of {', '.join(JUDGE_PROMPTS)}, got {self.judge_prompt!r}"
+            )
         if isinstance(self.actvit_grid, str) and self.actvit_grid not in ACTVIT_GRIDS:
             raise ActmapUserError(
                 f"actvit_grid must be one of {', '.join(ACTVIT_GRIDS)}, got {self.actvit_grid!r}"

@@ -52,6 +52,12 @@ def baselines_command(
     judge_dtype: str = typer.Option(
         "float32", help="The LLM judge's weights: float32 | bfloat16 (faster on CPU) | float16."
     ),
+    judge_prompt: str = typer.Option(
+        "entailment",
+        help="How SE asks the LLM judge: entailment (the Nature prompt, decoded) | same_answer "
+        "(do the two answers name the same thing? yes vs no from one forward pass; small "
+        "offline judges answer the Nature prompt 'neutral' to every pair).",
+    ),
     force: bool = typer.Option(False, help="Recompute methods whose results are stored."),
     rows: str = typer.Option(
         "balanced",
@@ -84,6 +90,7 @@ def baselines_command(
             device=device,
             judge=None if judge.lower() == "none" else judge,
             judge_dtype=judge_dtype,
+            judge_prompt=judge_prompt,
             n_samples=n_samples,
             sample_max_new_tokens=sample_max_new_tokens,
             actvit_grid=actvit_grid,
