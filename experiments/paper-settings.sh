@@ -12,20 +12,32 @@
 # queues first. Memory: the depth-3 configuration with 1x1 patches (800 patch tokens) reached
 # 12.8 GB RSS and was killed for memory beside the 1.5B capture and judge (session 7, after
 # the six width-128 depth-1 configurations had finished and been kept): run it with the
-# machine to itself, or beside jobs that leave it 14 GB. Semantic Entropy at its settings (10 samples, T = 1.0, top-p 0.9) ran on this
-# store in session 6 with the 0.5B judge (degenerate: see docs/report.md).
+# machine to itself, or beside jobs that leave it 14 GB.
+# Semantic Entropy at its settings (10 samples, T = 1.0, top-p 0.9; the copy's samples from
+# session 6 are reused) runs first, on the same balanced test rows, with the Qwen2.5-Coder-1.5B
+# judge in bfloat16 asked the same-answer prompt (SE_PROMPT): asked the Nature prompt, the
+# 1.5B answers "neutral" to every pair and the 0.5B "entailment" to every pair (session 6 ran
+# SE on this store with the 0.5B: a constant), so SE's clusters are meaningless with either;
+# experiments/se_judge_check.py measures both prompts on real answer pairs (docs/report.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${OMP_NUM_THREADS:-1}
 A=${ACTMAP:-.venv/bin/actmap}
 SOURCE=${SOURCE:-runs/reproduce-full/stores/gemma3-builtin}
 COPY=${COPY:-runs/paper-settings/stores/gemma3-builtin}
-run() { echo "=== $(date -Is) start: $*"; "$@"; echo "=== $(date -Is) end rc=$?: $*"; }
+run() { echo "=== $(date -Is) start: $*"; "$@"; local rc=$?; echo "=== $(date -Is) end rc=$rc: $*"; return $rc; }
 if [ ! -d "$COPY" ]; then  # shards hard-linked, the manifest copied, the writer lock left behind
   .venv/bin/python -c "import sys; from pathlib import Path; from actmap.experiments.reproduce \
 import link_copy; link_copy(Path(sys.argv[1]), Path(sys.argv[2]))" "$SOURCE" "$COPY.partial" \
     && mv "$COPY.partial" "$COPY"
 fi
+SE_DONE="$COPY/results-se-${SE_PROMPT:=same_answer}.done"
+if [ ! -e "$SE_DONE" ]; then  # --force replaces the session 6 result (0.5B judge) once
+  run $A baselines --store "$COPY" --methods semantic_entropy --n-samples 10 \
+    --judge qwen2.5-coder-1.5b-instruct --judge-dtype bfloat16 --judge-prompt "$SE_PROMPT" \
+    --force --device cpu && touch "$SE_DONE"
+fi
+[ -n "${SE_ONLY:-}" ] && exit 0
 run nice -n "${NICE:-10}" $A baselines --store "$COPY" --methods actvit --actvit-grid full \
   --force --device cpu
 echo "=== $(date -Is) queue done"
