@@ -16,7 +16,7 @@ PER_SPLIT=${PER_SPLIT:-1000}
 KEEP=(--attention-keys 10 --keep-dense --share-prefix 32 --no-chat-template)
 run() { echo "=== $(date -Is) start: $*"; "$@"; echo "=== $(date -Is) end rc=$?: $*"; }
 run $A capture --task triviaqa --out "$OUT/smollm2-triviaqa" "${KEEP[@]}" --splits train
-run experiments/prompt_check.sh qwen2.5-coder-1.5b-instruct
+[ "${PROMPT_CHECK:-1}" = 0 ] || run experiments/prompt_check.sh qwen2.5-coder-1.5b-instruct
 # The Qwen stores run in DTYPE (bfloat16 by default: on this CPU the 1.5B captures 3.2x
 # faster than in float32, 61.9 s vs 197.1 s for 32 TriviaQA rows at 1 thread; 22 of 32
 # greedy answers came out identical, maps of identical answers correlate .997-.9997), named

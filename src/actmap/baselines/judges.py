@@ -168,7 +168,38 @@ def parse_entailment(response: str) -> int:
     return NEUTRAL
 
 
-class LLMEntailmentJudge:
+class _PromptedLLMJudge:
+    """A causal LM asked one prompt per answer pair, in its chat template when it has one."""
+
+    def __init__(self, model, tokenizer, model_name: str, use_chat_template: bool | None) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if use_chat_template and not has_template:
+            raise ValueError(
+                f"use_chat_template=True but {model_name}'s tokenizer has no chat template"
+            )
+        self.use_chat_template = has_template if use_chat_template is None else use_chat_template
+
+    def _templated(self, prompt: str, plain_suffix: str = "") -> str:
+        if not self.use_chat_template:
+            return prompt + plain_suffix
+        messages = [{"role": "user", "content": prompt}]
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
+    def _encode(self, text: str) -> dict[str, torch.Tensor]:
+        device = next(self.model.parameters()).device
+        # a templated prompt already holds its special tokens
+        encoded = self.tokenizer(
+            text, return_tensors="pt", add_special_tokens=not self.use_chat_template
+        )
+        return {k: v.to(device) for k, v in encoded.items()}
+
+
+class LLMEntailmentJudge(_PromptedLLMJudge):
     """Any causal LM answering the Nature prompt, greedily; chat template when it has one."""
 
     def __init__(
@@ -179,42 +210,23 @@ class LLMEntailmentJudge:
         max_new_tokens: int = 30,
         use_chat_template: bool | None = None,
     ) -> None:
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.model_name = model_name
+        super().__init__(model, tokenizer, model_name, use_chat_template)
         self.max_new_tokens = max_new_tokens  # Nature code: up to 30 new tokens
-        has_template = bool(getattr(tokenizer, "chat_template", None))
-        if use_chat_template and not has_template:
-            raise ValueError(
-                f"use_chat_template=True but {model_name}'s tokenizer has no chat template"
-            )
-        self.use_chat_template = has_template if use_chat_template is None else use_chat_template
         self.name = f"llm:{model_name}"
 
     def render(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> str:
         """The exact text fed to the model."""
         if question is None:
             raise ValueError(f"{self.name} needs the question; got question=None")
-        prompt = entailment_prompt(question, premise_text, hypothesis_text)
-        if not self.use_chat_template:
-            return prompt
-        messages = [{"role": "user", "content": prompt}]
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        return self._templated(entailment_prompt(question, premise_text, hypothesis_text))
 
     @torch.inference_mode()
     def respond(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> str:
         """The model's raw answer to the prompt."""
-        text = self.render(premise_text, hypothesis_text, question)
-        device = next(self.model.parameters()).device
-        # a templated prompt already holds its special tokens
-        encoded = self.tokenizer(
-            text, return_tensors="pt", add_special_tokens=not self.use_chat_template
-        )
+        encoded = self._encode(self.render(premise_text, hypothesis_text, question))
         pad = self.tokenizer.pad_token_id
         out = self.model.generate(
-            **{k: v.to(device) for k, v in encoded.items()},
+            **encoded,
             do_sample=False,
             temperature=None,
             top_p=None,
@@ -242,7 +254,7 @@ def same_answer_prompt(answer_1: str, answer_2: str, question: str | None = None
     )
 
 
-class SameAnswerJudge:
+class SameAnswerJudge(_PromptedLLMJudge):
     """Any causal LM asked `same_answer_prompt`; one forward pass, no decoding.
 
     The verdict is the sign of the margin log p(yes) - log p(no) over the first answer
@@ -258,16 +270,8 @@ class SameAnswerJudge:
         condition_on_question: bool = True,
         use_chat_template: bool | None = None,
     ) -> None:
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.model_name = model_name
+        super().__init__(model, tokenizer, model_name, use_chat_template)
         self.condition_on_question = condition_on_question
-        has_template = bool(getattr(tokenizer, "chat_template", None))
-        if use_chat_template and not has_template:
-            raise ValueError(
-                f"use_chat_template=True but {model_name}'s tokenizer has no chat template"
-            )
-        self.use_chat_template = has_template if use_chat_template is None else use_chat_template
         self.yes_ids = self._first_ids("yes", "Yes")
         self.no_ids = self._first_ids("no", "No")
         if set(self.yes_ids) & set(self.no_ids):
@@ -284,22 +288,13 @@ class SameAnswerJudge:
             raise ValueError(f"{self.name} is question-conditioned but question is None")
         asked = question if self.condition_on_question else None
         prompt = same_answer_prompt(premise_text, hypothesis_text, asked)
-        if not self.use_chat_template:
-            return prompt + "\nResponse:"
-        messages = [{"role": "user", "content": prompt}]
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        return self._templated(prompt, plain_suffix="\nResponse:")
 
     @torch.inference_mode()
     def margin(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> float:
         """log p(yes) - log p(no) for the first answer token."""
-        text = self.render(premise_text, hypothesis_text, question)
-        device = next(self.model.parameters()).device
-        encoded = self.tokenizer(
-            text, return_tensors="pt", add_special_tokens=not self.use_chat_template
-        )
-        logits = self.model(**{k: v.to(device) for k, v in encoded.items()}).logits[0, -1]
+        encoded = self._encode(self.render(premise_text, hypothesis_text, question))
+        logits = self.model(**encoded).logits[0, -1]
         logp = torch.log_softmax(logits.float(), dim=-1)
         yes = torch.logsumexp(logp[self.yes_ids], dim=0)
         no = torch.logsumexp(logp[self.no_ids], dim=0)
