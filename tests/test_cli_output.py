@@ -57,3 +57,29 @@ def test_piped_output_keeps_paths_and_tables_on_one_line(tmp_path):
     header = "| method | kind | AUROC | AUPRC | ECE | n | seeds | ms/answer | note |"
     assert header in compared.output.splitlines()  # plain Markdown when not a terminal
     assert f"actmap-logreg ({deep.name})" in compared.output
+
+
+def test_piped_progress_prints_plain_lines_with_counts_and_eta():
+    """A logged background run (stderr not a terminal) sees its progress as plain lines."""
+    import io
+
+    from rich.console import Console
+
+    from actmap.cli.common import progress_bar
+
+    log = io.StringIO()
+    with progress_bar(every_s=0, on=Console(file=log, force_terminal=False, width=200)) as bar:
+        job = bar.add_task("capture/test", total=10, info="32 rows a batch")
+        bar.advance(job, 3)
+        bar.update(job, completed=7, info="batch 3")
+        done = bar.add_task("finished", total=1, info="")
+        bar.update(done, completed=1)
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("capture/test: 3/10 32 rows a batch elapsed 0:00:0")
+    assert "capture/test: 7/10 batch 3 elapsed" in lines[1] and " eta " in lines[1]
+    assert not any(line.startswith("finished:") for line in lines)  # a finished task is quiet
+
+    terminal = io.StringIO()
+    with progress_bar(every_s=0, on=Console(file=terminal, force_terminal=True)) as bar:
+        bar.advance(bar.add_task("capture/test", total=10, info=""), 3)
+    assert "capture/test: 3/10" not in terminal.getvalue()  # a terminal gets the bar only

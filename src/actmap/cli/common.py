@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -19,6 +20,7 @@ from rich.progress import (
 )
 
 PIPED_WIDTH = 200  # columns when stderr is not a terminal: no folding at rich's default 80
+PIPED_PROGRESS_EVERY_S = 60.0  # a plain progress line this often when stderr is not a terminal
 
 JUDGE_DTYPE_HELP = (
     "The LLM judge's weights: float32, or bfloat16 (about 4x faster on a CPU with AVX512-BF16; "
@@ -38,8 +40,55 @@ def make_console() -> Console:
 console = make_console()
 
 
-def progress_bar() -> Progress:
-    return Progress(
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-:--:--"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
+class LoggedProgress(Progress):
+    """A rich progress display that, when its console is not a terminal (a background run
+    logged to a file, where rich draws nothing until the end), also prints one plain line
+    per unfinished task at most every ``every_s`` seconds: done/total, elapsed and eta."""
+
+    def __init__(self, *columns, every_s: float = PIPED_PROGRESS_EVERY_S, **kwargs) -> None:
+        super().__init__(*columns, **kwargs)
+        self.every_s = every_s
+        self._last_line = time.monotonic()
+
+    def update(self, task_id, **kwargs) -> None:
+        super().update(task_id, **kwargs)
+        self._log_lines()
+
+    def advance(self, task_id, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._log_lines()
+
+    def _log_lines(self) -> None:
+        now = time.monotonic()
+        if self.console.is_terminal or now - self._last_line < self.every_s:
+            return
+        self._last_line = now
+        for task in self.tasks:
+            if task.finished:
+                continue
+            total = "?" if task.total is None else f"{task.total:g}"
+            info = task.fields.get("info", "")
+            self.console.print(
+                f"{task.description}: {task.completed:g}/{total}{' ' + info if info else ''}"
+                f" elapsed {_clock(task.elapsed)} eta {_clock(task.time_remaining)}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+
+
+def progress_bar(
+    every_s: float = PIPED_PROGRESS_EVERY_S, on: Console | None = None
+) -> LoggedProgress:
+    """The CLI's progress bar (stderr); piped, a plain line every ``every_s`` seconds."""
+    return LoggedProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -47,7 +96,8 @@ def progress_bar() -> Progress:
         TimeElapsedColumn(),
         TextColumn("eta"),
         TimeRemainingColumn(),
-        console=console,
+        console=console if on is None else on,
+        every_s=every_s,
     )
 
 
