@@ -131,3 +131,87 @@ def with_empty_answers(
         np.concatenate([np.asarray(confidence, dtype=np.float64), np.zeros(n_empty)]),
         np.concatenate([np.asarray(labels, dtype=np.int64), np.zeros(n_empty, dtype=np.int64)]),
     )
+
+
+@dataclass(frozen=True)
+class SplitCounts:
+    rows: int  # answers with a map
+    labelled: int
+    correct: int
+    balanced: int  # balanced rows (equal correct and incorrect)
+
+    @property
+    def accuracy(self) -> float:
+        """Natural accuracy of the labelled answers (nan when none is labelled)."""
+        return self.correct / self.labelled if self.labelled else float("nan")
+
+
+@dataclass(frozen=True)
+class StoreSummary:
+    """What a store holds: per split rows, labels, natural accuracy and balanced rows, the
+    empty answers (no map) and every capture run's rows and wall time."""
+
+    root: str
+    task: str | None
+    model: str | None
+    dtype: str
+    splits: dict[str, SplitCounts]
+    empty_answers: int
+    capture_runs: list[dict]
+
+    @property
+    def total(self) -> SplitCounts:
+        parts = self.splits.values()
+        return SplitCounts(
+            *(sum(getattr(c, f) for c in parts) for f in SplitCounts.__annotations__)
+        )
+
+    def to_json(self) -> dict:
+        def counts(c: SplitCounts) -> dict:
+            return {**c.__dict__, "accuracy": None if c.labelled == 0 else c.accuracy}
+
+        return {
+            "root": self.root,
+            "task": self.task,
+            "model": self.model,
+            "dtype": self.dtype,
+            "splits": {s: counts(c) for s, c in self.splits.items()},
+            "total": counts(self.total),
+            "empty_answers": self.empty_answers,
+            "capture_runs": self.capture_runs,
+        }
+
+
+def store_summary(store: MapStore) -> StoreSummary:
+    """Counts read from the store, never written into it (balanced rows as training sees them)."""
+    meta = store.metadata()
+    balanced = balanced_splits(store, persist=False)
+    splits = {}
+    for split in SPLITS:
+        part = meta[meta["split"] == split]
+        labelled = part["label"].dropna()
+        splits[split] = SplitCounts(
+            len(part), len(labelled), int((labelled == 1).sum()), len(balanced[split])
+        )
+    config = store.manifest.get("config", {})
+    model = config.get("model") or {}
+    task = config.get("task") or {}
+    runs = [
+        {
+            "written": int(run.get("written", 0)),
+            "wall_time_s": run.get("wall_time_s"),
+            "rows_per_s": run["written"] / run["wall_time_s"]
+            if run.get("written") and run.get("wall_time_s")
+            else None,
+        }
+        for run in store.manifest.get("runs", [])
+    ]
+    return StoreSummary(
+        root=str(store.root),
+        task=task.get("task"),
+        model=model.get("name"),
+        dtype=model.get("dtype", "float32"),
+        splits=splits,
+        empty_answers=empty_answers(store, None)[0],
+        capture_runs=runs,
+    )

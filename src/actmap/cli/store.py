@@ -1,16 +1,18 @@
-"""``actmap store verify`` and ``actmap store repair``."""
+"""``actmap store info``, ``actmap store verify`` and ``actmap store repair``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
+from rich.table import Table
 
 from actmap.cli.app import app
 from actmap.cli.common import console, user_errors
 
 store_app = typer.Typer(
-    help="Check a map store and set damaged shards aside.", no_args_is_help=True
+    help="What a map store holds; check it and set damaged shards aside.", no_args_is_help=True
 )
 app.add_typer(store_app, name="store")
 
@@ -26,6 +28,43 @@ def print_report(report) -> None:
             f"[{colour}]{finding.severity:6s}[/{colour}] {finding.where}: {finding.message}",
             highlight=False,
             soft_wrap=True,
+        )
+
+
+@store_app.command("info")
+def info(
+    store: Path = typer.Argument(..., help="A map store folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+) -> None:
+    """Rows, labels, natural accuracy and balanced rows per split; capture runs' rows/s."""
+    with user_errors():
+        from actmap.rows import store_summary
+        from actmap.store import MapStore
+
+        summary = store_summary(MapStore.open(store))
+    if as_json:
+        typer.echo(json.dumps(summary.to_json(), indent=2))
+        return
+    console.print(
+        f"store {summary.root}: task {summary.task}, model {summary.model} ({summary.dtype})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    table = Table("split", "rows", "labelled", "correct", "accuracy", "balanced")
+    for name, c in [*summary.splits.items(), ("total", summary.total)]:
+        accuracy = f"{c.accuracy:.3f}" if c.labelled else "-"
+        table.add_row(
+            name, *(str(v) for v in (c.rows, c.labelled, c.correct)), accuracy, str(c.balanced)
+        )
+    console.print(table)
+    console.print(f"empty answers (no map): {summary.empty_answers}", highlight=False)
+    for i, run in enumerate(summary.capture_runs):
+        rate = f"{run['rows_per_s']:.2f} rows/s" if run["rows_per_s"] else "-"
+        wall = run["wall_time_s"]
+        console.print(
+            f"capture run {i + 1}: {run['written']} rows in "
+            f"{'-' if wall is None else f'{wall:.0f} s'} ({rate})",
+            highlight=False,
         )
 
 

@@ -1,0 +1,72 @@
+"""`actmap store info`: a store's rows, labels and balanced rows per split, against a naive count."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+from test_cli import synthetic_store
+from typer.testing import CliRunner
+
+from actmap.cli import app
+from actmap.rows import store_summary
+from actmap.store import MapRecord
+
+grid = np.zeros((12, 32, 128), dtype=np.float32)
+
+runner = CliRunner()
+
+
+def test_summary_counts_match_a_naive_count(tmp_path):
+    store = synthetic_store(tmp_path / "s", n=120)
+    extra = [
+        MapRecord(f"w:{i}", str(i), "s", "train", "m", "r", "p", "a", 3, 0, grid) for i in range(30)
+    ]
+    store.write_maps(extra)  # 30 more wrong train answers: the classes differ there
+    # synthetic_store: row i has label i % 2 and split train / validation / test for i % 10 in
+    # 0-5 / 6-7 / 8-9
+    store.write_table(
+        "skipped",
+        pa.table({"id": ["e:1", "e:2"], "split": ["test", None], "reason": ["empty answer"] * 2}),
+    )
+    store.edit_manifest(
+        lambda m: m.setdefault("runs", []).append({"written": 150, "wall_time_s": 60.0})
+    )
+    expected = {}
+    for i in range(120):
+        split = "train" if i % 10 < 6 else "validation" if i % 10 < 8 else "test"
+        rows, correct = expected.get(split, (0, 0))
+        expected[split] = (rows + 1, correct + i % 2)
+    expected["train"] = (expected["train"][0] + 30, expected["train"][1])
+    summary = store_summary(store)
+    for split, (rows, correct) in expected.items():
+        counts = summary.splits[split]
+        assert (counts.rows, counts.labelled, counts.correct) == (rows, rows, correct)
+        assert counts.balanced == 2 * min(correct, rows - correct)
+        assert counts.accuracy == correct / rows
+    assert summary.total.rows == 150 and summary.total.correct == 60
+    assert summary.empty_answers == 2
+    assert summary.capture_runs == [{"written": 150, "wall_time_s": 60.0, "rows_per_s": 2.5}]
+    assert not store.has_table("splits")  # read, never written
+
+    result = runner.invoke(app, ["store", "info", str(tmp_path / "s"), "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert shown["splits"]["train"] == {
+        "rows": 102,
+        "labelled": 102,
+        "correct": 36,
+        "balanced": 72,
+        "accuracy": 36 / 102,
+    }
+    table = runner.invoke(app, ["store", "info", str(tmp_path / "s")])
+    assert (
+        table.exit_code == 0 and "2.50 rows/s" in table.output and "empty answers" in table.output
+    )
+
+
+def test_info_on_a_folder_that_is_no_store_names_it(tmp_path):
+    result = runner.invoke(app, ["store", "info", str(tmp_path / "nothing")])
+    assert result.exit_code == 2
+    assert "nothing" in result.output
