@@ -3,10 +3,11 @@
 # a new machine without them), most-needed first, resumable, one thread:
 #   setsid nohup experiments/rebuild-queue.sh > logs/rebuild-queue.log 2>&1 < /dev/null &
 # 1. Gemma-3-270M x built-in (400 rows): the pair of experiments/paper-settings.sh.
-# 2. Qwen2.5-Coder-1.5B x TriviaQA validation (bfloat16): the answers of
-#    experiments/se_judge_check.py (about 20% correct, so 100 correct validation answers).
-# 3. The Qwen TriviaQA pair in bfloat16 (the report's model-scale and dtype rows): 0.5B
-#    validation + test, 0.5B train, 1.5B test, 1.5B train, 1,000 questions per split.
+# 2. Qwen2.5-Coder-1.5B x TriviaQA in bfloat16, validation first (the answers of
+#    experiments/se_judge_check.py: about 20% correct, so 100 correct validation answers), then
+#    test and train: the grid's one store with over 200 balanced training rows.
+# 3. Qwen2.5-Coder-0.5B on the same questions (the report's model-scale rows): validation +
+#    test, then train, 1,000 questions per split.
 # 4. experiments/capture-queue.sh (SmolLM2 on the four tasks, Gemma-3 x TriviaQA 400 per split),
 #    then experiments/grid-queue.sh without its prompt check (its figures are in docs/data.md).
 # Each command is the one of the queue it comes from, so a store built here is the store the
@@ -25,10 +26,10 @@ QKEEP=(--attention-keys 10 --keep-dense --share-prefix 32 --no-chat-template --d
 Q05=(--task triviaqa --model "$($GET qwen2.5-coder-0.5b-instruct)" --out "$OUT/qwen-0.5b-triviaqa-bf16")
 Q15=(--task triviaqa --model "$($GET qwen2.5-coder-1.5b-instruct)" --out "$OUT/qwen-1.5b-triviaqa-bf16")
 run $A capture "${Q15[@]}" "${QKEEP[@]}" --splits validation
-run $A capture "${Q05[@]}" "${QKEEP[@]}" --splits validation,test
-run $A capture "${Q05[@]}" "${QKEEP[@]}" --splits train
 run $A capture "${Q15[@]}" "${QKEEP[@]}" --splits validation,test
 run $A capture "${Q15[@]}" "${QKEEP[@]}" --splits train
+run $A capture "${Q05[@]}" "${QKEEP[@]}" --splits validation,test
+run $A capture "${Q05[@]}" "${QKEEP[@]}" --splits train
 run experiments/capture-queue.sh
 PROMPT_CHECK=0 run experiments/grid-queue.sh
 echo "=== $(date -Is) queue done"
