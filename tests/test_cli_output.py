@@ -83,3 +83,15 @@ def test_piped_progress_prints_plain_lines_with_counts_and_eta():
     with progress_bar(every_s=0, on=Console(file=terminal, force_terminal=True)) as bar:
         bar.advance(bar.add_task("capture/test", total=10, info=""), 3)
     assert "capture/test: 3/10" not in terminal.getvalue()  # a terminal gets the bar only
+
+
+def test_piped_eta_falls_back_to_the_mean_rate_when_batches_are_slow():
+    from types import SimpleNamespace
+
+    from actmap.cli.common import _eta
+
+    slow = SimpleNamespace(time_remaining=None, total=1000, completed=250, elapsed=300.0)
+    assert _eta(slow) == 750 * 300.0 / 250  # 900 s: three times what 250 rows took
+    assert _eta(SimpleNamespace(time_remaining=12.0, total=10, completed=1, elapsed=1.0)) == 12.0
+    assert _eta(SimpleNamespace(time_remaining=None, total=None, completed=5, elapsed=9.0)) is None
+    assert _eta(SimpleNamespace(time_remaining=None, total=10, completed=0, elapsed=9.0)) is None

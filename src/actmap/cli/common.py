@@ -47,6 +47,16 @@ def _clock(seconds: float | None) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
+def _eta(task) -> float | None:
+    """rich's estimate (its recent speed), else the mean rate so far: batches that come
+    further apart than rich's 30-second speed window still get an eta."""
+    if task.time_remaining is not None:
+        return task.time_remaining
+    if task.total is None or not task.completed or not task.elapsed:
+        return None
+    return (task.total - task.completed) * task.elapsed / task.completed
+
+
 class LoggedProgress(Progress):
     """A rich progress display that, when its console is not a terminal (a background run
     logged to a file, where rich draws nothing until the end), also prints one plain line
@@ -77,7 +87,7 @@ class LoggedProgress(Progress):
             info = task.fields.get("info", "")
             self.console.print(
                 f"{task.description}: {task.completed:g}/{total}{' ' + info if info else ''}"
-                f" elapsed {_clock(task.elapsed)} eta {_clock(task.time_remaining)}",
+                f" elapsed {_clock(task.elapsed)} eta {_clock(_eta(task))}",
                 markup=False,
                 highlight=False,
                 soft_wrap=True,
