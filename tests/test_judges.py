@@ -381,3 +381,61 @@ def test_a_bfloat16_entailment_judge_is_named_apart(tiny_model_dir):
     assert half.check_implication("paris", "paris", "what is the capital") in (0, 1, 2)
     with pytest.raises(ActmapUserError, match="dtype must be one of"):
         BaselineOptions(judge_dtype="int8")
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_same_answer_judge_runs_a_question_prefix_once_with_full_pass_margins(smol_tokenizer, chat):
+    """Pairs of one question share the prompt up to "Answer 1:": it runs once, each pair runs
+    its rest, and every margin equals one full forward pass over the pair's whole prompt."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)  # attention live (unlike forced_llama): the cache must be right
+    config = LlamaConfig(
+        vocab_size=len(smol_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    judge = SameAnswerJudge(model, smol_tokenizer, "tiny", use_chat_template=chat)
+    pairs = [
+        ("Paris", "the capital of France", QUESTION),
+        ("Lyon", "Paris", QUESTION),
+        ("Paris, France", "Paris", QUESTION),
+        ("Jupiter", "Saturn", "Which is the largest planet?"),  # a new question: a new prefix
+        ("London", "Paris", QUESTION),
+    ]
+    first = {
+        w: smol_tokenizer(w, add_special_tokens=False)["input_ids"][0]
+        for w in ("yes", "Yes", "no", "No")
+    }
+
+    def reference(a, b, q):
+        text = judge.render(a, b, q)
+        ids = smol_tokenizer(text, add_special_tokens=not chat, return_tensors="pt")
+        with torch.no_grad():
+            logp = model(ids["input_ids"]).logits[0, -1].double().log_softmax(-1)
+        yes = torch.logsumexp(logp[[first["yes"], first["Yes"]]], 0)
+        no = torch.logsumexp(logp[[first["no"], first["No"]]], 0)
+        return float(yes - no), ids["input_ids"].shape[1]
+
+    expected = [reference(*p) for p in pairs]
+    lengths = []
+    handle = model.register_forward_pre_hook(
+        lambda m, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        got = [judge.margin(*p) for p in pairs]
+    finally:
+        handle.remove()
+    assert got == pytest.approx([e[0] for e in expected], abs=1e-4)
+    # three prefix passes (the question changes twice) and five short passes
+    shortest = min(n for _, n in expected)
+    assert len(lengths) == 3 + 5
+    # calls: prefix 0, pairs 1-3 at 1, 2, 3; prefix 4, pair 4 at 5; prefix 6, pair 5 at 7
+    prefix_of = {1: 0, 2: 0, 3: 0, 5: 4, 7: 6}
+    fed = [lengths[prefix_of[i]] + lengths[i] for i in (1, 2, 3, 5, 7)]
+    assert fed == [n for _, n in expected]  # prefix + rest is each whole prompt, no fallback
+    assert max(lengths[i] for i in prefix_of) < shortest

@@ -29,6 +29,7 @@ import torch
 
 from actmap.atomic import atomic_write_text
 from actmap.baselines.base import BaselineUnavailable
+from actmap.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,9 @@ class LLMEntailmentJudge(_PromptedLLMJudge):
 
 
 # -- same-answer judge --------------------------------------------------------------------------
+_SLOT = "\x00answer\x00"  # marks where the first answer goes when splitting the prompt
+
+
 def same_answer_prompt(answer_1: str, answer_2: str, question: str | None = None) -> str:
     """Two answers, one yes/no question: do they name the same thing?"""
     head = "" if question is None else f"Question: {question}\n"
@@ -260,7 +264,9 @@ class SameAnswerJudge(_PromptedLLMJudge):
     The verdict is the sign of the margin log p(yes) - log p(no) over the first answer
     token (each side the log-sum of its lower- and capitalised first token): entailment
     when yes wins, else contradiction. The question is in the prompt by default (the
-    Nature code conditions on it). Chat template when the tokenizer has one."""
+    Nature code conditions on it). Chat template when the tokenizer has one. The prompt up
+    to "Answer 1:" is shared by every pair of one question: its key/value cache is kept
+    (`PrefixCache`) and each pair runs only the tokens after it."""
 
     def __init__(
         self,
@@ -272,6 +278,7 @@ class SameAnswerJudge(_PromptedLLMJudge):
     ) -> None:
         super().__init__(model, tokenizer, model_name, use_chat_template)
         self.condition_on_question = condition_on_question
+        self._prefix = PrefixCache(self.model, tokenizer)
         self.yes_ids = self._first_ids("yes", "Yes")
         self.no_ids = self._first_ids("no", "No")
         if set(self.yes_ids) & set(self.no_ids):
@@ -293,9 +300,11 @@ class SameAnswerJudge(_PromptedLLMJudge):
     @torch.inference_mode()
     def margin(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> float:
         """log p(yes) - log p(no) for the first answer token."""
-        encoded = self._encode(self.render(premise_text, hypothesis_text, question))
-        logits = self.model(**encoded).logits[0, -1]
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        text = self.render(premise_text, hypothesis_text, question)
+        # every pair of one question shares the prompt up to "Answer 1:"; run that once
+        head = self.render(_SLOT, hypothesis_text, question).split(_SLOT)[0].rstrip(" ")
+        logits = self._prefix.last_logits(head, text, not self.use_chat_template)
+        logp = torch.log_softmax(logits, dim=-1)
         yes = torch.logsumexp(logp[self.yes_ids], dim=0)
         no = torch.logsumexp(logp[self.no_ids], dim=0)
         return float(yes - no)

@@ -25,11 +25,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from actmap.data.prompts import has_chat_template, render_chat
+from actmap.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +314,7 @@ class LLMFactualityJudge:
         if set(self.yes_ids) & set(self.no_ids):
             raise ValueError("the tokenizer gives 'Yes' and 'No' a shared first token")
         self._cache: dict[tuple[str, str], float] = {}
-        self._prefix: tuple[str, list[int], Any] | None = None  # (text, ids, KV cache)
+        self._prefix = PrefixCache(model, tokenizer)  # the latest article's key/value cache
 
     @classmethod
     def from_pretrained(
@@ -344,34 +345,10 @@ class LLMFactualityJudge:
             self._cache[key] = self._score(document, claim)
         return self._cache[key]
 
-    def _prefix_state(self, head: str, special: bool) -> tuple[list[int], Any]:
-        """Token ids and key/value cache of the shared prompt prefix, computed once per text."""
-        if self._prefix is None or self._prefix[0] != head:
-            ids = self.tokenizer(head, add_special_tokens=special)["input_ids"]
-            tensor = torch.tensor([ids], device=_device_of(self.model))
-            with torch.no_grad():
-                cache = self.model(input_ids=tensor, use_cache=True).past_key_values
-            self._prefix = (head, ids, cache)
-        return self._prefix[1], self._prefix[2]
-
     def _score(self, document: str, claim: str) -> float:
         head, tail = self.prompt(document, _CLAIM_SLOT).split(_CLAIM_SLOT)
         special = not has_chat_template(self.tokenizer)  # a rendered template has its own
-        ids = self.tokenizer(head + claim + tail, add_special_tokens=special)["input_ids"]
-        prefix, cache = self._prefix_state(head, special)
-        device = _device_of(self.model)
-        with torch.no_grad():
-            if len(ids) > len(prefix) and ids[: len(prefix)] == prefix:
-                rest = ids[len(prefix) :]
-                out = self.model(
-                    input_ids=torch.tensor([rest], device=device),
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                cache.crop(-len(rest))  # back to the prefix for the next claim
-            else:
-                out = self.model(input_ids=torch.tensor([ids], device=device))
-            logits = out.logits[0, -1].float()  # (V,)
+        logits = self._prefix.last_logits(head, head + claim + tail, special)  # (V,)
         probs = torch.softmax(logits, dim=-1)
         p_yes = probs[self.yes_ids].sum()
         p_no = probs[self.no_ids].sum()
