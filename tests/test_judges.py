@@ -387,18 +387,10 @@ def test_a_bfloat16_entailment_judge_is_named_apart(tiny_model_dir):
 def test_same_answer_judge_runs_a_question_prefix_once_with_full_pass_margins(smol_tokenizer, chat):
     """Pairs of one question share the prompt up to "Answer 1:": it runs once, each pair runs
     its rest, and every margin equals one full forward pass over the pair's whole prompt."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import make_tiny_llama
 
-    torch.manual_seed(1)  # attention live (unlike forced_llama): the cache must be right
-    config = LlamaConfig(
-        vocab_size=len(smol_tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = LlamaForCausalLM(config).eval()
+    # attention live (unlike forced_llama): the cache must be right
+    model = make_tiny_llama(len(smol_tokenizer), layers=2, seed=1)
     judge = SameAnswerJudge(model, smol_tokenizer, "tiny", use_chat_template=chat)
     pairs = [
         ("Paris", "the capital of France", QUESTION),
