@@ -116,3 +116,21 @@ def test_every_method_lands_in_the_paper_family_of_its_table():
         "actmap-vit": "actmap",
     }
     assert {m: family_of(m) for m in expected} == expected
+
+
+def test_a_detector_named_actmap_something_keeps_one_prefix(tmp_path):
+    """actmap-plus runs are listed as "actmap-plus", the paper's detectors as "actmap-<name>"."""
+    from actmap.runs import method_name
+
+    assert [method_name(d) for d in ("mlp", "vit", "actmap-plus")] == [
+        "actmap-mlp",
+        "actmap-vit",
+        "actmap-plus",
+    ]
+    root = synthetic_store(tmp_path / "s", signal=2.0)
+    run = tmp_path / "run"
+    args = ["train", "--store", str(root), "--out", str(run), "--detector", "logreg"]
+    assert CliRunner().invoke(app, [*args, "--seeds", "1", "--max-epochs", "2"]).exit_code == 0
+    column = store_column(root, {"actmap-plus": run}, "s", "g", "t", n_resamples=50)
+    assert [c.method for c in column.cells] == ["actmap-plus"]
+    assert column.cells[0].family == "actmap"

@@ -20,6 +20,12 @@ from actmap.errors import ActmapUserError
 NOT_RECIPE = ("seeds", "device", "eval_batch_size")
 
 
+def method_name(detector: str) -> str:
+    """How tables name a detector's scores: ``actmap-<detector>``, the prefix written once
+    (``mlp`` -> ``actmap-mlp``; ``actmap-plus`` stays ``actmap-plus``)."""
+    return detector if detector.startswith("actmap-") else f"actmap-{detector}"
+
+
 def recipe_of(train_config: dict[str, Any]) -> dict[str, Any]:
     """The fields of a saved TrainConfig that define the recipe."""
     return {k: v for k, v in sorted(train_config.items()) if k not in NOT_RECIPE}

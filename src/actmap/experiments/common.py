@@ -21,6 +21,7 @@ from actmap import metrics
 from actmap.errors import ActmapUserError
 from actmap.intervals import N_RESAMPLES, Interval, bootstrap, paired_bootstrap
 from actmap.prior import logit
+from actmap.runs import method_name
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def scores_from_run(run_dir: str | Path, ids: Sequence[str], labels: np.ndarray)
         confidence.append(frame.loc[list(ids), "p_correct"].to_numpy(dtype=np.float64))
         logits.append(frame.loc[list(ids), "logit"].to_numpy(dtype=np.float64))
     return SeedScores(
-        f"actmap-{checked.detector}",
+        method_name(checked.detector),
         labels,
         np.stack(confidence),
         tuple(checked.seed_dirs),

@@ -134,10 +134,11 @@ def detector_scoring_costs(
     generator of that hidden size, untrained weights (latency does not depend on them)."""
     from actmap.baselines.actvit import LAYER_GROUPS, N_MAX, ACTViT, ACTViTConfig
     from actmap.detectors import create_detector
+    from actmap.runs import method_name
 
     torch.manual_seed(0)
     models = {
-        f"actmap-{name}": (create_detector(name), torch.randn(batch, *MAP_SHAPE))
+        method_name(name): (create_detector(name), torch.randn(batch, *MAP_SHAPE))
         for name in detectors
     }
     if d_model is not None:

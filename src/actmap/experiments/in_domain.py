@@ -23,6 +23,7 @@ import numpy as np
 
 from actmap import metrics
 from actmap.intervals import N_RESAMPLES, Interval, bootstrap, paired_bootstrap
+from actmap.runs import method_name
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def method_scores(
             if scored is not None:
                 out[method] = scored
     for detector, run in sorted(runs.items()):
-        name = f"actmap-{detector}"
+        name = method_name(detector)
         out[name] = run_scores(Path(run), name, test_ids, labels)
     return out
 

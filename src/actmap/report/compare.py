@@ -15,7 +15,7 @@ import numpy as np
 
 from actmap.errors import ActmapUserError
 from actmap.rows import balanced_splits
-from actmap.runs import read_run
+from actmap.runs import method_name, read_run
 from actmap.store import MapStore, latest_rows
 
 # raw_name of methods whose confidence estimates p(correct), for results stored before each
@@ -146,7 +146,9 @@ def actmap_row(run: Path, test: list[str], labels: np.ndarray) -> dict:
         if not np.array_equal(y, scores["label"].to_numpy(dtype=np.int64)):
             raise ActmapUserError(f"{folder}: stored labels differ from the store's labels")
         per_seed.append(_metrics(scores["p_correct"].to_numpy(dtype=np.float64), y, True))
-    row = _metric_row(f"actmap-{checked.detector} ({run.name})", "actmap", per_seed, len(test))
+    row = _metric_row(
+        f"{method_name(checked.detector)} ({run.name})", "actmap", per_seed, len(test)
+    )
     row["latency_ms"] = None
     return row
 

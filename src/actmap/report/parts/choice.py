@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from actmap.report.sections import ReportContext, StoreRef
+from actmap.runs import method_name
 
 
 def read_only_splits(store) -> dict[str, list[str]]:
@@ -107,7 +108,7 @@ def _fit(context: ReportContext, ref: StoreRef, detector: str) -> Fitted:
         device=context.device,
     )
     models = {r.seed: r.detector for r in runs.runs}
-    scores = scores_of_runs(runs, f"actmap-{detector}")
+    scores = scores_of_runs(runs, method_name(detector))
     return Fitted(scores, models, recipe_of(config.to_dict()), "trained for this report")
 
 
