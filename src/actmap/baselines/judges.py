@@ -300,10 +300,10 @@ class SameAnswerJudge(_PromptedLLMJudge):
     @torch.inference_mode()
     def margin(self, premise_text: str, hypothesis_text: str, question: str | None = None) -> float:
         """log p(yes) - log p(no) for the first answer token."""
-        text = self.render(premise_text, hypothesis_text, question)
         # every pair of one question shares the prompt up to "Answer 1:"; run that once
-        head = self.render(_SLOT, hypothesis_text, question).split(_SLOT)[0].rstrip(" ")
-        logits = self._prefix.last_logits(head, text, not self.use_chat_template)
+        head, tail = self.render(_SLOT, hypothesis_text, question).split(_SLOT)
+        text = head + premise_text + tail  # the prompt `render` gives, rendered once
+        logits = self._prefix.last_logits(head.rstrip(" "), text, not self.use_chat_template)
         logp = torch.log_softmax(logits, dim=-1)
         yes = torch.logsumexp(logp[self.yes_ids], dim=0)
         no = torch.logsumexp(logp[self.no_ids], dim=0)
