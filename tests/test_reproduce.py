@@ -159,3 +159,30 @@ def test_copy_is_redone_when_rows_change_not_when_a_no_op_run_is_logged(tmp_path
     manifest["shards"]["maps"]["part-1.parquet"] = 8
     (store / "manifest.json").write_text(json.dumps(manifest))
     assert copy_fingerprint() != before
+
+
+def test_store_selection_plans_only_the_named_stores(tmp_path):
+    """`--store` runs the stores that exist while the others are still being captured: the plan
+    holds only their stages (in the config's order) and a report; an unknown name is an error
+    that lists the config's stores."""
+    from actmap.experiments.reproduce import plan, select_stores
+
+    raw = {"out": "out", "stores": [{"name": n, "path": f"stores/{n}"} for n in ("a", "b", "c")]}
+    config = config_from_dict(raw, tmp_path)
+    assert select_stores(config, []) is config
+    picked = select_stores(config, ["c", "a"])
+    names = [s.name for s in plan(picked)]
+    assert {n.split("/")[1] for n in names if n != "report"} == {"a", "c"}
+    assert names.index("copy/a") < names.index("copy/c") and names[-1] == "report"
+    with pytest.raises(ActmapUserError, match=r"\['z'\].*\['a', 'b', 'c'\]"):
+        select_stores(config, ["a", "z"])
+    path = tmp_path / "reproduce.toml"
+    path.write_text(
+        'out = "out"\n' + "".join(f'[[stores]]\nname = "{n}"\n' for n in ("a", "b", "c"))
+    )
+    args = ["reproduce", "--config", str(path)]
+    result = CliRunner().invoke(app, [*args, "--store", "b", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "copy/b: to run" in result.output and "copy/a" not in result.output
+    bad = CliRunner().invoke(app, [*args, "--store", "x"])
+    assert bad.exit_code != 0 and "no store named ['x']" in bad.output

@@ -37,12 +37,17 @@ def run_capture_command(out: Path, options: Mapping[str, Any]) -> None:
 def reproduce(
     config: Path = typer.Option(..., help="reproduce TOML file (see configs/reproduce-*.toml)."),
     dry_run: bool = typer.Option(False, help="List the stages and whether each is done; run none."),
+    store: list[str] = typer.Option(
+        [],
+        "--store",
+        help="Run only this store's stages (repeatable); the report reads only these.",
+    ),
 ) -> None:
     """Run the paper's evaluation end to end; finished stages are skipped when run again."""
     with user_errors():
-        from actmap.experiments.reproduce import load_config, plan, run_plan
+        from actmap.experiments.reproduce import load_config, plan, run_plan, select_stores
 
-        settings = load_config(config)
+        settings = select_stores(load_config(config), store)
         stages = plan(settings, capture=run_capture_command)
         if dry_run:
             for stage in stages:

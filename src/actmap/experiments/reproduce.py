@@ -22,7 +22,7 @@ import os
 import shutil
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,19 @@ def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
             (base / p).resolve() for p in _tuple(raw.get("judge_checks", []), "judge_checks")
         ),
     )
+
+
+def select_stores(config: ReproduceConfig, names: Sequence[str]) -> ReproduceConfig:
+    """The config restricted to the named stores (in the config's order), for running the
+    stores that exist while others are still being captured; the report then reads only
+    these. No names: the config unchanged."""
+    if not names:
+        return config
+    known = [s.name for s in config.stores]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ActmapUserError(f"reproduce: no store named {unknown} in the config; it has {known}")
+    return replace(config, stores=tuple(s for s in config.stores if s.name in names))
 
 
 # --- stages ---------------------------------------------------------------------------------
