@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from actmap.capture.attention import prompt_pass_without_weights, weights_implementation
 from actmap.capture.hooks import StepRecorder, recording
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig, Generation
@@ -148,12 +149,15 @@ def _device(model: nn.Module) -> torch.device:
 
 @contextmanager
 def _eager_attention(model: nn.Module, needed: bool) -> Iterator[None]:
-    """Attention weights exist only in eager attention; switch for the block, restore after."""
+    """Attention weights exist only in eager attention; switch for the block, restore after.
+    A grouped-query model gets the eager attention that does not copy its cache
+    (`actmap.capture.attention`): the same weights and output."""
     current = getattr(model.config, "_attn_implementation", None)
-    if not needed or current == "eager":
+    wanted = weights_implementation(model) if needed else current
+    if wanted == current:
         yield
         return
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(wanted)
     try:
         yield
     finally:
@@ -227,6 +231,7 @@ def generate_batch(
         _with_step_callback(kwargs, on_step, recorder, prompt_len)
     with (
         _eager_attention(model, config.attention_keys > 0),
+        prompt_pass_without_weights(),
         recording(model, recorder, layers_path),
     ):
         sequences = model.generate(**encoded, **kwargs)
