@@ -86,10 +86,12 @@ def main() -> None:
     print(f"eager (reference) {eager:.2f} s/batch")
     print(f"grouped           {ours:.2f} s/batch ({eager / ours:.2f}x)")
     pairs = list(zip(results["eager"], results["grouped"], strict=True))
-    same = all(a.token_ids == b.token_ids for a, b in pairs)
-    maps = max(float((a.trajectory - b.trajectory).abs().max()) for a, b in pairs)
-    att = max(float((a.attention - b.attention).abs().max()) for a, b in pairs)
-    print(f"same tokens: {same}; largest state difference {maps:.2e}, attention {att:.2e}")
+    same = [(a, b) for a, b in pairs if a.token_ids == b.token_ids]
+    print(f"same answer tokens on {len(same)}/{len(pairs)} rows (bfloat16 rounding can flip one)")
+    if same:
+        maps = max(float((a.trajectory - b.trajectory).abs().max()) for a, b in same)
+        att = max(float((a.attention - b.attention).abs().max()) for a, b in same)
+        print(f"on those rows: largest state difference {maps:.2e}, attention {att:.2e}")
 
 
 if __name__ == "__main__":

@@ -153,3 +153,28 @@ def test_capture_with_a_fused_prompt_pass_matches_eager_capture(tiny_llama, word
         torch.testing.assert_close(a.trajectory, b.trajectory, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.attention, b.attention, atol=1e-6, rtol=1e-5)
         assert a.attention[1:].abs().sum() > 0
+
+
+def test_half_precision_capture_is_eager_capture_to_the_bit(word_tokenizer):
+    """In bfloat16 the grouped attention reproduces eager attention exactly, and the prompt pass
+    stays eager (a fused kernel rounds differently and can change greedy answers)."""
+    from unittest import mock
+
+    from conftest import make_tiny_llama
+
+    from actmap.capture import attention
+    from actmap.capture.generate import generate_batch
+    from actmap.capture.records import CaptureConfig
+
+    model = make_tiny_llama(len(word_tokenizer), seed=4).to(torch.bfloat16)
+    prompts = ["how many hours in one day and in two days", "who wrote the question"]
+    config = CaptureConfig(max_new_tokens=5, attention_keys=3)
+    fused = mock.Mock(side_effect=torch.nn.functional.scaled_dot_product_attention)
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", fused):
+        ours = generate_batch(model, word_tokenizer, prompts, config)
+    with mock.patch.object(attention, "GROUPED_FAMILIES", frozenset()):
+        eager = generate_batch(model, word_tokenizer, prompts, config)
+    assert fused.call_count == 0
+    for a, b in zip(ours, eager, strict=True):
+        assert a.token_ids == b.token_ids
+        assert torch.equal(a.trajectory, b.trajectory) and torch.equal(a.attention, b.attention)

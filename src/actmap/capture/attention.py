@@ -9,8 +9,10 @@ that copy is most of a step (SmolLM2 on CNN/DailyMail articles: 55% of capture t
 `grouped_eager_attention` computes the same weights and output by laying the query heads that
 share a key/value head side by side, one matmul per key/value head, so the cache is read once
 and never copied. Inside `prompt_pass_without_weights` (capture while generating: the prompt
-pass's weights are never read) a multi-token pass runs PyTorch's fused attention instead and
-returns no weights. It is registered with transformers as ``"actmap_eager"`` (with the eager
+pass's weights are never read) a multi-token float32 pass runs PyTorch's fused attention
+instead and returns no weights (the same to float rounding). In bfloat16 or float16 the grouped
+attention gives eager attention's results to the bit, and the fused kernel would not: it rounds
+differently, enough to change some greedy answers, so half precision keeps the eager prompt pass. It is registered with transformers as ``"actmap_eager"`` (with the eager
 mask) and used for the families whose eager attention it reproduces (`GROUPED_FAMILIES`,
 tested against eager); any other module, or a call with attention sinks, goes to the model's
 own eager function unchanged.
@@ -40,8 +42,8 @@ _PROMPT_WEIGHTS: ContextVar[bool] = ContextVar("actmap_prompt_weights", default=
 
 @contextmanager
 def prompt_pass_without_weights() -> Iterator[None]:
-    """Inside this block a multi-token pass (the prompt) returns no attention weights and runs
-    PyTorch's fused attention on the same inputs and mask; one-token steps are unchanged."""
+    """Inside this block a multi-token float32 pass (the prompt) returns no attention weights
+    and runs PyTorch's fused attention on the same inputs and mask; other passes are unchanged."""
     token = _PROMPT_WEIGHTS.set(False)
     try:
         yield
@@ -80,7 +82,10 @@ def grouped_eager_attention(
         return _own_eager(module)(module, query, key, value, attention_mask, **own)
     if scaling is None:
         scaling = module.head_dim**-0.5
-    if query.shape[2] > 1 and softcap is None and not _PROMPT_WEIGHTS.get():
+    # float32 only: in half precision eager attention rounds the weights before weighting the
+    # values, and the fused kernel does not; a fused prompt pass would change the answers
+    fused = query.dtype == torch.float32 and softcap is None
+    if fused and query.shape[2] > 1 and not _PROMPT_WEIGHTS.get():
         output = nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
         )
