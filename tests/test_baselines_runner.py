@@ -143,6 +143,11 @@ def test_every_method_scores_each_requested_row_once(scored):
         record = store.manifest["results"][method]
         assert record["rows"] == len(test) and record["latency_ms_per_answer"] > 0
     assert {e[0] for e in events} >= set(results)  # progress was reported per method
+    # a judged method moves one row at a time (the others by score_chunk = 3 rows)
+    scoring = [e for e in events if e[0] == "semantic_entropy" and e[3] == "scoring"]
+    assert [e[1] for e in scoring] == list(range(1, len(test) + 1))
+    ppl = [e[1] for e in events if e[0] == "perplexity" and e[3] == "scoring"]
+    assert ppl == [min(k, len(test)) for k in range(3, len(test) + 3, 3)]
 
 
 def test_greybox_confidence_equals_mean_of_stored_steps(scored):

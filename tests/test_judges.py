@@ -355,6 +355,24 @@ def test_cache_answers_each_prompt_once_and_persists_as_json(tmp_path):
         CachedJudge(CountingJudge("llm:other"), path)
 
 
+def test_cache_saves_itself_when_a_new_answer_comes_after_its_interval(tmp_path):
+    """A killed run keeps the answers judged up to the last timed save; a cache read from
+    disk holds them."""
+    path = tmp_path / "judge-cache.json"
+    never = CachedJudge(CountingJudge(), path, save_every_s=None)
+    never.check_implication("paris x", "paris y", "q")
+    assert not path.exists()
+    hourly = CachedJudge(CountingJudge(), path, save_every_s=3600)
+    hourly.check_implication("paris x", "paris y", "q")
+    assert not path.exists()
+    every = CachedJudge(CountingJudge(), path, save_every_s=0)
+    every.check_implication("paris x", "paris y", "q")
+    every.check_implication("paris x", "paris y", "q")  # a hit: nothing new to save
+    every.check_implication("rome x", "london", "q")
+    assert len(CachedJudge(Exploding(), path).labels) == 2
+    assert CachedJudge(Exploding(), path).check_implication("rome x", "london", "q") == 0
+
+
 def test_cache_key_is_the_full_prompt(smol_tokenizer):
     model = forced_llama(smol_tokenizer, 0, [])
     chat = CachedJudge(LLMEntailmentJudge(model, smol_tokenizer, "tiny"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -351,14 +352,25 @@ def load_llm_judge(
 
 # -- cache -------------------------------------------------------------------------------------
 class CachedJudge:
-    """Answers each distinct full prompt once; JSON persistence when ``path`` is given."""
+    """Answers each distinct full prompt once; JSON persistence when ``path`` is given.
 
-    def __init__(self, judge: EntailmentJudge, path: str | Path | None = None) -> None:
+    With a path the cache also saves itself after a new answer once ``save_every_s`` seconds
+    have passed since the last save: a run killed between its own saves (a judge call takes
+    seconds on a CPU, a row of Semantic Entropy up to a minute) loses at most that much."""
+
+    def __init__(
+        self,
+        judge: EntailmentJudge,
+        path: str | Path | None = None,
+        save_every_s: float | None = 60.0,
+    ) -> None:
         self.judge = judge
         self.path = Path(path) if path is not None else None
+        self.save_every_s = save_every_s
         self.labels: dict[str, int] = {}
         self.hits = 0
         self.misses = 0
+        self._saved_at = time.monotonic()
         if self.path is not None and self.path.exists():
             self._load(self.path)
 
@@ -384,6 +396,11 @@ class CachedJudge:
         self.misses += 1
         label = int(self.judge.check_implication(premise_text, hypothesis_text, question))
         self.labels[key] = label
+        due = self.save_every_s is not None and (
+            time.monotonic() - self._saved_at >= self.save_every_s
+        )
+        if self.path is not None and due:
+            self.save()
         return label
 
     def save(self) -> None:
@@ -391,6 +408,7 @@ class CachedJudge:
         if self.path is None:
             raise ValueError("CachedJudge has no path to save to")
         atomic_write_text(self.path, json.dumps({"judge": self.name, "labels": self.labels}))
+        self._saved_at = time.monotonic()
 
     def _load(self, path: Path) -> None:
         data = json.loads(path.read_text())

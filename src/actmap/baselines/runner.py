@@ -127,12 +127,17 @@ def split_details(details: dict, n: int) -> tuple[dict, dict[str, Any]]:
 
 
 def score_in_chunks(inputs: StoreInputs, method: str, scorer, rows):
-    """Score ``rows`` a chunk at a time -> (merged result, per-row columns, scoring seconds)."""
+    """Score ``rows`` a chunk at a time -> (merged result, per-row columns, scoring seconds).
+
+    A scorer with a persisted judge (Semantic Entropy: up to a minute of judge calls a row on a
+    CPU) scores one row at a time, so progress and the ETA move with every row."""
     chunk, n = inputs.options.score_chunk, len(rows)
     confidence, raw, columns, seconds = [], [], {}, 0.0
     settings, raw_name = {}, ""
     judge = getattr(scorer, "judge", None)
     persist = getattr(judge, "path", None) is not None
+    if persist:
+        chunk = 1
     try:
         for start in range(0, n, chunk):
             part = rows[start : start + chunk]
