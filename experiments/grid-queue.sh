@@ -6,7 +6,8 @@
 # prompt check of Qwen2.5-Coder-1.5B (plain vs chat, 100 validation questions per dataset),
 # then Qwen2.5-Coder-0.5B and -1.5B on the same 1,000 questions per split of each dataset
 # (plain 5-shot prompts: the prompt check's choice at both scales), held-out splits first,
-# then Gemma-3-270M on NQ-Open, GSM8K and all of TriviaQA.
+# with Gemma-3-270M on NQ-Open and GSM8K before the Qwen pair's GSM8K, and Gemma-3 on all of
+# TriviaQA last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -24,29 +25,36 @@ run $A capture --task triviaqa --out "$OUT/smollm2-triviaqa" "${KEEP[@]}" --spli
 # and qwen-1.5b-triviaqa, partial) stay as they are.
 DTYPE=${DTYPE:-bfloat16}
 SUFFIX=$([ "$DTYPE" = bfloat16 ] && echo -bf16 || { [ "$DTYPE" = float32 ] || echo "-$DTYPE"; })
-for task in triviaqa nq_open gsm8k; do
-  # the 0.5B's store first (held-out splits, then train): it is 4-5x faster than the 1.5B,
-  # so a complete store exists early; then the 1.5B on the same questions
+# the 0.5B's store first (held-out splits, then train): it is 4-5x faster than the 1.5B, so a
+# complete store exists early; then the 1.5B on the same questions
+qwen_pair() {
+  local task=$1 name model short splits
   for name in qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct; do
     model=$(../shared/models/get-model "$name")
     short=qwen-${name:14:4}   # qwen-0.5b, qwen-1.5b
     for splits in validation,test train; do
-      run $A capture --task $task --model "$model" --out "$OUT/$short-$task$SUFFIX" "${KEEP[@]}" \
+      run $A capture --task "$task" --model "$model" --out "$OUT/$short-$task$SUFFIX" "${KEEP[@]}" \
         --dtype "$DTYPE" --splits $splits --limit "$PER_SPLIT"
     done
   done
-done
-# Gemma-3-270M (a base model: plain 5-shot prompts) on NQ-Open and GSM8K, then every
-# TriviaQA question (its store holds 400 per split from experiments/capture-queue.sh)
-# (no --no-chat-template: Gemma-3-270M has none, and its TriviaQA store's config says so)
+}
 GEMMA=$(../shared/models/get-model gemma3-270m)
 GKEEP=(--attention-keys 10 --keep-dense --share-prefix 32)
-for task in nq_open gsm8k; do
+gemma() {
+  local task=$1 splits
   for splits in validation,test train; do
-    run $A capture --task $task --model "$GEMMA" --out "$OUT/gemma3-$task" "${GKEEP[@]}" \
+    run $A capture --task "$task" --model "$GEMMA" --out "$OUT/gemma3-$task" "${GKEEP[@]}" \
       --splits $splits --limit "$PER_SPLIT"
   done
-done
+}
+# Session 10: Gemma-3's NQ-Open and GSM8K stores (about 3 rows/s, under 30 min together) come
+# before the Qwen pair's GSM8K (about 1.5 h at 0.8 and 2 rows/s), so each dataset has three
+# generators sooner.
+qwen_pair triviaqa
+qwen_pair nq_open
+gemma nq_open
+gemma gsm8k
+qwen_pair gsm8k
 run $A capture --task triviaqa --model "$GEMMA" --out "$OUT/gemma3-triviaqa" "${GKEEP[@]}" \
   --splits validation,test,train
 echo "=== $(date -Is) queue done"
