@@ -8,14 +8,16 @@ that copy is most of a step (SmolLM2 on CNN/DailyMail articles: 55% of capture t
 
 `grouped_eager_attention` computes the same weights and output by laying the query heads that
 share a key/value head side by side, one matmul per key/value head, so the cache is read once
-and never copied. Inside `prompt_pass_without_weights` (capture while generating: the prompt
-pass's weights are never read) a multi-token float32 pass runs PyTorch's fused attention
-instead and returns no weights (the same to float rounding). In bfloat16 or float16 the grouped
-attention gives eager attention's results to the bit, and the fused kernel would not: it rounds
-differently, enough to change some greedy answers, so half precision keeps the eager prompt pass. It is registered with transformers as ``"actmap_eager"`` (with the eager
+and never copied. It is registered with transformers as ``"actmap_eager"`` (with the eager
 mask) and used for the families whose eager attention it reproduces (`GROUPED_FAMILIES`,
 tested against eager); any other module, or a call with attention sinks, goes to the model's
 own eager function unchanged.
+
+Inside `prompt_pass_without_weights` (capture while generating: the prompt pass's weights are
+never read) a multi-token float32 pass runs PyTorch's fused attention instead and returns no
+weights (the same to float rounding). In bfloat16 or float16 the grouped attention gives eager
+attention's results to the bit and the fused kernel would not: it rounds differently, enough
+to change some greedy answers, so half precision keeps the eager prompt pass.
 """
 
 from __future__ import annotations
