@@ -57,4 +57,11 @@ gemma gsm8k
 qwen_pair gsm8k
 run $A capture --task triviaqa --model "$GEMMA" --out "$OUT/gemma3-triviaqa" "${GKEEP[@]}" \
   --splits validation,test,train
+# the float32 0.5B store on the same TriviaQA questions (the report's dtype row and
+# experiments/dtype_transfer.py; lost with session 9's machine)
+Q05=$(../shared/models/get-model qwen2.5-coder-0.5b-instruct)
+for splits in validation,test train; do
+  run $A capture --task triviaqa --model "$Q05" --out "$OUT/qwen-0.5b-triviaqa" "${KEEP[@]}" \
+    --dtype float32 --splits $splits --limit "$PER_SPLIT"
+done
 echo "=== $(date -Is) queue done"
