@@ -95,3 +95,29 @@ def test_piped_eta_falls_back_to_the_mean_rate_when_batches_are_slow():
     assert _eta(SimpleNamespace(time_remaining=12.0, total=10, completed=1, elapsed=1.0)) == 12.0
     assert _eta(SimpleNamespace(time_remaining=None, total=None, completed=5, elapsed=9.0)) is None
     assert _eta(SimpleNamespace(time_remaining=None, total=10, completed=0, elapsed=9.0)) is None
+
+
+def test_a_count_that_starts_over_restarts_the_task_clock():
+    """A reproduce stage reports one baseline method's rows after another: the next method's
+    count restarts the task (its own elapsed and eta), a growing count only updates it."""
+    import io
+
+    from rich.console import Console
+
+    from actmap.cli.common import progress_bar, task_progress
+
+    log = io.StringIO()
+    with progress_bar(every_s=0, on=Console(file=log, force_terminal=False, width=200)) as bar:
+        job = bar.add_task("baselines/s", total=None, info="")
+        progress = task_progress(bar, job)
+        progress(2, 10, "eigenscore (1/2)")
+        started = bar.tasks[0].start_time
+        progress(6, 10, "eigenscore (1/2)")
+        assert bar.tasks[0].start_time == started and bar.tasks[0].completed == 6
+        progress(1, 4, "semantic_entropy (2/2)")
+        task = bar.tasks[0]
+        assert (task.completed, task.total) == (1, 4) and task.start_time > started
+        progress(4, 4, "semantic_entropy (2/2)")
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("baselines/s: 2/10 eigenscore (1/2) elapsed")
+    assert any(line.startswith("baselines/s: 1/4 semantic_entropy (2/2) elapsed") for line in lines)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -75,6 +75,10 @@ class LoggedProgress(Progress):
         super().advance(task_id, advance)
         self._log_lines()
 
+    def reset(self, task_id, **kwargs) -> None:
+        super().reset(task_id, **kwargs)
+        self._log_lines()
+
     def _log_lines(self) -> None:
         now = time.monotonic()
         if self.console.is_terminal or now - self._last_line < self.every_s:
@@ -109,6 +113,23 @@ def progress_bar(
         console=console if on is None else on,
         every_s=every_s,
     )
+
+
+def task_progress(bar: Progress, task_id) -> Callable[[int, int, str], None]:
+    """``progress(completed, total, info)`` for one task of ``bar``. A count that starts over
+    (a smaller ``completed`` or another ``total``: the next baseline method of a stage)
+    restarts the task's clock, so its elapsed time and eta are the new count's."""
+    last = {"completed": 0, "total": None}
+
+    def progress(completed: int, total: int, info: str) -> None:
+        total_or_none = total or None
+        if completed < last["completed"] or total_or_none != last["total"]:
+            bar.reset(task_id, total=total_or_none, completed=completed, info=info)
+        else:
+            bar.update(task_id, completed=completed, total=total_or_none, info=info)
+        last.update(completed=completed, total=total_or_none)
+
+    return progress
 
 
 # set by ``actmap --debug`` for the command it runs (typer gives commands no click context)

@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from actmap.cli.app import app
-from actmap.cli.common import console, progress_bar, user_errors
+from actmap.cli.common import console, progress_bar, task_progress, user_errors
 
 
 def capture_arguments(out: Path, options: Mapping[str, Any]) -> list[str]:
@@ -56,12 +56,7 @@ def reproduce(
         with progress_bar() as bar:
 
             def progress_for(stage):
-                job = bar.add_task(stage.name, total=None, info="")
-
-                def progress(completed: int, total: int, info: str) -> None:
-                    bar.update(job, completed=completed, total=total or None, info=info)
-
-                return progress
+                return task_progress(bar, bar.add_task(stage.name, total=None, info=""))
 
             status = run_plan(stages, progress_for)
         for name, state in status.items():

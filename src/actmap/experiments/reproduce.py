@@ -339,10 +339,11 @@ def baselines_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> St
         options = BaselineOptions(**{"device": config.device, **config.baseline_options})
         store = MapStore.open(copy_path(config, spec))
         names = list(spec.baselines)
-        done = {}
 
         def on_progress(method: str, n: int, total: int, info: str = "") -> None:
-            progress(len(done), len(names), f"{method} {n}/{total}")
+            # the current method's rows (the bar starts over with each method)
+            which = f" ({names.index(method) + 1}/{len(names)})" if method in names else ""
+            progress(n, total, f"{method}{which} {info}".rstrip())
 
         try:
             results = run_baselines(store, names, options=options, progress=on_progress)
