@@ -4,7 +4,8 @@
 # 1. The judge check: 500 validation pairs (an article's own first highlight sentence vs the
 #    next article's) with Qwen2.5-Coder-1.5B in JUDGE_DTYPE (bfloat16 by default: on one CPU
 #    thread, beside other jobs, 36 s per claim in float32 and 10 s in bfloat16 on the same
-#    claims, supports within .012), then with -0.5B in float32. Each check caches every pair in
+#    claims, supports within .012), then with -0.5B in the same dtype (a like-for-like
+#    quality-per-second comparison; float32 was 3.7x slower). Each check caches every pair in
 #    runs/judge-check/<judge>/judge-check.json and writes check.json at the end.
 # 2. SmolLM2 summaries of all 1,500 local articles (384 new tokens, zero-shot).
 # 3. Judged labels (every sentence supported at 0.5) with JUDGE in JUDGE_DTYPE, LABEL_LIMIT
@@ -27,7 +28,7 @@ run() { echo "=== $(date -Is) start: $*"; "$@"; echo "=== $(date -Is) end rc=$?:
 run $A judge check --judge "$($GET qwen2.5-coder-1.5b-instruct)" --pairs "$CHECK_15B_PAIRS" \
   --judge-dtype "$JUDGE_DTYPE" --out "runs/judge-check/qwen2.5-coder-1.5b-$JUDGE_DTYPE"
 run $A judge check --judge "$($GET qwen2.5-coder-0.5b-instruct)" --pairs 500 \
-  --out runs/judge-check/qwen2.5-coder-0.5b
+  --judge-dtype "$JUDGE_DTYPE" --out "runs/judge-check/qwen2.5-coder-0.5b-$JUDGE_DTYPE"
 run $A capture --task cnn_dm --out stores/smollm2-cnn_dm --attention-keys 10 --keep-dense \
   --splits train,validation,test
 run $A judge --store stores/smollm2-cnn_dm --judge "$($GET "$JUDGE")" --judge-dtype "$JUDGE_DTYPE" \
