@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from pathlib import Path
@@ -16,6 +17,7 @@ from actmap.baselines.actvit import (
     ACTViT,
     ACTViTConfig,
     ACTViTScorer,
+    LabeledTensors,
     SweepResult,
     actvit_tensor,
     count_parameters,
@@ -24,6 +26,7 @@ from actmap.baselines.actvit import (
     patchify,
     pool_layers,
     run_sweep,
+    sweep_key,
     tensor_nbytes,
     train_config,
 )
@@ -185,6 +188,43 @@ def test_forward_shapes_and_input_check():
         model(torch.randn(3, 8, 100, 7))
 
 
+def test_bfloat16_precision_is_autocast_over_float32_weights():
+    fp32 = ACTViT.from_config(TINY, 6).eval()
+    bf16 = ACTViT.from_config(dataclasses.replace(TINY, precision="bfloat16"), 6).eval()
+    bf16.load_state_dict(fp32.state_dict())  # same float32 weights
+    assert {p.dtype for p in bf16.parameters()} == {torch.float32}
+    x = torch.randn(8, 8, 100, 6)
+    with torch.no_grad():
+        exact, mixed = fp32(x), bf16(x)
+        # the same model with every weight rounded to bfloat16, run in bfloat16 by hand
+        by_hand = copy.deepcopy(fp32).to(torch.bfloat16)(x.to(torch.bfloat16))
+    assert mixed.dtype == torch.float32 and mixed.shape == (8,)
+    assert not torch.equal(mixed, exact)  # the matmuls did run in bfloat16
+    torch.testing.assert_close(mixed, exact, atol=0.05, rtol=0.05)
+    torch.testing.assert_close(mixed, by_hand.float(), atol=0.05, rtol=0.05)
+    with pytest.raises(ValueError, match="precision must be one of float32, bfloat16"):
+        dataclasses.replace(TINY, precision="float16")
+    # a record written before the field existed reads as float32
+    old = {k: v for k, v in TINY.to_dict().items() if k != "precision"}
+    assert ACTViTConfig.from_dict(old) == TINY
+    mixed_cfg = dataclasses.replace(TINY, precision="bfloat16")
+    assert ACTViTConfig.from_dict(mixed_cfg.to_dict()) == mixed_cfg
+
+
+def test_bfloat16_training_separates_and_keys_its_own_sweep():
+    train, val, test = separable(192, 4, 0), separable(64, 4, 1), separable(64, 4, 2)
+    cfg = dataclasses.replace(TINY, epochs=6, dropout=0.0, emb_dropout=0.0)
+    mixed = dataclasses.replace(cfg, precision="bfloat16")
+    exact_run = train_config(cfg, train, val, test, seed=42, device="cpu")
+    mixed_run = train_config(mixed, train, val, test, seed=42, device="cpu")
+    assert mixed_run.test_auroc > 0.95
+    assert mixed_run.test_auroc == pytest.approx(roc_auc_score(test[1], mixed_run.test_scores))
+    np.testing.assert_allclose(mixed_run.test_scores, exact_run.test_scores, atol=0.1)
+    rows = LabeledTensors(*train), LabeledTensors(*val)
+    keys = {sweep_key([c], 42, *rows) for c in (cfg, mixed)}
+    assert len(keys) == 2  # a float32 sweep never resumes from a bfloat16 one
+
+
 def test_config_rejects_patch_that_does_not_divide_grid():
     with pytest.raises(ValueError, match="patch"):
         ACTViTConfig(patch=(3, 2))
@@ -230,6 +270,37 @@ def test_training_is_deterministic_per_seed():
     assert a.history == b.history
     assert not np.array_equal(a.test_scores, c.test_scores)
     assert not torch.are_deterministic_algorithms_enabled()  # flag restored after training
+
+
+def test_micro_batches_give_the_full_batch_step_and_bound_each_pass(monkeypatch):
+    train, val = separable(80, 4, 0, shift=0.3), separable(32, 4, 1, shift=0.3)
+    # 80 rows in batches of 32: steps of 32, 32 and 16 rows; no dropout, so the only
+    # difference a micro batch may make is float rounding in the summed gradients
+    cfg = dataclasses.replace(TINY, epochs=3, dropout=0.0, emb_dropout=0.0)
+    rows_per_pass = []
+    forward = ACTViT.forward
+
+    def counting(self, x):
+        rows_per_pass.append((torch.is_grad_enabled(), x.shape[0]))
+        return forward(self, x)
+
+    monkeypatch.setattr(ACTViT, "forward", counting)
+    whole = train_config(cfg, train, val, val, seed=3, device="cpu")
+    assert [n for grad, n in rows_per_pass if grad] == [32, 32, 16] * 3
+    assert [n for grad, n in rows_per_pass if not grad] == [32] * 4  # val per epoch, then test
+    rows_per_pass.clear()
+    sliced = train_config(cfg, train, val, val, seed=3, device="cpu", micro_batch=5)
+    # each 32-row step runs as 5 x 6 + 2 rows, the 16-row step as 5 x 3 + 1
+    step = [5] * 6 + [2] + [5] * 6 + [2] + [5] * 3 + [1]
+    assert [n for grad, n in rows_per_pass if grad] == step * 3
+    assert [n for grad, n in rows_per_pass if not grad] == ([5] * 6 + [2]) * 4
+    for key, tensor in whole.state.items():
+        torch.testing.assert_close(sliced.state[key], tensor, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(sliced.test_scores, whole.test_scores, rtol=1e-4, atol=1e-6)
+    losses = [h.train_loss for h in whole.history]
+    assert [h.train_loss for h in sliced.history] == pytest.approx(losses, rel=1e-5)
+    with pytest.raises(ValueError, match="micro_batch must be >= 1"):
+        train_config(cfg, train, val, seed=3, device="cpu", micro_batch=0)
 
 
 def test_ties_keep_earlier_epoch_and_earlier_config():
@@ -403,6 +474,22 @@ def test_grid_option_names_the_configurations_swept():
     )
     with pytest.raises(ActmapUserError, match="actvit_grid must be one of full, small, selected"):
         BaselineOptions(actvit_grid="tiny")
+    inputs = SimpleNamespace(
+        require_table=lambda table, method: None,
+        options=BaselineOptions(actvit_micro_batch=16),
+        store=SimpleNamespace(root=Path("/stores/s")),
+    )
+    assert ACTViTScorer.from_inputs(inputs).micro_batch == 16
+    with pytest.raises(ActmapUserError, match="actvit_micro_batch must be >= 1, got 0"):
+        BaselineOptions(actvit_micro_batch=0)
+    # a named grid runs at the options' precision; configurations given as a tuple keep theirs
+    inputs.options = BaselineOptions(actvit_grid="small", actvit_precision="bfloat16")
+    small_bf16 = ACTViTScorer.from_inputs(inputs).grid
+    assert small_bf16 == tuple(dataclasses.replace(c, precision="bfloat16") for c in small)
+    inputs.options = BaselineOptions(actvit_grid=(TINY,), actvit_precision="bfloat16")
+    assert ACTViTScorer.from_inputs(inputs).grid == (TINY,)
+    with pytest.raises(ActmapUserError, match="actvit_precision must be one of"):
+        BaselineOptions(actvit_precision="half")
 
 
 def test_inputs_beyond_float16_saturate_and_nan_is_named():

@@ -67,6 +67,7 @@ def test_baselines_help_lists_the_options():
         "--n-samples",
         "--actvit-grid",
         "--actvit-epochs",
+        "--actvit-micro-batch",
     ):
         assert option in result.output
 
@@ -110,3 +111,6 @@ def test_bad_method_name_is_a_clear_error(store_path):
     args = ["baselines", "--store", str(store_path), "--methods", "se", "--judge-prompt", "nli"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "judge_prompt must be one of" in result.output
+    args = ["baselines", "--store", str(store_path), "--methods", "actvit"]
+    result = CliRunner().invoke(app, [*args, "--actvit-micro-batch", "0"])
+    assert result.exit_code == 2 and "actvit_micro_batch must be >= 1, got 0" in result.output

@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 N_MAX = 100  # ACT-ViT's fixed token axis (first generated tokens)
 LAYER_GROUPS = DENSE_LAYER_GROUPS  # ACT-ViT's L_eff: layer axis max-pooled to 8 contiguous groups
+PRECISIONS = ("float32", "bfloat16")  # bfloat16: autocast (mixed precision), float32 weights
+EVAL_BATCH = 256  # rows per inference pass unless a micro batch bounds it
 RESULT_SCHEMA_VERSION = 1
 SHARD_SCHEMA_VERSION = 1
 
@@ -182,8 +184,15 @@ class ACTViTConfig:
     epochs: int = 15  # every configuration runs all 15 (released patience 30 > 15)
     batch_size: int = 128  # published batch size
     warmup_fraction: float = 0.1  # warm-up over 10% of all optimizer steps, then cosine
+    # the forward pass's matmuls: float32, or bfloat16 under autocast (weights, optimizer
+    # and loss stay float32); part of the configuration because it changes the result
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
         if len(self.patch) != 2 or LAYER_GROUPS % self.patch[0] or N_MAX % self.patch[1]:
             raise ValueError(f"patch {self.patch} must divide the ({LAYER_GROUPS}, {N_MAX}) grid")
         if self.dim < 1 or self.depth < 1 or self.heads < 1 or self.dim_head < 1:
@@ -298,8 +307,12 @@ class ACTViT(nn.Module):
         emb_dropout: float,
         groups: int = LAYER_GROUPS,
         n_tokens: int = N_MAX,
+        precision: str = "float32",
     ):
         super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.precision = precision
         if groups % patch[0] or n_tokens % patch[1]:
             raise ValueError(f"patch {patch} must divide the ({groups}, {n_tokens}) grid")
         self.d_model, self.groups, self.n_tokens, self.patch = d_model, groups, n_tokens, patch
@@ -332,6 +345,7 @@ class ACTViT(nn.Module):
             patch=config.patch,
             dropout=config.dropout,
             emb_dropout=config.emb_dropout,
+            precision=config.precision,
         )
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -354,7 +368,10 @@ class ACTViT(nn.Module):
         return self.head(features).squeeze(-1)  # (B,) logit of "correct"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+        """(B, 8, 100, D) -> (B,) float32 logits; bfloat16 precision runs under autocast."""
+        bf16 = self.precision == "bfloat16"
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+            return self.forward_head(self.forward_features(x)).float()
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -407,7 +424,7 @@ def seeded(seed: int) -> Iterator[torch.Generator]:
 
 @torch.no_grad()
 def predict_proba(
-    model: ACTViT, x: torch.Tensor, batch_size: int = 256, device: torch.device | None = None
+    model: ACTViT, x: torch.Tensor, batch_size: int = EVAL_BATCH, device: torch.device | None = None
 ) -> np.ndarray:
     """p(correct) for every row of x (n, 8, 100, D), float64."""
     device = device or next(model.parameters()).device
@@ -439,6 +456,11 @@ class SeedRun:
     test_scores: np.ndarray | None = field(default=None, repr=False)  # (n_test,) p(correct)
 
 
+def _check_micro_batch(micro_batch: int | None) -> None:
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1 or None, got {micro_batch}")
+
+
 def train_config(
     config: ACTViTConfig,
     train: Any,
@@ -446,11 +468,18 @@ def train_config(
     test: Any | None = None,
     seed: int = 42,
     device: str | torch.device | None = None,
+    micro_batch: int | None = None,
 ) -> SeedRun:
     """Train one configuration with one seed; evaluate its best-validation checkpoint on test once.
 
     `train`, `val`, `test` are `(x (n, 8, 100, D), y (n,))` with y = 1 for correct.
+    ``micro_batch`` bounds the rows of one forward pass: each step's batch of
+    ``config.batch_size`` rows is run in slices of that many rows whose gradients add up to
+    the batch's (the loss is the batch mean, so the step is the same up to float rounding and
+    dropout's draws). It trades speed for memory: at width 1024 with 1x1 patches, a batch of
+    128 rows holds about 14 GB of attention activations.
     """
+    _check_micro_batch(micro_batch)
     train = _check_split(train, "train", need_both_classes=False)
     val = _check_split(val, "val", need_both_classes=True)
     if test is not None:
@@ -464,6 +493,7 @@ def train_config(
     total_steps = steps_per_epoch * config.epochs
     warmup_steps = int(config.warmup_fraction * total_steps)
     y_train = torch.from_numpy(train.y)
+    eval_batch = micro_batch or EVAL_BATCH
 
     with seeded(seed) as data_gen:
         from transformers import get_cosine_schedule_with_warmup
@@ -479,18 +509,20 @@ def train_config(
             loss_sum = 0.0
             for i in range(0, n, config.batch_size):
                 idx = order[i : i + config.batch_size]
-                xb = train.x[idx].to(device).float()  # (b, 8, 100, D)
-                yb = y_train[idx].to(device)
-                loss = F.binary_cross_entropy_with_logits(model(xb), yb)
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                for part in idx.split(micro_batch or len(idx)):
+                    xb = train.x[part].to(device).float()  # (b, 8, 100, D)
+                    yb = y_train[part].to(device)
+                    loss = F.binary_cross_entropy_with_logits(model(xb), yb, reduction="sum")
+                    (loss / len(idx)).backward()  # gradients add up to the batch mean's
+                    loss_sum += loss.item()
                 opt.step()
                 sched.step()  # per step
-                loss_sum += loss.item() * len(idx)
             return loss_sum / n
 
         def validate_epoch() -> tuple[float, float]:
-            return float(roc_auc_score(val.y, predict_proba(model, val.x, device=device))), math.nan
+            p_val = predict_proba(model, val.x, batch_size=eval_batch, device=device)
+            return float(roc_auc_score(val.y, p_val)), math.nan
 
         def on_epoch(o: EpochOutcome) -> None:
             history.append(EpochStats(o.epoch, o.train_loss, o.val_score))
@@ -512,7 +544,7 @@ def train_config(
         test_auroc, test_scores = None, None
         if test is not None:
             model.load_state_dict(best_state)
-            test_scores = predict_proba(model, test.x, device=device)
+            test_scores = predict_proba(model, test.x, batch_size=eval_batch, device=device)
             test_auroc = float(roc_auc_score(test.y, test_scores))
     return SeedRun(
         seed, best_epoch, best_auroc, tuple(history), best_state, test_auroc, test_scores
@@ -691,6 +723,7 @@ def run_sweep(
     epochs: int | None = None,
     device: str | torch.device | None = None,
     progress_dir: str | Path | None = None,
+    micro_batch: int | None = None,
 ) -> SweepResult:
     """Train every grid configuration with `seed`, select by validation AUROC, retrain with the rest.
 
@@ -698,7 +731,8 @@ def run_sweep(
     only scored with each seed's selected checkpoint, never used to select. With
     ``progress_dir``, each finished configuration is kept there (`SweepProgress`, under a key
     of the grid, seed and rows) until the sweep returns, and a rerun of the same sweep after
-    a kill starts at the next configuration.
+    a kill starts at the next configuration. ``micro_batch``: see `train_config` (it bounds
+    memory, not the result, so it is not part of the sweep's key).
     """
     if not grid:
         raise ValueError("grid is empty")
@@ -717,7 +751,7 @@ def run_sweep(
     for i, config in enumerate(grid):
         if i < len(results):
             continue
-        run = train_config(config, train, val, None, seed=seed, device=device)
+        run = train_config(config, train, val, None, seed, device, micro_batch)
         n_params = count_parameters(ACTViT.from_config(config, d_model))
         results.append(ConfigResult(config, run.val_auroc, run.best_epoch, n_params))
         logger.info("config %d/%d %s: val AUROC %.4f", i + 1, len(grid), config, run.val_auroc)
@@ -727,16 +761,21 @@ def run_sweep(
             kept.save(results, best_run, best_i)
     selected = grid[best_i]
 
-    runs = [_score_test(selected, best_run, test, d_model, device)]
+    runs = [_score_test(selected, best_run, test, d_model, device, micro_batch)]
     for s in retrain_seeds:
-        runs.append(train_config(selected, train, val, test, seed=s, device=device))
+        runs.append(train_config(selected, train, val, test, s, device, micro_batch))
     if kept is not None:
         kept.clear()
     return SweepResult(d_model, tuple(results), selected, results[best_i].n_params, tuple(runs))
 
 
 def _score_test(
-    config: ACTViTConfig, run: SeedRun, test: Any | None, d_model: int, device: Any
+    config: ACTViTConfig,
+    run: SeedRun,
+    test: Any | None,
+    d_model: int,
+    device: Any,
+    micro_batch: int | None = None,
 ) -> SeedRun:
     """The selection seed's checkpoint, scored once on test."""
     if test is None:
@@ -744,7 +783,7 @@ def _score_test(
     test = _check_split(test, "test", need_both_classes=True)
     model = ACTViT.from_config(config, d_model)
     model.load_state_dict(run.state)
-    scores = predict_proba(model.to(resolve_device(device)), test.x)
+    scores = predict_proba(model.to(resolve_device(device)), test.x, micro_batch or EVAL_BATCH)
     auroc = float(roc_auc_score(test.y, scores))
     return dataclasses.replace(run, test_auroc=auroc, test_scores=scores)
 
@@ -769,21 +808,27 @@ class ACTViTScorer:
 
     @classmethod
     def from_inputs(cls, inputs) -> ACTViTScorer:
-        """The grid, epochs, seeds and device of the run's options."""
+        """The grid, precision, epochs, seeds and device of the run's options.
+
+        A named grid runs at ``actvit_precision``; a tuple of configurations keeps its own."""
         inputs.require_table("dense", cls.name)
         grid = inputs.options.actvit_grid
-        if grid == "full":
-            grid = SWEEP_GRID
-        elif grid == "small":  # the paper's selected width and depth; every decay and patch shape
-            grid = tuple(c for c in SWEEP_GRID if c.dim == 128 and c.depth == 1)
-        elif grid == "selected":  # no sweep: the paper's selected configuration (ACTViTConfig())
-            grid = (ACTViTConfig(),)
+        if isinstance(grid, str):
+            if grid == "full":
+                grid = SWEEP_GRID
+            elif grid == "small":  # the paper's selected width and depth; every decay and patch
+                grid = tuple(c for c in SWEEP_GRID if c.dim == 128 and c.depth == 1)
+            else:  # "selected", no sweep: the paper's selected configuration (ACTViTConfig())
+                grid = (ACTViTConfig(),)
+            precision = inputs.options.actvit_precision
+            grid = tuple(dataclasses.replace(c, precision=precision) for c in grid)
         return cls(
             grid=tuple(grid),
             epochs=inputs.options.actvit_epochs,
             seeds=inputs.options.actvit_seeds,
             device=inputs.options.device,
             progress_dir=inputs.store.root / SWEEP_FOLDER,  # a killed sweep resumes
+            micro_batch=inputs.options.actvit_micro_batch,
         )
 
     @property
@@ -800,7 +845,10 @@ class ACTViTScorer:
         layer_pad_mode: PadMode = "zero",
         device: str | None = None,
         progress_dir: str | Path | None = None,
+        micro_batch: int | None = None,
     ):
+        _check_micro_batch(micro_batch)
+        self.micro_batch = micro_batch
         self.config = config
         self.progress_dir = progress_dir
         self.seeds = tuple(seeds)
@@ -832,6 +880,7 @@ class ACTViTScorer:
             epochs=self.epochs,
             device=self.device,
             progress_dir=self.progress_dir,
+            micro_batch=self.micro_batch,
         )
         device = resolve_device(self.device)
         self.models_ = []
@@ -846,7 +895,7 @@ class ACTViTScorer:
             raise RuntimeError("ACTViTScorer.score called before fit")
         x = _as_batch(rows, self.layer_pad_mode)
         by_seed = {
-            run.seed: predict_proba(m, x)
+            run.seed: predict_proba(m, x, self.micro_batch or EVAL_BATCH)
             for run, m in zip(self.result_.runs, self.models_, strict=False)
         }
         confidence = by_seed[self.result_.runs[0].seed]

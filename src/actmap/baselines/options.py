@@ -34,6 +34,8 @@ class BaselineOptions:
     actvit_grid: str | tuple = "full"
     actvit_epochs: int | None = 15  # ACT-ViT's published 15 epochs; None = each config's own
     actvit_seeds: tuple[int, ...] = (42, 123, 456)  # selection seed first, then retrains
+    actvit_micro_batch: int | None = None  # rows per forward pass (memory); None = whole batch
+    actvit_precision: str = "float32"  # a named grid's forward pass: float32 | bfloat16 (autocast)
     permuted_inner: str = "tad"  # the supervised scorer permuted_label refits on shuffled labels
     score_chunk: int = 64  # rows per score() call: progress and judge-cache saves in between
 
@@ -41,6 +43,17 @@ class BaselineOptions:
         if self.n_samples < 2:
             raise ActmapUserError(
                 f"n_samples must be >= 2 (SE and EigenScore), got {self.n_samples}"
+            )
+        from actmap.baselines.actvit import PRECISIONS
+
+        if self.actvit_precision not in PRECISIONS:
+            raise ActmapUserError(
+                f"actvit_precision must be one of {', '.join(PRECISIONS)}, "
+                f"got {self.actvit_precision!r}"
+            )
+        if self.actvit_micro_batch is not None and self.actvit_micro_batch < 1:
+            raise ActmapUserError(
+                f"actvit_micro_batch must be >= 1, got {self.actvit_micro_batch}"
             )
         if self.score_chunk < 1 or self.samples_commit_every < 1:
             raise ActmapUserError("score_chunk and samples_commit_every must be >= 1")

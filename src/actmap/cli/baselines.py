@@ -73,6 +73,16 @@ def baselines_command(
         help="full (24 configurations) | small (6: width 128, depth 1) | selected (1: the paper's selected configuration, no sweep).",
     ),
     actvit_epochs: int = typer.Option(15, help="ACT-ViT epochs per configuration and seed."),
+    actvit_precision: str = typer.Option(
+        "float32",
+        help="ACT-ViT's forward pass: float32 | bfloat16 (autocast, float32 weights; about 2x "
+        "faster at width 1024 on a CPU with AVX512-BF16). Recorded with each configuration.",
+    ),
+    actvit_micro_batch: int = typer.Option(
+        None,
+        help="ACT-ViT rows per forward pass; a batch of 128 is run in slices whose gradients "
+        "add up (bounds memory: width 1024 with 1x1 patches needs about 14 GB at 128).",
+    ),
     tad_previous: int = typer.Option(
         None, help="TAD's K previous tokens (default: min(10, keys in the store))."
     ),
@@ -95,6 +105,8 @@ def baselines_command(
             sample_max_new_tokens=sample_max_new_tokens,
             actvit_grid=actvit_grid,
             actvit_epochs=actvit_epochs,
+            actvit_micro_batch=actvit_micro_batch,
+            actvit_precision=actvit_precision,
             tad_previous=tad_previous,
         )
         the_store = MapStore.open(store)
