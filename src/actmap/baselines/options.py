@@ -52,9 +52,7 @@ class BaselineOptions:
                 f"got {self.actvit_precision!r}"
             )
         if self.actvit_micro_batch is not None and self.actvit_micro_batch < 1:
-            raise ActmapUserError(
-                f"actvit_micro_batch must be >= 1, got {self.actvit_micro_batch}"
-            )
+            raise ActmapUserError(f"actvit_micro_batch must be >= 1, got {self.actvit_micro_batch}")
         if self.score_chunk < 1 or self.samples_commit_every < 1:
             raise ActmapUserError("score_chunk and samples_commit_every must be >= 1")
         from actmap.models import check_dtype
