@@ -211,6 +211,30 @@ def test_bfloat16_precision_is_autocast_over_float32_weights():
     assert ACTViTConfig.from_dict(mixed_cfg.to_dict()) == mixed_cfg
 
 
+def test_a_sweep_reports_every_epoch_of_every_configuration():
+    train, val = separable(32, 4, 0), separable(16, 4, 1)
+    grid = [dataclasses.replace(TINY, epochs=2), dataclasses.replace(TINY, epochs=3, dim=8)]
+    reports = []
+    result = run_sweep(
+        train,
+        val,
+        grid=grid,
+        retrain_seeds=(5,),
+        device="cpu",
+        progress=lambda *r: reports.append(r),
+    )
+    e = result.selected.epochs  # the retrain's epochs: the total is exact once it is known
+    assert [r[:2] for r in reports] == [
+        *[(k, 8) for k in (0, 1, 2)],  # configuration 1: 2 epochs (8 = 2 + 3 + at most 3)
+        *[(k, 8) for k in (2, 3, 4, 5)],  # configuration 2: 3 epochs
+        *[(k, 5 + e) for k in range(5, 6 + e)],  # the retrain with seed 5
+    ]
+    assert reports[2][2] == "config 1/2 (width 16, depth 1, decay 0.001, patch 8x1) epoch 2/2"
+    assert reports[-1][2] == f"seed 5 ({result.selected.label()}) epoch {e}/{e}"
+    mixed = dataclasses.replace(TINY, precision="bfloat16")
+    assert mixed.label() == "width 16, depth 1, decay 0.001, patch 8x1, bfloat16"
+
+
 def test_bfloat16_training_separates_and_keys_its_own_sweep():
     train, val, test = separable(192, 4, 0), separable(64, 4, 1), separable(64, 4, 2)
     cfg = dataclasses.replace(TINY, epochs=6, dropout=0.0, emb_dropout=0.0)
@@ -385,8 +409,19 @@ def test_a_killed_sweep_resumes_at_the_next_configuration_with_the_same_result(
     monkeypatch.setattr(
         actvit, "train_config", lambda c, *a, **k: calls.append(c) or real(c, *a, **k)
     )
-    resumed = run_sweep(train, val, test, progress_dir=tmp_path, **kw)
+    reports = []
+    resumed = run_sweep(
+        train, val, test, progress_dir=tmp_path, progress=lambda *r: reports.append(r), **kw
+    )
     assert calls[0] == dataclasses.replace(grid[2], epochs=1) and len(calls) == 2  # + a retrain
+    # epochs over the whole sweep: 3 configurations + 1 retrain, the first 2 already done
+    selected = resumed.selected.label()
+    assert reports == [
+        (2, 4, "config 3/3 (width 16, depth 2, decay 0.001, patch 8x1) epoch 0/1"),
+        (3, 4, "config 3/3 (width 16, depth 2, decay 0.001, patch 8x1) epoch 1/1"),
+        (3, 4, f"seed 123 ({selected}) epoch 0/1"),
+        (4, 4, f"seed 123 ({selected}) epoch 1/1"),
+    ]
     assert resumed.grid == whole.grid and resumed.selected == whole.selected
     for a, b in zip(resumed.runs, whole.runs, strict=True):
         np.testing.assert_array_equal(a.test_scores, b.test_scores)
@@ -490,6 +525,13 @@ def test_grid_option_names_the_configurations_swept():
     assert ACTViTScorer.from_inputs(inputs).grid == (TINY,)
     with pytest.raises(ActmapUserError, match="actvit_precision must be one of"):
         BaselineOptions(actvit_precision="half")
+    # the fit reports its epochs through the run's progress, under the method's name
+    reports = []
+    inputs.report = lambda *r: reports.append(r)
+    inputs.options = BaselineOptions(actvit_grid=(TINY,), actvit_epochs=2, actvit_seeds=(42,))
+    train, val = separable(32, 4, 0), separable(16, 4, 1)
+    ACTViTScorer.from_inputs(inputs).fit(train[0], train[1], val[0], val[1])
+    assert [r[:3] for r in reports] == [("actvit", k, 2) for k in (0, 1, 2)]
 
 
 def test_inputs_beyond_float16_saturate_and_nan_is_named():

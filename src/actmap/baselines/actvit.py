@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,6 +199,12 @@ class ACTViTConfig:
             raise ValueError("dim, depth, heads and dim_head must be >= 1")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+
+    def label(self) -> str:
+        """The grid coordinates in a few words: ``width 128, depth 1, decay 0.001, patch 4x2``."""
+        p = f"width {self.dim}, depth {self.depth}, decay {self.weight_decay:g}"
+        p += f", patch {self.patch[0]}x{self.patch[1]}"
+        return p if self.precision == "float32" else f"{p}, {self.precision}"
 
     @property
     def resolved_mlp_dim(self) -> int:
@@ -469,6 +475,7 @@ def train_config(
     seed: int = 42,
     device: str | torch.device | None = None,
     micro_batch: int | None = None,
+    on_epoch: Callable[[int], None] | None = None,
 ) -> SeedRun:
     """Train one configuration with one seed; evaluate its best-validation checkpoint on test once.
 
@@ -477,7 +484,8 @@ def train_config(
     ``config.batch_size`` rows is run in slices of that many rows whose gradients add up to
     the batch's (the loss is the batch mean, so the step is the same up to float rounding and
     dropout's draws). It trades speed for memory: at width 1024 with 1x1 patches, a batch of
-    128 rows holds about 14 GB of attention activations.
+    128 rows holds about 14 GB of attention activations. ``on_epoch(k)`` is called after the
+    k-th epoch (1-based).
     """
     _check_micro_batch(micro_batch)
     train = _check_split(train, "train", need_both_classes=False)
@@ -524,8 +532,10 @@ def train_config(
             p_val = predict_proba(model, val.x, batch_size=eval_batch, device=device)
             return float(roc_auc_score(val.y, p_val)), math.nan
 
-        def on_epoch(o: EpochOutcome) -> None:
+        def record(o: EpochOutcome) -> None:
             history.append(EpochStats(o.epoch, o.train_loss, o.val_score))
+            if on_epoch is not None:
+                on_epoch(o.epoch + 1)
             logger.debug(
                 "seed %d epoch %d loss %.4f val AUROC %.4f",
                 seed,
@@ -534,7 +544,7 @@ def train_config(
                 o.val_score,
             )
 
-        selection = select_epoch(model, config.epochs, train_epoch, validate_epoch, None, on_epoch)
+        selection = select_epoch(model, config.epochs, train_epoch, validate_epoch, None, record)
         best_auroc, best_epoch, best_state = (
             selection.best_score,
             selection.best_epoch,
@@ -724,6 +734,7 @@ def run_sweep(
     device: str | torch.device | None = None,
     progress_dir: str | Path | None = None,
     micro_batch: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> SweepResult:
     """Train every grid configuration with `seed`, select by validation AUROC, retrain with the rest.
 
@@ -732,7 +743,8 @@ def run_sweep(
     ``progress_dir``, each finished configuration is kept there (`SweepProgress`, under a key
     of the grid, seed and rows) until the sweep returns, and a rerun of the same sweep after
     a kill starts at the next configuration. ``micro_batch``: see `train_config` (it bounds
-    memory, not the result, so it is not part of the sweep's key).
+    memory, not the result, so it is not part of the sweep's key). ``progress(done, total,
+    info)`` counts epochs over the whole sweep, retrains included, after every epoch.
     """
     if not grid:
         raise ValueError("grid is empty")
@@ -748,22 +760,44 @@ def run_sweep(
     results, best_run, best_i = kept.load() if kept is not None else ([], None, -1)
     if results:
         logger.info("sweep resumed after %d of %d configurations", len(results), len(grid))
+    total = sum(c.epochs for c in grid) + len(retrain_seeds) * max(c.epochs for c in grid)
+    # (the retrains' share is exact once a configuration is selected)
+    done = sum(c.epochs for c in grid[: len(results)])
+
+    def epochs_of(what: str, epochs: int) -> Callable[[int], None] | None:
+        if progress is None:
+            return None
+        start = done
+
+        def report(k: int) -> None:
+            progress(start + k, total, f"{what} epoch {k}/{epochs}")
+
+        progress(start, total, f"{what} epoch 0/{epochs}")
+        return report
+
     for i, config in enumerate(grid):
         if i < len(results):
             continue
-        run = train_config(config, train, val, None, seed, device, micro_batch)
+        what = f"config {i + 1}/{len(grid)} ({config.label()})"
+        run = train_config(
+            config, train, val, None, seed, device, micro_batch, epochs_of(what, config.epochs)
+        )
+        done += config.epochs
         n_params = count_parameters(ACTViT.from_config(config, d_model))
         results.append(ConfigResult(config, run.val_auroc, run.best_epoch, n_params))
-        logger.info("config %d/%d %s: val AUROC %.4f", i + 1, len(grid), config, run.val_auroc)
+        logger.info("%s: val AUROC %.4f", what, run.val_auroc)
         if best_run is None or run.val_auroc > best_run.val_auroc:
             best_run, best_i = run, i
         if kept is not None:
             kept.save(results, best_run, best_i)
     selected = grid[best_i]
+    total = sum(c.epochs for c in grid) + len(retrain_seeds) * selected.epochs  # now exact
 
     runs = [_score_test(selected, best_run, test, d_model, device, micro_batch)]
     for s in retrain_seeds:
-        runs.append(train_config(selected, train, val, test, s, device, micro_batch))
+        report = epochs_of(f"seed {s} ({selected.label()})", selected.epochs)
+        runs.append(train_config(selected, train, val, test, s, device, micro_batch, report))
+        done += selected.epochs
     if kept is not None:
         kept.clear()
     return SweepResult(d_model, tuple(results), selected, results[best_i].n_params, tuple(runs))
@@ -829,6 +863,7 @@ class ACTViTScorer:
             device=inputs.options.device,
             progress_dir=inputs.store.root / SWEEP_FOLDER,  # a killed sweep resumes
             micro_batch=inputs.options.actvit_micro_batch,
+            progress=lambda done, total, info: inputs.report(cls.name, done, total, info),
         )
 
     @property
@@ -846,9 +881,11 @@ class ACTViTScorer:
         device: str | None = None,
         progress_dir: str | Path | None = None,
         micro_batch: int | None = None,
+        progress: Callable[[int, int, str], None] | None = None,  # fit: epochs done, total
     ):
         _check_micro_batch(micro_batch)
         self.micro_batch = micro_batch
+        self.progress = progress
         self.config = config
         self.progress_dir = progress_dir
         self.seeds = tuple(seeds)
@@ -881,6 +918,7 @@ class ACTViTScorer:
             device=self.device,
             progress_dir=self.progress_dir,
             micro_batch=self.micro_batch,
+            progress=self.progress,
         )
         device = resolve_device(self.device)
         self.models_ = []
