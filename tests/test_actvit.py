@@ -459,6 +459,11 @@ def test_scorer_fixed_config_honours_contract():
     assert res.details["config"] == cfg.to_dict() and res.details["seeds"] == [42, 123]
     assert res.details["n_params"] == count_parameters(ACTViT.from_config(cfg, 4))
     np.testing.assert_array_equal(res.details["confidence_by_seed"][42], res.confidence)
+    (swept,) = res.details["grid"]  # the sweep's record: one configuration here
+    assert (
+        swept["config"] == cfg.to_dict()
+        and swept["val_auroc"] == res.details["val_auroc_by_seed"][42]
+    )
     # the same rows given as Generation records with dense states are preprocessed identically
     dense = torch.randn(30, 7, 4).half()
     from_gen = scorer.score([_generation(dense)]).confidence

@@ -949,5 +949,8 @@ class ACTViTScorer:
                 "confidence_by_seed": by_seed,
                 "layer_pad_mode": self.layer_pad_mode,
                 "d_model": self.result_.d_model,
+                # every configuration the sweep trained: its best validation AUROC with the
+                # selection seed, best epoch and parameter count (the sweep's own record)
+                "grid": _config_records(self.result_.grid),
             },
         )
