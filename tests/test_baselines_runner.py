@@ -81,7 +81,10 @@ OPTIONS = BaselineOptions(
     n_samples=3,
     sample_max_new_tokens=4,
     samples_commit_every=3,
-    actvit_grid=(ACTViTConfig(dim=16, depth=1, heads=2, dim_head=8, batch_size=8),),
+    actvit_grid=(  # a sweep of two configurations
+        ACTViTConfig(dim=16, depth=1, heads=2, dim_head=8, batch_size=8),
+        ACTViTConfig(dim=8, depth=1, heads=2, dim_head=4, batch_size=8, weight_decay=1.0),
+    ),
     actvit_epochs=1,
     actvit_seeds=(42, 123),
     device="cpu",
@@ -411,3 +414,32 @@ def test_register_baseline_rejects_an_undeclared_contract(monkeypatch):
         registry.register_baseline(NoRequires)
     with pytest.raises(ValueError, match="unknown inputs"):
         registry.register_baseline(UnknownInput)
+
+
+def test_the_report_states_each_methods_settings_and_run_time(scored, tmp_path):
+    from actmap.report.parts import method_runs
+    from actmap.report.sections import ReportContext, StoreRef
+
+    store, _, _ = scored
+    ref = StoreRef("tiny-alternating", store.root, "tiny", "alternating")
+    context = ReportContext({ref.name: ref}, {}, tmp_path / "out", tmp_path / "scratch")
+    result = method_runs.compute(context)
+    records = store.manifest["results"]
+    by_method = {r.method: r for r in result.runs}
+    assert set(by_method) == set(records)
+    for method, record in records.items():
+        run = by_method[method]
+        assert run.rows == record["rows"] == len(store.ids(f"results/{method}"))
+        assert run.wall_s == record["wall_time_s"]
+        assert run.latency_ms == record["latency_ms_per_answer"]
+        assert run.fit_s == record.get("fit_time_s")
+    assert by_method["semantic_entropy"].settings.startswith("3 samples, T = 1, top-p 0.9; judge")
+    assert by_method["tad"].settings == "K = 3"
+    # the ACT-ViT sweep: both configurations with their validation AUROC, one selected
+    grid = records["actvit"]["details"]["grid"]
+    assert [s.val_auroc for s in result.sweeps] == [g["val_auroc"] for g in grid]
+    (chosen,) = [s for s in result.sweeps if s.selected]
+    assert chosen.val_auroc == max(g["val_auroc"] for g in grid)
+    assert by_method["actvit"].settings.startswith(f"{chosen.config} (selected of 2); 2 seeds")
+    text = method_runs.render(result, tmp_path)
+    assert "| tiny-alternating | actvit | 8 |" in text and "| validation AUROC |" in text

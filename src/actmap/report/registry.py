@@ -21,6 +21,7 @@ def report_sections() -> list[Section]:
         learning_curve,
         localization,
         map_channels,
+        method_runs,
         transfer,
     )
 
@@ -28,6 +29,7 @@ def report_sections() -> list[Section]:
         map_channels.SECTION,
         judge_check.SECTION,
         in_domain.SECTION,
+        method_runs.SECTION,
         transfer.SECTION,
         ablations.SECTION,
         learning_curve.SECTION,
