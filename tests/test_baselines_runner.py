@@ -442,4 +442,10 @@ def test_the_report_states_each_methods_settings_and_run_time(scored, tmp_path):
     assert chosen.val_auroc == max(g["val_auroc"] for g in grid)
     assert by_method["actvit"].settings.startswith(f"{chosen.config} (selected of 2); 2 seeds")
     text = method_runs.render(result, tmp_path)
+    assert [method_runs._seconds(v) for v in (None, 0.01337, 2.456, 96989.18)] == [
+        "--",
+        "0.0134",
+        "2.46",
+        "96,989.2",
+    ]
     assert "| tiny-alternating | actvit | 8 |" in text and "| validation AUROC |" in text

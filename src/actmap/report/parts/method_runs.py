@@ -128,7 +128,10 @@ def compute(context: ReportContext) -> MethodRuns | Skipped:
 
 
 def _seconds(value: float | None) -> str:
-    return "--" if value is None else f"{value:,.1f}"
+    """Thousands separated from 10 up, three significant digits below (0.0134, 2.46)."""
+    if value is None:
+        return "--"
+    return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
 
 
 def render(result: MethodRuns | Skipped, figure_dir: Path) -> str:
