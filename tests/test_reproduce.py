@@ -186,3 +186,69 @@ def test_store_selection_plans_only_the_named_stores(tmp_path):
     assert "copy/b: to run" in result.output and "copy/a" not in result.output
     bad = CliRunner().invoke(app, [*args, "--store", "x"])
     assert bad.exit_code != 0 and "no store named ['x']" in bad.output
+
+
+def test_a_train_stage_killed_between_seeds_keeps_the_seeds_it_finished(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """A session that ends mid-stage loses only the seed in training: the rerun trains the
+    others and the run holds every seed; a changed source retrains all of them."""
+    import actmap.experiments.runs as runs
+
+    answers = answers_file(tmp_path / "answers.jsonl")
+    config = tmp_path / "reproduce.toml"
+    config.write_text(
+        f"""
+out = "out"
+detectors = ["logreg"]
+seeds = [1, 2, 3]
+max_epochs = 2
+device = "cpu"
+n_resamples = 50
+[[stores]]
+name = "tiny"
+path = "captured/tiny"
+baselines = []
+[stores.capture]
+answers = "{answers}"
+model = "{tiny_model_dir}"
+batch_size = 16
+[report]
+sections = ["in_domain"]
+"""
+    )
+    fitted, real_fit = [], runs.CorrectnessDetector.fit
+
+    def fit(self, *args, **kwargs):
+        fitted.append(self.seed)
+        if kill_at is not None and len(fitted) == kill_at:
+            raise RuntimeError("the session ended")
+        return real_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(runs.CorrectnessDetector, "fit", fit)
+    kill_at = 3  # seeds 1 and 2 finish, seed 3 dies in training
+    result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert result.exit_code != 0 and fitted == [1, 2, 3]
+    run = tmp_path / "out" / "runs" / "tiny" / "logreg"
+    first = (run / "seed-1" / "metrics.json").read_text()
+    assert not (run / "seed-3" / "metrics.json").exists()
+
+    fitted.clear()
+    kill_at = None
+    result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert fitted == [3]  # only the seed the kill lost
+    assert (run / "seed-1" / "metrics.json").read_text() == first
+    summary = json.loads((run / "summary.json").read_text())
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert summary["seeds"] == manifest["seeds"] == [1, 2, 3]
+
+    # what the seeds were trained on changed: none is kept (the stage marker goes, as a
+    # renewed copy would make the stage run again)
+    key = json.loads((run / "stage-key.json").read_text())
+    (run / "stage-key.json").write_text(json.dumps({**key, "source": "another"}))
+    (tmp_path / "out" / "state" / "train__tiny__logreg.json").unlink()
+    fitted.clear()
+    result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert fitted == [1, 2, 3]

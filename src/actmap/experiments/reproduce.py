@@ -363,6 +363,16 @@ def baselines_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> St
     )
 
 
+TRAIN_KEY = "stage-key.json"  # in a train stage's run folder: what its finished seeds hold for
+
+
+def _read_key(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: Path) -> Stage:
     out = run_path(config, spec, detector)
 
@@ -371,31 +381,49 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
         from actmap.runs import extend_run_record, prepare_run_folder
 
         recipe = recipe_config(config.max_epochs)
-        prepare_run_folder(out, detector, recipe.to_dict(), overwrite=True)
+        # a stage killed between seeds keeps the seeds it finished, if nothing it was trained
+        # on has changed since (the source store's rows, the recipe, the seeds, the device)
+        key = {
+            "settings": settings(),
+            "recipe": recipe.to_dict(),
+            "source": source_content(spec.path),
+        }
+        same = _read_key(out / TRAIN_KEY) == key
+        kept = [s for s in config.seeds if same and (out / f"seed-{s}" / "metrics.json").is_file()]
+        prepare_run_folder(out, detector, recipe.to_dict(), overwrite=not kept)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / TRAIN_KEY, key)
+        todo = [s for s in config.seeds if s not in kept]
+        if kept:
+            log.info("train/%s/%s: seeds %s kept from a killed run", spec.name, detector, kept)
         total = recipe.max_epochs * len(config.seeds)
-        finished = {}
+        finished = {s: recipe.max_epochs for s in kept}
 
         def on_epoch(epoch: int, info: dict) -> None:
             finished[int(info["seed"])] = epoch + 1
             auroc = info.get("val_auroc", float("nan"))
             progress(sum(finished.values()), total, f"seed {info['seed']} val AUROC {auroc:.3f}")
 
-        train_on_store(
-            copy_path(config, spec), detector, config.seeds, out, recipe, config.device, on_epoch
-        )
+        if todo:
+            train_on_store(
+                copy_path(config, spec), detector, todo, out, recipe, config.device, on_epoch
+            )
         extend_run_record(out)
         progress(total, total, "")
+
+    def settings() -> dict[str, Any]:
+        return {
+            "seeds": list(config.seeds),
+            "max_epochs": config.max_epochs,
+            "device": config.device,
+        }
 
     def ready() -> bool:
         return all((out / f"seed-{s}" / "metrics.json").is_file() for s in config.seeds)
 
     return Stage(
         f"train/{spec.name}/{detector}",
-        lambda: {
-            "seeds": list(config.seeds),
-            "max_epochs": config.max_epochs,
-            "device": config.device,
-        },
+        settings,
         work,
         state,
         ready=ready,
