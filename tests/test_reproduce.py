@@ -33,28 +33,41 @@ def answers_file(path, sizes=(("train", 24), ("validation", 12), ("test", 12))):
     return path
 
 
-def test_reproduce_runs_every_stage_then_skips_what_is_done(tmp_path, tiny_model_dir):
+def tiny_config(tmp_path, model_dir, *, seeds, name, baselines, sections):
+    """A reproduce config: one store captured from answers_file with the tiny model, logreg."""
     answers = answers_file(tmp_path / "answers.jsonl")
     config = tmp_path / "reproduce.toml"
     config.write_text(
         f"""
 out = "out"
 detectors = ["logreg"]
-seeds = [1]
+seeds = {json.dumps(seeds)}
 max_epochs = 2
 device = "cpu"
 n_resamples = 100
 [[stores]]
-name = "tiny-answers"
-path = "captured/tiny-answers"
-baselines = ["perplexity", "answer_length"]
+name = "{name}"
+path = "captured/{name}"
+baselines = {json.dumps(baselines)}
 [stores.capture]
 answers = "{answers}"
-model = "{tiny_model_dir}"
+model = "{model_dir}"
 batch_size = 16
 [report]
-sections = ["map_channels", "in_domain"]
+sections = {json.dumps(sections)}
 """
+    )
+    return config
+
+
+def test_reproduce_runs_every_stage_then_skips_what_is_done(tmp_path, tiny_model_dir):
+    config = tiny_config(
+        tmp_path,
+        tiny_model_dir,
+        seeds=[1],
+        name="tiny-answers",
+        baselines=["perplexity", "answer_length"],
+        sections=["map_channels", "in_domain"],
     )
     result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
     assert result.exit_code == 0, result.output
@@ -195,27 +208,8 @@ def test_a_train_stage_killed_between_seeds_keeps_the_seeds_it_finished(
     others and the run holds every seed; a changed source retrains all of them."""
     import actmap.experiments.runs as runs
 
-    answers = answers_file(tmp_path / "answers.jsonl")
-    config = tmp_path / "reproduce.toml"
-    config.write_text(
-        f"""
-out = "out"
-detectors = ["logreg"]
-seeds = [1, 2, 3]
-max_epochs = 2
-device = "cpu"
-n_resamples = 50
-[[stores]]
-name = "tiny"
-path = "captured/tiny"
-baselines = []
-[stores.capture]
-answers = "{answers}"
-model = "{tiny_model_dir}"
-batch_size = 16
-[report]
-sections = ["in_domain"]
-"""
+    config = tiny_config(
+        tmp_path, tiny_model_dir, seeds=[1, 2, 3], name="tiny", baselines=[], sections=["in_domain"]
     )
     fitted, real_fit = [], runs.CorrectnessDetector.fit
 
