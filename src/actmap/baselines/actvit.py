@@ -166,6 +166,11 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
 # --------------------------------------------------------------------------- model
 
 
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
 @dataclass(frozen=True)
 class ACTViTConfig:
     """One point of the ACT-ViT search space plus its training protocol."""
@@ -189,10 +194,7 @@ class ACTViTConfig:
     precision: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
-            )
+        _check_precision(self.precision)
         if len(self.patch) != 2 or LAYER_GROUPS % self.patch[0] or N_MAX % self.patch[1]:
             raise ValueError(f"patch {self.patch} must divide the ({LAYER_GROUPS}, {N_MAX}) grid")
         if self.dim < 1 or self.depth < 1 or self.heads < 1 or self.dim_head < 1:
@@ -316,8 +318,7 @@ class ACTViT(nn.Module):
         precision: str = "float32",
     ):
         super().__init__()
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        _check_precision(precision)
         self.precision = precision
         if groups % patch[0] or n_tokens % patch[1]:
             raise ValueError(f"patch {patch} must divide the ({groups}, {n_tokens}) grid")
@@ -430,9 +431,14 @@ def seeded(seed: int) -> Iterator[torch.Generator]:
 
 @torch.no_grad()
 def predict_proba(
-    model: ACTViT, x: torch.Tensor, batch_size: int = EVAL_BATCH, device: torch.device | None = None
+    model: ACTViT,
+    x: torch.Tensor,
+    batch_size: int | None = None,
+    device: torch.device | None = None,
 ) -> np.ndarray:
-    """p(correct) for every row of x (n, 8, 100, D), float64."""
+    """p(correct) for every row of x (n, 8, 100, D), float64; ``batch_size`` rows per pass
+    (None: ``EVAL_BATCH``; training passes its micro batch)."""
+    batch_size = batch_size or EVAL_BATCH
     device = device or next(model.parameters()).device
     model.eval()
     out = [
@@ -501,7 +507,6 @@ def train_config(
     total_steps = steps_per_epoch * config.epochs
     warmup_steps = int(config.warmup_fraction * total_steps)
     y_train = torch.from_numpy(train.y)
-    eval_batch = micro_batch or EVAL_BATCH
 
     with seeded(seed) as data_gen:
         from transformers import get_cosine_schedule_with_warmup
@@ -529,7 +534,7 @@ def train_config(
             return loss_sum / n
 
         def validate_epoch() -> tuple[float, float]:
-            p_val = predict_proba(model, val.x, batch_size=eval_batch, device=device)
+            p_val = predict_proba(model, val.x, micro_batch, device)
             return float(roc_auc_score(val.y, p_val)), math.nan
 
         def record(o: EpochOutcome) -> None:
@@ -554,7 +559,7 @@ def train_config(
         test_auroc, test_scores = None, None
         if test is not None:
             model.load_state_dict(best_state)
-            test_scores = predict_proba(model, test.x, batch_size=eval_batch, device=device)
+            test_scores = predict_proba(model, test.x, micro_batch, device)
             test_auroc = float(roc_auc_score(test.y, test_scores))
     return SeedRun(
         seed, best_epoch, best_auroc, tuple(history), best_state, test_auroc, test_scores
@@ -817,7 +822,7 @@ def _score_test(
     test = _check_split(test, "test", need_both_classes=True)
     model = ACTViT.from_config(config, d_model)
     model.load_state_dict(run.state)
-    scores = predict_proba(model.to(resolve_device(device)), test.x, micro_batch or EVAL_BATCH)
+    scores = predict_proba(model.to(resolve_device(device)), test.x, micro_batch)
     auroc = float(roc_auc_score(test.y, scores))
     return dataclasses.replace(run, test_auroc=auroc, test_scores=scores)
 
@@ -933,7 +938,7 @@ class ACTViTScorer:
             raise RuntimeError("ACTViTScorer.score called before fit")
         x = _as_batch(rows, self.layer_pad_mode)
         by_seed = {
-            run.seed: predict_proba(m, x, self.micro_batch or EVAL_BATCH)
+            run.seed: predict_proba(m, x, self.micro_batch)
             for run, m in zip(self.result_.runs, self.models_, strict=False)
         }
         confidence = by_seed[self.result_.runs[0].seed]

@@ -49,12 +49,11 @@ class MethodRuns:
 
 
 def config_label(config: Mapping[str, Any]) -> str:
-    """An ACT-ViT configuration record in a few words (``ACTViTConfig.label``'s wording)."""
-    patch = config["patch"]
-    text = f"width {config['dim']}, depth {config['depth']}, decay {config['weight_decay']:g}"
-    text += f", patch {patch[0]}x{patch[1]}"
-    precision = config.get("precision", "float32")  # records older than the field: float32
-    return text if precision == "float32" else f"{text}, {precision}"
+    """An ACT-ViT configuration record in a few words (``ACTViTConfig.label``; records older
+    than the precision field read as float32)."""
+    from actmap.baselines.actvit import ACTViTConfig
+
+    return ACTViTConfig.from_dict(config).label()
 
 
 def _sampling(details: Mapping[str, Any]) -> str:
@@ -109,17 +108,15 @@ def compute(context: ReportContext) -> MethodRuns | Skipped:
             )
             grid = details.get("grid") if method == "actvit" else None
             if grid and len(grid) > 1:
-                chosen = config_label(details["config"])
                 for entry in grid:
-                    label = config_label(entry["config"])
                     sweeps.append(
                         SweptConfig(
                             ref.name,
-                            label,
+                            config_label(entry["config"]),
                             float(entry["val_auroc"]),
                             int(entry["best_epoch"]),
                             int(entry["n_params"]),
-                            label == chosen,
+                            entry["config"] == details["config"],
                         )
                     )
     if not runs:
