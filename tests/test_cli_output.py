@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_cli import synthetic_store
 from typer.testing import CliRunner
 
@@ -95,6 +96,43 @@ def test_piped_eta_falls_back_to_the_mean_rate_when_batches_are_slow():
     assert _eta(SimpleNamespace(time_remaining=12.0, total=10, completed=1, elapsed=1.0)) == 12.0
     assert _eta(SimpleNamespace(time_remaining=None, total=None, completed=5, elapsed=9.0)) is None
     assert _eta(SimpleNamespace(time_remaining=None, total=10, completed=0, elapsed=9.0)) is None
+
+
+def test_a_resumed_count_is_not_this_runs_work_in_the_eta():
+    """A run resumed at 180 of 390 epochs, whose next epoch takes 100 s, has about 209 x 100 s
+    left, not 209 x 100 / 181 s; a fresh task's first slow batch still counts."""
+    import io
+
+    from rich.console import Console
+
+    from actmap.cli.common import EtaColumn, LoggedProgress
+
+    now = [0.0]
+    log = io.StringIO()
+    bar = LoggedProgress(
+        EtaColumn(),
+        console=Console(file=log, force_terminal=False, width=200),
+        every_s=0,
+        get_time=lambda: now[0],
+    )
+    resumed = bar.add_task("actvit", total=390, info="")
+    now[0] = 0.5
+    bar.update(resumed, completed=180)  # restored from the sweep's progress file
+    fresh = bar.add_task("capture", total=1000, info="")  # starts at 0.5 s
+    now[0] = 100.5
+    bar.update(resumed, completed=181)
+    bar.advance(fresh, 32)
+    by_id = {t.id: t for t in bar.tasks}
+    assert bar.eta(by_id[resumed]) == pytest.approx(209 * 100.0)
+    assert bar.eta(by_id[fresh]) == pytest.approx((1000 - 32) * 100.0 / 32)
+    assert "actvit: 181/390 elapsed 0:01:40 eta 5:48:20" in log.getvalue().splitlines()
+    column = bar.columns[0]
+    assert column.render(by_id[resumed]).plain == "5:48:20"  # the terminal bar's eta
+
+    bar.reset(resumed, total=10, completed=2)  # a count that starts over: its own start
+    now[0] = 110.5
+    bar.update(resumed, completed=4)
+    assert bar.eta(bar.tasks[0]) == pytest.approx(6 * 10.0 / 2)
 
 
 def test_a_count_that_starts_over_restarts_the_task_clock():

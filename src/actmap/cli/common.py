@@ -14,10 +14,12 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
+from rich.text import Text
 
 PIPED_WIDTH = 200  # columns when stderr is not a terminal: no folding at rich's default 80
 PIPED_PROGRESS_EVERY_S = 60.0  # a plain progress line this often when stderr is not a terminal
@@ -47,36 +49,89 @@ def _clock(seconds: float | None) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
-def _eta(task) -> float | None:
-    """rich's estimate (its recent speed), else the mean rate so far: batches that come
-    further apart than rich's 30-second speed window still get an eta."""
+def _eta(task, since: tuple[float, float] = (0.0, 0.0)) -> float | None:
+    """rich's estimate (its recent speed), else the mean rate since ``since``: batches that come
+    further apart than rich's 30-second speed window still get an eta.
+
+    ``since`` is (seconds after the task's start, count then): the count a resumed run starts
+    from (rows or epochs done before it) is not work of this run, so it does not count toward
+    the rate; see `LoggedProgress`."""
     if task.time_remaining is not None:
         return task.time_remaining
-    if task.total is None or not task.completed or not task.elapsed:
+    offset, start_count = since
+    done, seconds = task.completed - start_count, (task.elapsed or 0.0) - offset
+    if task.total is None or done <= 0 or seconds <= 0:
         return None
-    return (task.total - task.completed) * task.elapsed / task.completed
+    return (task.total - task.completed) * seconds / done
+
+
+class EtaColumn(ProgressColumn):
+    """Time remaining by `LoggedProgress.eta`: rich's recent speed, else the mean rate of this
+    run (rich's own column shows nothing once batches come more than 30 s apart)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.progress: LoggedProgress | None = None  # set by the progress that holds it
+
+    def render(self, task) -> Text:
+        eta = self.progress.eta(task) if self.progress is not None else task.time_remaining
+        return Text(_clock(eta), style="progress.remaining")
 
 
 class LoggedProgress(Progress):
     """A rich progress display that, when its console is not a terminal (a background run
     logged to a file, where rich draws nothing until the end), also prints one plain line
-    per unfinished task at most every ``every_s`` seconds: done/total, elapsed and eta."""
+    per unfinished task at most every ``every_s`` seconds: done/total, elapsed and eta.
+
+    The eta's rate counts this run's work only. Whatever count a task reaches within
+    ``STARTUP_S`` of its start (`add_task` or `reset`) is taken as done before this run (a
+    resumed capture's stored rows, a resumed sweep's epochs), so a task resumed at 180 of
+    390 epochs is not estimated as if its first epoch had taken 1/181 of its time.
+    """
+
+    STARTUP_S = 1.0  # updates this soon after a task's start report restored progress
 
     def __init__(self, *columns, every_s: float = PIPED_PROGRESS_EVERY_S, **kwargs) -> None:
         super().__init__(*columns, **kwargs)
         self.every_s = every_s
         self._last_line = time.monotonic()
+        self._since: dict[TaskID, tuple[float, float]] = {}  # (offset s, count) per task
+        for column in self.columns:
+            if isinstance(column, EtaColumn):
+                column.progress = self
+
+    def eta(self, task) -> float | None:
+        """Seconds left for ``task`` at the rate of this run's work (None: not known yet)."""
+        return _eta(task, self._since.get(task.id, (0.0, 0.0)))
+
+    def _mark_start(self, task_id: TaskID) -> None:
+        """Take the count reached so far as the task's starting count, if it is still starting."""
+        with self._lock:
+            task = self._tasks[task_id]
+            offset = task.elapsed or 0.0
+            if task_id not in self._since or offset <= self.STARTUP_S:
+                self._since[task_id] = (offset, task.completed)
+
+    def add_task(self, *args, **kwargs) -> TaskID:
+        task_id = super().add_task(*args, **kwargs)
+        self._since.pop(task_id, None)
+        self._mark_start(task_id)
+        return task_id
 
     def update(self, task_id, **kwargs) -> None:
         super().update(task_id, **kwargs)
+        self._mark_start(task_id)
         self._log_lines()
 
     def advance(self, task_id, advance: float = 1) -> None:
         super().advance(task_id, advance)
+        self._mark_start(task_id)
         self._log_lines()
 
     def reset(self, task_id, **kwargs) -> None:
         super().reset(task_id, **kwargs)
+        self._since.pop(task_id, None)
+        self._mark_start(task_id)
         self._log_lines()
 
     def _log_lines(self) -> None:
@@ -91,7 +146,7 @@ class LoggedProgress(Progress):
             info = task.fields.get("info", "")
             self.console.print(
                 f"{task.description}: {task.completed:g}/{total}{' ' + info if info else ''}"
-                f" elapsed {_clock(task.elapsed)} eta {_clock(_eta(task))}",
+                f" elapsed {_clock(task.elapsed)} eta {_clock(self.eta(task))}",
                 markup=False,
                 highlight=False,
                 soft_wrap=True,
@@ -109,7 +164,7 @@ def progress_bar(
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
         TextColumn("eta"),
-        TimeRemainingColumn(),
+        EtaColumn(),
         console=console if on is None else on,
         every_s=every_s,
     )
