@@ -83,6 +83,29 @@ def test_store_refs_read_each_manifest_and_refuse_two_stores_of_one_name(tmp_pat
         store_refs([a, b])
 
 
+def test_header_names_a_local_generator_by_its_file_and_keeps_the_path_in_json():
+    from actmap.report.assemble import header_markdown
+
+    stores = {
+        "q": {"generator": "/models/qwen-1.5b.gguf", "task": "nq_open", "path": "stores/q"},
+        "h": {"generator": "HuggingFaceTB/SmolLM2-135M-Instruct", "task": "gsm8k", "path": "h"},
+    }
+    head = {
+        "actmap_version": "0",
+        "git_commit": "x",
+        "created_utc": "t",
+        "rows": "balanced",
+        "seeds": [42],
+        "n_resamples": 10,
+        "max_epochs": None,
+        "stores": stores,
+        "runs": {},
+    }
+    rows = header_markdown(head, {}).splitlines()
+    assert "| q | qwen-1.5b.gguf | float32 | nq_open | task rule | `stores/q` |" in rows
+    assert "| h | HuggingFaceTB/SmolLM2-135M-Instruct | float32 | gsm8k | task rule | `h` |" in rows
+
+
 def test_report_cli_writes_report_and_refuses_bad_rows(store, tmp_path):
     out = tmp_path / "r"
     args = ["report", "--store", str(store), "--out", str(out), "--only", "map_channels"]

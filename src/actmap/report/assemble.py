@@ -77,6 +77,13 @@ def header(context: ReportContext, commit: str | None) -> dict:
     }
 
 
+def _generator_label(generator: str) -> str:
+    """A generator loaded from a local file reads as the file's name (the report's json keeps
+    the whole path); a hub id or a built-in name reads as it is."""
+    path = Path(generator)
+    return path.name if path.is_absolute() else generator
+
+
 def header_markdown(head: dict, timings: dict[str, float]) -> str:
     lines = [
         "# actmap: the paper's evaluation\n",
@@ -90,7 +97,7 @@ def header_markdown(head: dict, timings: dict[str, float]) -> str:
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {name} | {s['generator']} | {s.get('dtype', 'float32')} | {s['task']} "
+        f"| {name} | {_generator_label(s['generator'])} | {s.get('dtype', 'float32')} | {s['task']} "
         f"| {'judge ' + s['judge'] if s.get('judge') else 'task rule'} | `{s['path']}` |"
         for name, s in head["stores"].items()
     ]
