@@ -105,16 +105,16 @@ class LoggedProgress(Progress):
         return _eta(task, self._since.get(task.id, (0.0, 0.0)))
 
     def _mark_start(self, task_id: TaskID) -> None:
-        """Take the count reached so far as the task's starting count, if it is still starting."""
+        """Take the count reached so far as the task's starting count, if it is still starting
+        (right after `add_task` or `reset`, whose clock starts at 0, it always is)."""
         with self._lock:
             task = self._tasks[task_id]
             offset = task.elapsed or 0.0
-            if task_id not in self._since or offset <= self.STARTUP_S:
+            if offset <= self.STARTUP_S:
                 self._since[task_id] = (offset, task.completed)
 
     def add_task(self, *args, **kwargs) -> TaskID:
         task_id = super().add_task(*args, **kwargs)
-        self._since.pop(task_id, None)
         self._mark_start(task_id)
         return task_id
 
@@ -130,7 +130,6 @@ class LoggedProgress(Progress):
 
     def reset(self, task_id, **kwargs) -> None:
         super().reset(task_id, **kwargs)
-        self._since.pop(task_id, None)
         self._mark_start(task_id)
         self._log_lines()
 
