@@ -57,6 +57,18 @@ def test_build_report_runs_sections_in_order_and_keeps_failures_apart(store, tmp
     assert json.loads((done.json_dir / "broken.json").read_text())["failed"].endswith("no luck")
     head = json.loads((done.json_dir / "header.json").read_text())
     assert head["stores"]["gen-a-task-a"]["generator"] == "gen-a"
+    # the store table: rows and natural accuracy against a naive count of the metadata
+    meta = MapStore.open(store).metadata()
+    counts = head["stores"]["gen-a-task-a"]["counts"]
+    correct = int((meta["label"] == 1).sum())
+    assert counts["total"]["rows"] == len(meta) and counts["total"]["correct"] == correct
+    per_split = {s: meta[meta["split"] == s]["label"] for s in ("train", "validation", "test")}
+    balanced = [2 * min(int(v.sum()), len(v) - int(v.sum())) for v in per_split.values()]
+    assert [counts["splits"][s]["balanced"] for s in per_split] == balanced
+    assert counts["capture_rows_per_s"] is None  # written directly: no capture run timed
+    row = f"| gen-a-task-a | {len(meta):,} | {len(meta):,} | {correct / len(meta):.3f} | "
+    row += " / ".join(map(str, balanced)) + " | - |"
+    assert row in text.splitlines()
     assert set(head["timings_s"]) >= {"map_channels", "broken", "reader"}
     # the figure is a PNG of the map the JSON holds, and that map is the store's
     example = json.loads((done.json_dir / "map_channels.json").read_text())
@@ -104,6 +116,16 @@ def test_header_names_a_local_generator_by_its_file_and_keeps_the_path_in_json()
     rows = header_markdown(head, {}).splitlines()
     assert "| q | qwen-1.5b.gguf | float32 | nq_open | task rule | `stores/q` |" in rows
     assert "| h | HuggingFaceTB/SmolLM2-135M-Instruct | float32 | gsm8k | task rule | `h` |" in rows
+    assert not any(r.startswith("| store | rows |") for r in rows)  # a header without counts
+    split = {"balanced": 0}
+    stores["q"]["counts"] = {
+        "total": {"rows": 2455, "labelled": 2455, "accuracy": 0.078},
+        "splits": {"train": {"balanced": 164}, "validation": {"balanced": 112}, "test": split},
+        "capture_rows_per_s": 0.3,
+    }
+    rows = header_markdown(head, {}).splitlines()
+    assert "| q | 2,455 | 2,455 | 0.078 | 164 / 112 / 0 | 0.30 |" in rows
+    assert not any(r.startswith("| h | ") and "2,455" in r for r in rows)
 
 
 def test_report_cli_writes_report_and_refuses_bad_rows(store, tmp_path):

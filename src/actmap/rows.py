@@ -166,6 +166,14 @@ class StoreSummary:
             *(sum(getattr(c, f) for c in parts) for f in SplitCounts.__annotations__)
         )
 
+    @property
+    def capture_rows_per_s(self) -> float | None:
+        """Rows per second over the capture runs that wrote rows (a resumed run that found
+        its work done writes none and took no capture time); None when no run is timed."""
+        timed = [r for r in self.capture_runs if r["written"] and r["wall_time_s"]]
+        wall = sum(r["wall_time_s"] for r in timed)
+        return sum(r["written"] for r in timed) / wall if wall else None
+
     def to_json(self) -> dict:
         def counts(c: SplitCounts) -> dict:
             return {**c.__dict__, "accuracy": None if c.labelled == 0 else c.accuracy}
@@ -179,6 +187,7 @@ class StoreSummary:
             "total": counts(self.total),
             "empty_answers": self.empty_answers,
             "capture_runs": self.capture_runs,
+            "capture_rows_per_s": self.capture_rows_per_s,
         }
 
 

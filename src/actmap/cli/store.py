@@ -58,12 +58,23 @@ def info(
         )
     console.print(table)
     console.print(f"empty answers (no map): {summary.empty_answers}", highlight=False)
+    idle = 0
     for i, run in enumerate(summary.capture_runs):
+        if not run["written"]:  # a resumed run that found its work done
+            idle += 1
+            continue
         rate = f"{run['rows_per_s']:.2f} rows/s" if run["rows_per_s"] else "-"
         wall = run["wall_time_s"]
         console.print(
             f"capture run {i + 1}: {run['written']} rows in "
             f"{'-' if wall is None else f'{wall:.0f} s'} ({rate})",
+            highlight=False,
+        )
+    if idle:
+        console.print(f"capture runs that wrote no rows (resumed, work done): {idle}")
+    if summary.capture_rows_per_s is not None:
+        console.print(
+            f"capture rate over the runs that wrote rows: {summary.capture_rows_per_s:.2f} rows/s",
             highlight=False,
         )
 

@@ -4,8 +4,9 @@
 
 The assembler computes nothing itself: each section's ``compute`` answers its
 question, ``render`` formats the answer. It times both, and writes a header with
-the package version, the git commit of the code, the stores and runs read, and
-the seconds each part took.
+the package version, the git commit of the code, the stores and runs read (each
+store's rows, natural accuracy, balanced rows and capture rate), and the seconds
+each part took.
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ def git_commit(where: Path | None = None) -> str | None:
     return done.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def store_counts(path: Path) -> dict:
+    """What the report's store table shows of one store: rows, labels, natural accuracy and
+    balanced rows per split, and its capture rate (read, never written)."""
+    from actmap.rows import store_summary
+    from actmap.store import MapStore
+
+    summary = store_summary(MapStore.open(path)).to_json()
+    return {
+        "splits": summary["splits"],
+        "total": summary["total"],
+        "capture_rows_per_s": summary["capture_rows_per_s"],
+    }
+
+
 def header(context: ReportContext, commit: str | None) -> dict:
     return {
         "actmap_version": package_version(),
@@ -70,6 +85,7 @@ def header(context: ReportContext, commit: str | None) -> dict:
                 "dtype": s.dtype,
                 "task": s.task,
                 "judge": s.judge,
+                "counts": store_counts(s.path),
             }
             for s in context.stores.values()
         },
@@ -82,6 +98,30 @@ def _generator_label(generator: str) -> str:
     the whole path); a hub id or a built-in name reads as it is."""
     path = Path(generator)
     return path.name if path.is_absolute() else generator
+
+
+def _counts_table(stores: dict[str, dict]) -> list[str]:
+    """Per store: rows, natural accuracy (the factual rate of judged summaries), balanced
+    train / validation / test rows and the capture rate; stores without counts are left out."""
+    counted = {name: s["counts"] for name, s in stores.items() if s.get("counts")}
+    if not counted:
+        return []
+    lines = [
+        "",
+        "| store | rows | labelled | natural accuracy | balanced train / val / test "
+        "| capture rows/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c in counted.items():
+        total, splits = c["total"], c["splits"]
+        accuracy = "-" if total["accuracy"] is None else f"{total['accuracy']:.3f}"
+        balanced = " / ".join(str(splits[s]["balanced"]) for s in ("train", "validation", "test"))
+        rate = c["capture_rows_per_s"]
+        lines.append(
+            f"| {name} | {total['rows']:,} | {total['labelled']:,} | {accuracy} | {balanced} "
+            f"| {'-' if rate is None else f'{rate:.2f}'} |"
+        )
+    return lines
 
 
 def header_markdown(head: dict, timings: dict[str, float]) -> str:
@@ -101,6 +141,7 @@ def header_markdown(head: dict, timings: dict[str, float]) -> str:
         f"| {'judge ' + s['judge'] if s.get('judge') else 'task rule'} | `{s['path']}` |"
         for name, s in head["stores"].items()
     ]
+    lines += _counts_table(head["stores"])
     runs = [(store, det, path) for store, v in head["runs"].items() for det, path in v.items()]
     if runs:
         lines += ["", "| runs of store | detector | run folder |", "|---|---|---|"]
