@@ -159,3 +159,31 @@ def test_a_count_that_starts_over_restarts_the_task_clock():
     lines = log.getvalue().splitlines()
     assert lines[0].startswith("baselines/s: 2/10 eigenscore (1/2) elapsed")
     assert any(line.startswith("baselines/s: 1/4 semantic_entropy (2/2) elapsed") for line in lines)
+
+
+def test_a_sweep_resumed_after_its_preparing_rows_gets_this_runs_rate():
+    """`actmap baselines` runs ACT-ViT as 'preparing' over its rows, then, after loading the
+    tensors (long past the task's first second), reports the sweep's epochs resumed at 270 of
+    390: a count in another total, so its own start. An epoch of 100 s leaves 119 x 100 s."""
+    import io
+
+    from rich.console import Console
+
+    from actmap.cli.common import EtaColumn, LoggedProgress, method_progress
+
+    now = [0.0]
+    bar = LoggedProgress(
+        EtaColumn(),
+        console=Console(file=io.StringIO(), force_terminal=False, width=200),
+        every_s=0,
+        get_time=lambda: now[0],
+    )
+    progress = method_progress(bar)  # what `actmap baselines` reports through
+    progress("actvit", 0, 56, "preparing")
+    now[0] = 40.0  # the dense tensors loaded
+    progress("actvit", 270, 390, "config 19/24 epoch 0/15")
+    now[0] = 140.0
+    progress("actvit", 271, 390, "config 19/24 epoch 1/15")
+    progress("perplexity", 0, 56, "preparing")  # the next method: a task of its own
+    assert [t.description for t in bar.tasks] == ["actvit", "perplexity"]
+    assert bar.eta(bar.tasks[0]) == pytest.approx(119 * 100.0)

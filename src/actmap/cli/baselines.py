@@ -9,7 +9,13 @@ import typer
 
 from actmap.atomic import atomic_write_text
 from actmap.cli.app import app
-from actmap.cli.common import console, progress_bar, quiet_transformers, user_errors
+from actmap.cli.common import (
+    console,
+    method_progress,
+    progress_bar,
+    quiet_transformers,
+    user_errors,
+)
 
 STATUS_STYLE = {"done": "green", "skipped": "cyan", "unavailable": "yellow", "failed": "red"}
 
@@ -112,13 +118,7 @@ def baselines_command(
         the_store = MapStore.open(store)
         console.print(f"store {store}: methods {', '.join(names)}")
         with progress_bar() as bar, quiet_transformers():
-            jobs: dict[str, int] = {}
-
-            def progress(method: str, done: int, total: int, info: str) -> None:
-                if method not in jobs:
-                    jobs[method] = bar.add_task(method, total=total, info=info)
-                bar.update(jobs[method], completed=done, total=total, info=info)
-
+            progress = method_progress(bar)
             results = run_baselines(the_store, names, rows=rows, progress=progress, options=options)
         print_results(results)
         if any(r.status == "failed" for r in results.values()):

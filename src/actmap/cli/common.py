@@ -186,6 +186,21 @@ def task_progress(bar: Progress, task_id) -> Callable[[int, int, str], None]:
     return progress
 
 
+def method_progress(bar: Progress) -> Callable[[str, int, int, str], None]:
+    """``progress(method, completed, total, info)`` with one task of ``bar`` per method, each
+    a `task_progress`: a method's count that starts over (ACT-ViT's rows while it prepares,
+    then its sweep's epochs, resumed ones included) restarts its task, so the eta measures
+    the new count from its own start."""
+    tasks: dict[str, Callable[[int, int, str], None]] = {}
+
+    def progress(method: str, completed: int, total: int, info: str) -> None:
+        if method not in tasks:
+            tasks[method] = task_progress(bar, bar.add_task(method, total=None, info=info))
+        tasks[method](completed, total, info)
+
+    return progress
+
+
 # set by ``actmap --debug`` for the command it runs (typer gives commands no click context)
 SHOW_TRACEBACKS: ContextVar[bool] = ContextVar("actmap_show_tracebacks", default=False)
 
