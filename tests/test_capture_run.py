@@ -156,8 +156,14 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, word_tokenizer)
     config = CaptureConfig(max_new_tokens=4, batch_size=4)
     model = make_tiny_llama(len(word_tokenizer))
     store = MapStore.create(path, store_config(task, SOURCE, config, MapConfig(), {}))
-    summary = run_capture(model, word_tokenizer, SOURCE, task, task.examples, store, config)
+    restored, advanced = [], []
+    summary = run_capture(
+        model, word_tokenizer, SOURCE, task, task.examples, store, config,
+        progress=advanced.append, resumed=restored.append,
+    )  # fmt: skip
     assert summary.skipped_existing == len(partial)
+    # the stored rows are reported once as restored work, this run's batches as progress
+    assert restored == [len(partial)] and sum(advanced) == 40 - len(partial)
     ids = store.read_table("maps", ["id"]).column("id").to_pylist()
     assert len(ids) == len(set(ids)) == 40
     generations = read_generations(store, ids)

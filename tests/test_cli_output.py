@@ -187,3 +187,29 @@ def test_a_sweep_resumed_after_its_preparing_rows_gets_this_runs_rate():
     progress("perplexity", 0, 56, "preparing")  # the next method: a task of its own
     assert [t.description for t in bar.tasks] == ["actvit", "perplexity"]
     assert bar.eta(bar.tasks[0]) == pytest.approx(119 * 100.0)
+
+
+def test_restored_work_reported_late_is_still_not_this_runs_work():
+    """A capture resumed at 1,120 of 1,500 finds its stored rows only after planning (30 s of
+    rendering and tokenizing prompts under load); `resume` takes them as restored all the
+    same, so 32 summaries in 2,400 s leave (1,500 - 1,152) x 75 s."""
+    import io
+
+    from rich.console import Console
+
+    from actmap.cli.common import EtaColumn, LoggedProgress
+
+    now = [0.0]
+    bar = LoggedProgress(
+        EtaColumn(),
+        console=Console(file=io.StringIO(), force_terminal=False, width=200),
+        every_s=0,
+        get_time=lambda: now[0],
+    )
+    job = bar.add_task("capture cnn_dm", total=1500, info="")
+    now[0] = 30.0
+    bar.resume(job, 1120)
+    now[0] = 2430.0
+    bar.advance(job, 32)
+    assert bar.tasks[0].completed == 1152
+    assert bar.eta(bar.tasks[0]) == pytest.approx(348 * 2400.0 / 32)

@@ -67,7 +67,12 @@ def test_judging_labels_every_summary_and_resumes(summary_store, tmp_path):
     meta = partial.metadata().set_index("id")
     assert meta["label"].notna().sum() == 4 and len(meta) == 10  # the rest wait, as None
     first_calls = judge.calls
-    judged = judge_store(summary_store, tmp_path / "judged", judge, batch_size=3)
+    restored, advanced = [], []
+    judged = judge_store(
+        summary_store, tmp_path / "judged", judge, batch_size=3,
+        progress=advanced.append, resumed=restored.append,
+    )  # fmt: skip
+    assert restored == [4] and advanced == [3, 3]  # the judged 4 apart from this call's 6
     labels = judged.metadata().set_index("id")["label"]
     # independent reference: the all-sentences rule applied by hand to the stored texts
     gens = summary_store.read_table("generations").to_pandas().set_index("id")
@@ -142,8 +147,10 @@ def test_judge_check_metrics_match_sklearn_and_resume(tmp_path):
     judge = OverlapJudge()
     first = judge_check(judge, pairs[:7], tmp_path)
     assert judge.calls == 14 and first.pairs == 7
-    result = judge_check(judge, pairs, tmp_path)
+    restored, advanced = [], []
+    result = judge_check(judge, pairs, tmp_path, progress=advanced.append, resumed=restored.append)
     assert judge.calls == 40  # the 7 cached pairs are not scored again
+    assert restored == [7] and advanced == [1] * 13
     support = [judge.support_probability(p.article, c) for p in pairs for c in (p.positive,)]
     support += [judge.support_probability(p.article, p.negative) for p in pairs]
     labels = [1] * 20 + [0] * 20

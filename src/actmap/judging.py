@@ -74,10 +74,12 @@ def judge_store(
     batch_size: int = 8,
     limit: int | None = None,
     progress: Callable[[int], None] | None = None,
+    resumed: Callable[[int], None] | None = None,
 ) -> MapStore:
     """Judge every summary of ``source`` not judged yet in ``target``; returns the target store.
 
-    ``limit`` caps the summaries judged by this call (the rest wait for the next one).
+    ``limit`` caps the summaries judged by this call (the rest wait for the next one). The
+    summaries judged before are reported once to ``resumed`` when given, else to ``progress``.
     """
     config = source.manifest.get("config", {})
     task = config.get("task", {})
@@ -109,8 +111,9 @@ def judge_store(
     )
     done = store.ids(JUDGMENTS)
     todo = [row for row in rows if row[0] not in done]
-    if progress is not None and len(rows) > len(todo):
-        progress(len(rows) - len(todo))
+    restored = resumed or progress
+    if restored is not None and len(rows) > len(todo):
+        restored(len(rows) - len(todo))
     todo = todo[:limit] if limit is not None else todo
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
@@ -249,12 +252,14 @@ def judge_check(
     threshold: float = SUPPORT_THRESHOLD,
     save_every: int = 10,
     progress: Callable[[int], None] | None = None,
+    resumed: Callable[[int], None] | None = None,
 ) -> JudgeCheck:
     """Score every pair's two claims with ``judge``; resumable through ``out/judge-check.json``.
 
     The cache records per pair both support probabilities and the seconds they took; a
     rerun with the same ``out`` scores only the pairs not cached yet (a pair whose negative
-    changed, as the last one of a smaller check does, is scored again).
+    changed, as the last one of a smaller check does, is scored again). The cached pairs are
+    reported once to ``resumed`` when given, else to ``progress``.
     """
     path = Path(out) / CHECK_CACHE if out is not None else None
     done = _read_check_cache(path, judge.name) if path is not None else {}
@@ -268,8 +273,9 @@ def judge_check(
         # took the last article's negative from another article (the cyclic shift)
         return done.get(pair.article_id, {}).get("negative_from") == pair.negative_from
 
-    if progress is not None and done:
-        progress(sum(cached(p) for p in pairs))
+    restored = resumed or progress
+    if restored is not None and done:
+        restored(sum(cached(p) for p in pairs))
     fresh = 0
     for pair in pairs:
         if cached(pair):

@@ -202,6 +202,7 @@ def run_capture_ray(
     progress: Callable[[int], None] | None = None,
     sort_by_length: bool = True,
     dtype: str = "float32",
+    resumed: Callable[[int], None] | None = None,
 ) -> RunSummary:
     """`actmap.capture.run.run_capture` on a pool of ``options.workers`` model replicas.
 
@@ -234,8 +235,9 @@ def run_capture_ray(
         captured = _captured(plan, task, replica, options)
         engine = {"name": "ray", **asdict(options)}
         return commit_all(
-            store, task, source, plan, captured, map_config, keep_trajectories, progress, engine
-        )
+            store, task, source, plan, captured, map_config, keep_trajectories, progress, engine,
+            resumed,
+        )  # fmt: skip
     finally:
         if started_here:
             ray.shutdown()

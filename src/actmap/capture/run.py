@@ -236,12 +236,17 @@ def commit_all(
     keep_trajectories: bool = False,
     progress: Callable[[int], None] | None = None,
     engine: dict | None = None,
+    resumed: Callable[[int], None] | None = None,
 ) -> RunSummary:
     """Commit every (examples, generations, seconds spent generating) batch of ``captured`` as
-    it arrives, then record the run in the manifest. Shared by every capture engine."""
+    it arrives, then record the run in the manifest. Shared by every capture engine.
+
+    The examples an earlier run stored are reported once, before any batch, to ``resumed``
+    when given (a display can then tell them from this run's work), else to ``progress``."""
     started = time.perf_counter()
-    if progress is not None and plan.skipped_existing:
-        progress(plan.skipped_existing)
+    restored = resumed or progress
+    if restored is not None and plan.skipped_existing:
+        restored(plan.skipped_existing)
     written = correct = labelled = empty = 0
     generation_time = 0.0
     for batch, records, seconds in captured:
@@ -295,6 +300,7 @@ def run_capture(
     layers_path: str | None = None,
     progress: Callable[[int], None] | None = None,
     sort_by_length: bool = True,
+    resumed: Callable[[int], None] | None = None,
 ) -> RunSummary:
     """Capture every example not yet in ``store``, one committed batch at a time (this process).
 
@@ -313,8 +319,9 @@ def run_capture(
             yield batch, records, time.perf_counter() - tick
 
     return commit_all(
-        store, task, source, plan, captured(), map_config, keep_trajectories, progress
-    )
+        store, task, source, plan, captured(), map_config, keep_trajectories, progress,
+        resumed=resumed,
+    )  # fmt: skip
 
 
 def check_map_config(map_config: MapConfig) -> None:

@@ -301,6 +301,7 @@ def capture(
                 keep_trajectories=keep_trajectories,
                 layers_path=layers_path,
                 progress=lambda n: bar.advance(job, n),
+                resumed=lambda n: bar.resume(job, n),
             )
             if engine == "ray":
                 from actmap.capture.ray_engine import run_capture_ray
@@ -483,6 +484,7 @@ def judge_command(
                 batch_size=batch_size,
                 limit=limit,
                 progress=lambda n: bar.advance(job, n),
+                resumed=lambda n: bar.resume(job, n),
             )
         accuracy = natural_accuracy(judged)
         console.print(
@@ -518,7 +520,12 @@ def judge_check_command(
         with progress_bar() as bar:
             job = bar.add_task("judge check", total=len(the_pairs), info="")
             result = judge_check(
-                the_judge, the_pairs, out, threshold, progress=lambda n: bar.advance(job, n)
+                the_judge,
+                the_pairs,
+                out,
+                threshold,
+                progress=lambda n: bar.advance(job, n),
+                resumed=lambda n: bar.resume(job, n),
             )
         write_json(Path(out) / CHECK_RESULT, result.to_json())
         console.print(

@@ -83,10 +83,11 @@ class LoggedProgress(Progress):
     logged to a file, where rich draws nothing until the end), also prints one plain line
     per unfinished task at most every ``every_s`` seconds: done/total, elapsed and eta.
 
-    The eta's rate counts this run's work only. Whatever count a task reaches within
-    ``STARTUP_S`` of its start (`add_task` or `reset`) is taken as done before this run (a
-    resumed capture's stored rows, a resumed sweep's epochs), so a task resumed at 180 of
-    390 epochs is not estimated as if its first epoch had taken 1/181 of its time.
+    The eta's rate counts this run's work only. A count the library reports as restored
+    (`resume`: a capture's stored rows, a judge's cached pairs, however long it took to find
+    them) and whatever count a task reaches within ``STARTUP_S`` of its start (`add_task` or
+    `reset`: a resumed sweep's epochs) are taken as done before this run, so a task resumed at
+    180 of 390 epochs is not estimated as if its first epoch had taken 1/181 of its time.
     """
 
     STARTUP_S = 1.0  # updates this soon after a task's start report restored progress
@@ -112,6 +113,14 @@ class LoggedProgress(Progress):
             offset = task.elapsed or 0.0
             if offset <= self.STARTUP_S:
                 self._since[task_id] = (offset, task.completed)
+
+    def resume(self, task_id: TaskID, advance: float) -> None:
+        """Advance ``task_id`` by work an earlier run did: the eta's rate starts from here."""
+        super().advance(task_id, advance)
+        with self._lock:
+            task = self._tasks[task_id]
+            self._since[task_id] = (task.elapsed or 0.0, task.completed)
+        self._log_lines()
 
     def add_task(self, *args, **kwargs) -> TaskID:
         task_id = super().add_task(*args, **kwargs)
