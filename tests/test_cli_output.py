@@ -98,9 +98,8 @@ def test_piped_eta_falls_back_to_the_mean_rate_when_batches_are_slow():
     assert _eta(SimpleNamespace(time_remaining=None, total=10, completed=0, elapsed=9.0)) is None
 
 
-def test_a_resumed_count_is_not_this_runs_work_in_the_eta():
-    """A run resumed at 180 of 390 epochs, whose next epoch takes 100 s, has about 209 x 100 s
-    left, not 209 x 100 / 181 s; a fresh task's first slow batch still counts."""
+def fake_clock_bar(log=None):
+    """A piped `LoggedProgress` with an eta column on a clock the test sets: (bar, now)."""
     import io
 
     from rich.console import Console
@@ -108,13 +107,22 @@ def test_a_resumed_count_is_not_this_runs_work_in_the_eta():
     from actmap.cli.common import EtaColumn, LoggedProgress
 
     now = [0.0]
-    log = io.StringIO()
     bar = LoggedProgress(
         EtaColumn(),
-        console=Console(file=log, force_terminal=False, width=200),
+        console=Console(file=log or io.StringIO(), force_terminal=False, width=200),
         every_s=0,
         get_time=lambda: now[0],
     )
+    return bar, now
+
+
+def test_a_resumed_count_is_not_this_runs_work_in_the_eta():
+    """A run resumed at 180 of 390 epochs, whose next epoch takes 100 s, has about 209 x 100 s
+    left, not 209 x 100 / 181 s; a fresh task's first slow batch still counts."""
+    import io
+
+    log = io.StringIO()
+    bar, now = fake_clock_bar(log)
     resumed = bar.add_task("actvit", total=390, info="")
     now[0] = 0.5
     bar.update(resumed, completed=180)  # restored from the sweep's progress file
@@ -165,19 +173,9 @@ def test_a_sweep_resumed_after_its_preparing_rows_gets_this_runs_rate():
     """`actmap baselines` runs ACT-ViT as 'preparing' over its rows, then, after loading the
     tensors (long past the task's first second), reports the sweep's epochs resumed at 270 of
     390: a count in another total, so its own start. An epoch of 100 s leaves 119 x 100 s."""
-    import io
+    from actmap.cli.common import method_progress
 
-    from rich.console import Console
-
-    from actmap.cli.common import EtaColumn, LoggedProgress, method_progress
-
-    now = [0.0]
-    bar = LoggedProgress(
-        EtaColumn(),
-        console=Console(file=io.StringIO(), force_terminal=False, width=200),
-        every_s=0,
-        get_time=lambda: now[0],
-    )
+    bar, now = fake_clock_bar()
     progress = method_progress(bar)  # what `actmap baselines` reports through
     progress("actvit", 0, 56, "preparing")
     now[0] = 40.0  # the dense tensors loaded
@@ -193,19 +191,7 @@ def test_restored_work_reported_late_is_still_not_this_runs_work():
     """A capture resumed at 1,120 of 1,500 finds its stored rows only after planning (30 s of
     rendering and tokenizing prompts under load); `resume` takes them as restored all the
     same, so 32 summaries in 2,400 s leave (1,500 - 1,152) x 75 s."""
-    import io
-
-    from rich.console import Console
-
-    from actmap.cli.common import EtaColumn, LoggedProgress
-
-    now = [0.0]
-    bar = LoggedProgress(
-        EtaColumn(),
-        console=Console(file=io.StringIO(), force_terminal=False, width=200),
-        every_s=0,
-        get_time=lambda: now[0],
-    )
+    bar, now = fake_clock_bar()
     job = bar.add_task("capture cnn_dm", total=1500, info="")
     now[0] = 30.0
     bar.resume(job, 1120)
