@@ -164,7 +164,11 @@ def test_a_count_that_starts_over_restarts_the_task_clock():
         task = bar.tasks[0]
         assert (task.completed, task.total) == (1, 4) and task.start_time > started
         progress(4, 4, "semantic_entropy (2/2)")
+        progress(2, 2, "eigenscore: done, semantic_entropy: done")  # the stage's closing count
+        assert bar.tasks[0].finished
+        bar.update(bar.add_task("next stage", total=3, info=""), completed=1)
     lines = log.getvalue().splitlines()
+    assert not any(line.startswith("baselines/s: 2/2") for line in lines)  # finished: quiet
     assert lines[0].startswith("baselines/s: 2/10 eigenscore (1/2) elapsed")
     assert any(line.startswith("baselines/s: 1/4 semantic_entropy (2/2) elapsed") for line in lines)
 

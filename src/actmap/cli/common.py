@@ -139,6 +139,9 @@ class LoggedProgress(Progress):
 
     def reset(self, task_id, **kwargs) -> None:
         super().reset(task_id, **kwargs)
+        # rich's reset never finishes a task, even one reset to its total (a reproduce stage's
+        # closing "9/9 methods"); an update does, so a finished count stops printing lines
+        super().update(task_id)
         self._mark_start(task_id)
         self._log_lines()
 
