@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from actmap.data.base import DataError, Example
 from actmap.data.labels import gsm8k_correct
+from actmap.data.splits import SPLITS
 
 # Each level: (question template, operand ranges, how the answer is computed). Chosen so the
 # embedded 135M model gets some levels mostly right (one-digit products) and others mostly wrong
@@ -27,7 +28,6 @@ LEVELS: tuple[tuple[str, tuple[tuple[int, int], ...], str], ...] = (
     ("How many days are in {a} weeks?", ((2, 52),), "7 * a"),
 )
 INSTRUCTION = "Reply with just the number."
-SPLITS = ("train", "validation", "test")
 
 
 def _split_of(key: str, seed: int) -> str:

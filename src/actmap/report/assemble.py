@@ -21,6 +21,7 @@ from pathlib import Path
 
 from actmap.artifacts import package_version, write_json
 from actmap.atomic import atomic_write_text
+from actmap.data.splits import SPLITS
 from actmap.report.sections import ReportContext, Section, Skipped
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def _counts_table(stores: dict[str, dict]) -> list[str]:
     for name, c in counted.items():
         total, splits = c["total"], c["splits"]
         accuracy = "-" if total["accuracy"] is None else f"{total['accuracy']:.3f}"
-        balanced = " / ".join(str(splits[s]["balanced"]) for s in ("train", "validation", "test"))
+        balanced = " / ".join(str(splits[s]["balanced"]) for s in SPLITS)
         rate = c["capture_rows_per_s"]
         lines.append(
             f"| {name} | {total['rows']:,} | {total['labelled']:,} | {accuracy} | {balanced} "
