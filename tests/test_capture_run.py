@@ -152,6 +152,11 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, word_tokenizer)
     store = MapStore.open(path)
     partial = store.ids()
     assert 0 < len(partial) < 40, "the run should have been killed mid-way"
+    # the killed run recorded itself after each batch it committed, never as finished
+    (killed,) = store.manifest["runs"]
+    assert killed["finished_at"] is None and killed["wall_time_s"] > 0
+    assert killed["written"] <= len(partial)
+    assert len(partial) - killed["written"] <= 4  # at most the batch committed after its record
     task = WordTask(40)
     config = CaptureConfig(max_new_tokens=4, batch_size=4)
     model = make_tiny_llama(len(word_tokenizer))
@@ -166,6 +171,9 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, word_tokenizer)
     assert restored == [len(partial)] and sum(advanced) == 40 - len(partial)
     ids = store.read_table("maps", ["id"]).column("id").to_pylist()
     assert len(ids) == len(set(ids)) == 40
+    runs = MapStore.open(path).manifest["runs"]
+    assert len(runs) == 2 and runs[0] == killed  # the resumed run adds its own record
+    assert runs[1]["finished_at"] is not None and runs[1]["written"] == 40 - len(partial)
     generations = read_generations(store, ids)
     assert len(generations) == 40
 

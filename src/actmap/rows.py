@@ -212,6 +212,8 @@ def store_summary(store: MapStore) -> StoreSummary:
             "rows_per_s": run["written"] / run["wall_time_s"]
             if run.get("written") and run.get("wall_time_s")
             else None,
+            # a run records itself after every batch and sets finished_at when it ends
+            "finished": run.get("finished_at", 0) is not None,
         }
         for run in store.manifest.get("runs", [])
     ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
@@ -239,7 +240,9 @@ def commit_all(
     resumed: Callable[[int], None] | None = None,
 ) -> RunSummary:
     """Commit every (examples, generations, seconds spent generating) batch of ``captured`` as
-    it arrives, then record the run in the manifest. Shared by every capture engine.
+    it arrives, recording the run in the manifest after each batch (``finished_at`` stays None
+    until the last, so a killed run keeps the rows and seconds it committed). Shared by every
+    capture engine.
 
     The examples an earlier run stored are reported once, before any batch, to ``resumed``
     when given (a display can then tell them from this run's work), else to ``progress``."""
@@ -247,27 +250,55 @@ def commit_all(
     restored = resumed or progress
     if restored is not None and plan.skipped_existing:
         restored(plan.skipped_existing)
+    run_id = uuid.uuid4().hex
     written = correct = labelled = empty = 0
     generation_time = 0.0
+
+    def summary() -> RunSummary:
+        return RunSummary(
+            written=written,
+            skipped_existing=plan.skipped_existing,
+            skipped_empty=empty,
+            correct=correct,
+            labelled=labelled,
+            wall_time_s=time.perf_counter() - started,
+            generation_time_s=generation_time,
+        )
+
     for batch, records, seconds in captured:
         generation_time += seconds
         w, c, n = commit_batch(store, task, source, batch, records, map_config, keep_trajectories)
         written, correct, labelled = written + w, correct + c, labelled + n
         empty += len(batch) - w
+        record_run(store, run_id, summary(), engine, finished=False)
         if progress is not None:
             progress(len(batch))
-    summary = RunSummary(
-        written=written,
-        skipped_existing=plan.skipped_existing,
-        skipped_empty=empty,
-        correct=correct,
-        labelled=labelled,
-        wall_time_s=time.perf_counter() - started,
-        generation_time_s=generation_time,
-    )
-    run = {**asdict(summary), "finished_at": time.time(), **({"engine": engine} if engine else {})}
-    store.edit_manifest(lambda manifest: manifest.setdefault("runs", []).append(run))
-    return summary
+    done = summary()
+    record_run(store, run_id, done, engine, finished=True)
+    return done
+
+
+def record_run(
+    store: MapStore, run_id: str, summary: RunSummary, engine: dict | None, finished: bool
+) -> None:
+    """Write (or overwrite) the manifest's record of run ``run_id``: its counts so far, and
+    ``finished_at`` once it ends (None while it runs, and for good if it is killed)."""
+    run = {
+        "id": run_id,
+        **asdict(summary),
+        "finished_at": time.time() if finished else None,
+        **({"engine": engine} if engine else {}),
+    }
+
+    def edit(manifest: dict) -> None:
+        runs = manifest.setdefault("runs", [])
+        at = next((i for i, r in enumerate(runs) if r.get("id") == run_id), None)
+        if at is None:
+            runs.append(run)
+        else:
+            runs[at] = run
+
+    store.edit_manifest(edit)
 
 
 def given_answers(task: Task, batch: list[Example]) -> list[str] | None:

@@ -67,7 +67,8 @@ def info(
         wall = run["wall_time_s"]
         console.print(
             f"capture run {i + 1}: {run['written']} rows in "
-            f"{'-' if wall is None else f'{wall:.0f} s'} ({rate})",
+            f"{'-' if wall is None else f'{wall:.0f} s'} ({rate})"
+            + ("" if run["finished"] else ", not finished (still running, or killed)"),
             highlight=False,
         )
     if idle:
