@@ -10,8 +10,8 @@ from test_cli import synthetic_store
 from typer.testing import CliRunner
 
 from actmap.cli import app
-from actmap.rows import store_summary
-from actmap.store import MapRecord
+from actmap.rows import balanced_splits, store_summary
+from actmap.store import MapRecord, MapStore
 
 grid = np.zeros((12, 32, 128), dtype=np.float32)
 
@@ -80,3 +80,59 @@ def test_info_on_a_folder_that_is_no_store_names_it(tmp_path):
     result = runner.invoke(app, ["store", "info", str(tmp_path / "nothing")])
     assert result.exit_code == 2
     assert "nothing" in result.output
+
+
+def test_subset_keeps_the_balanced_rows_and_their_side_rows(tmp_path):
+    store = synthetic_store(tmp_path / "s", n=120)
+    extra = [
+        MapRecord(f"w:{i}", str(i), "s", "train", "m", "r", "p", "a", 3, 0, grid) for i in range(30)
+    ]
+    store.write_maps(extra)  # 30 more wrong train answers: only some of the wrong ones are kept
+    every = store.read_table("maps", ["id"]).column("id").to_pylist()
+    store.write_table("dense", pa.table({"id": every, "value": [0] * len(every)}))
+    store.write_table("dense", pa.table({"id": ["s:0", "s:1"], "value": [7, 8]}))  # superseding
+    store.write_table("skipped", pa.table({"id": ["e:1"], "split": ["test"], "reason": ["empty"]}))
+    before = {f: f.stat().st_mtime_ns for f in (tmp_path / "s").rglob("*") if f.is_file()}
+
+    result = runner.invoke(app, ["store", "subset", str(tmp_path / "s"), str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    source = MapStore.open(tmp_path / "s")
+    subset = MapStore.open(tmp_path / "b")
+    meta = subset.metadata()
+    # a naive count: per split, every kept row is a source row, the classes are equal, and
+    # their number is the smaller class of the source's split (synthetic_store: row i has label
+    # i % 2 and split train / validation / test for i % 10 in 0-5 / 6-7 / 8-9)
+    source_meta = source.metadata().set_index("id")
+    for split, part in meta.groupby("split"):
+        labels = source_meta.loc[source_meta["split"] == split, "label"]
+        smaller = min((labels == 1).sum(), (labels == 0).sum())
+        assert (part["label"] == 1).sum() == (part["label"] == 0).sum() == smaller
+        assert (source_meta.loc[part["id"], "split"] == split).all()
+        assert (source_meta.loc[part["id"], "label"].to_numpy() == part["label"].to_numpy()).all()
+    assert len(meta) == 2 * (36 + 12 + 12)
+    # drawing balanced rows from the subset keeps every row: the rows the source draws
+    drawn = balanced_splits(subset, persist=False)
+    assert {s: set(v) for s, v in drawn.items()} == {
+        s: set(v) for s, v in balanced_splits(source, persist=False).items()
+    }
+    maps, keys = subset.load_maps()
+    source_maps, source_keys = source.load_maps(list(keys["id"]))
+    assert list(source_keys["id"]) == list(keys["id"]) and np.array_equal(maps, source_maps)
+    dense = subset.read_table("dense").to_pydict()
+    assert sorted(dense["id"]) == sorted(meta["id"])  # one row each, the last written
+    assert {
+        k: v for k, v in zip(dense["id"], dense["value"], strict=True) if k in ("s:0", "s:1")
+    } == {k: v for k, v in (("s:0", 7), ("s:1", 8)) if k in set(meta["id"])}
+    assert not subset.has_table("skipped") and "dense 120 rows" in result.output
+    assert subset.manifest["subset_of"]["root"] == str(tmp_path / "s")
+    after = {f: f.stat().st_mtime_ns for f in (tmp_path / "s").rglob("*") if f.is_file()}
+    assert {f: t for f, t in after.items() if f.name != "writer.lock"} == {
+        f: t for f, t in before.items() if f.name != "writer.lock"
+    }  # the source is only read
+
+    again = runner.invoke(app, ["store", "subset", str(tmp_path / "s"), str(tmp_path / "b")])
+    assert again.exit_code == 2 and "not empty" in again.output
+    unknown = runner.invoke(
+        app, ["store", "subset", str(tmp_path / "s"), str(tmp_path / "c"), "--tables", "attention"]
+    )
+    assert unknown.exit_code == 2 and "no table 'attention'" in unknown.output

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from actmap.data.splits import SPLITS, balanced_ids
 from actmap.errors import ActmapUserError
@@ -226,3 +230,59 @@ def store_summary(store: MapStore) -> StoreSummary:
         empty_answers=empty_answers(store, None)[0],
         capture_runs=runs,
     )
+
+
+# Tables a subset leaves out: ``splits`` is derived (the subset draws its own, the same rows) and
+# ``skipped`` holds the empty answers, which have no map and so are never balanced rows.
+NOT_SUBSET = ("splits", "skipped")
+
+
+def balanced_subset(
+    source: MapStore, target: str | Path, tables: Sequence[str] | None = None
+) -> dict[str, int]:
+    """Write a new store at ``target`` holding only ``source``'s balanced rows: the maps and,
+    for those ids, the last row of each table in ``tables`` (default: every table the source
+    has, but the derived splits and the empty answers). Returns the rows written per table.
+
+    A store small enough to carry to another machine (a GPU box, say) that trains and scores
+    on exactly the rows it would use here: each split of the subset holds as many correct as
+    wrong rows, so drawing balanced rows from it again keeps every one. ``source`` is only
+    read; ``target`` must be new."""
+    target = Path(target)
+    if target.exists() and any(target.iterdir()):
+        raise ActmapUserError(f"{target} is not empty; give a new folder for the subset")
+    have = [t for t in source.tables() if t not in NOT_SUBSET]
+    wanted = ["maps", *(t for t in (have if tables is None else tables) if t != "maps")]
+    missing = [t for t in wanted if t not in have]
+    if missing:
+        raise ActmapUserError(
+            f"{source.root} has no table {', '.join(map(repr, missing))} "
+            f"(it has {', '.join(have) or 'none'})"
+        )
+    balanced = balanced_splits(source, persist=False)
+    ids = pa.array(sorted(chain.from_iterable(balanced.values())), pa.string())
+    if not len(ids):
+        raise ActmapUserError(
+            f"{source.root} has no balanced rows (no split holds both a correct and a wrong "
+            "labelled answer)"
+        )
+    subset = MapStore.create(
+        target, source.manifest.get("config") or {}, map_shape=source.map_shape
+    )
+    written = {}
+    try:
+        for table in wanted:
+            data = source.read_latest(table)
+            kept = data.filter(pc.is_in(data["id"], value_set=ids))
+            subset.write_table(table, kept)
+            written[table] = kept.num_rows
+        subset.update_manifest(
+            subset_of={
+                "root": str(source.root),
+                "rows": "balanced",
+                "ids": {split: len(keys) for split, keys in balanced.items()},
+            }
+        )
+    finally:
+        subset.close()
+    return written

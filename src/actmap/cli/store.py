@@ -80,6 +80,32 @@ def info(
         )
 
 
+@store_app.command("subset")
+def subset(
+    store: Path = typer.Argument(..., help="A map store folder (only read)."),
+    target: Path = typer.Argument(..., help="A new folder for the subset store."),
+    tables: str = typer.Option(
+        "",
+        help="Comma-separated tables to keep beside the maps (e.g. generations,dense); "
+        "default: every table the store has.",
+    ),
+) -> None:
+    """Write a store holding only STORE's balanced rows, to carry to another machine."""
+    with user_errors():
+        from actmap.rows import balanced_subset
+        from actmap.store import MapStore
+
+        wanted = [t.strip() for t in tables.split(",") if t.strip()] or None
+        written = balanced_subset(MapStore.open(store), target, wanted)
+    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    console.print(
+        f"wrote {target} ({size / 2**20:.1f} MiB): "
+        + ", ".join(f"{table} {rows} rows" for table, rows in written.items()),
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 @store_app.command("verify")
 def verify(store: Path = typer.Argument(..., help="A map store folder.")) -> None:
     """Read every shard; name each damaged file; exit 1 when the store is damaged."""
