@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 from conftest import ListTask
 from sklearn.metrics import average_precision_score, roc_auc_score
@@ -15,6 +16,7 @@ from actmap.baselines import runner
 from actmap.baselines.actvit import ACTViTConfig
 from actmap.baselines.judges import ENTAILMENT, NEUTRAL
 from actmap.baselines.runner import BaselineOptions, resolve_methods, run_baselines
+from actmap.baselines.samples_table import SAMPLES_TABLE, decode_embeddings
 from actmap.capture import CaptureConfig
 from actmap.capture.run import run_capture, store_config
 from actmap.data.base import Example
@@ -22,7 +24,7 @@ from actmap.maps import MapConfig
 from actmap.models import ModelSource
 from actmap.report.compare import compare_methods, format_table
 from actmap.rows import balanced_splits
-from actmap.store import MapStore, decode_array
+from actmap.store import MapStore, encode_array
 
 WORDS = "what is the capital of the river red blue green one two three four five".split()
 SOURCE = ModelSource("tiny", "tiny", None, "0")
@@ -179,7 +181,8 @@ def test_sampling_methods_match_a_direct_computation_on_stored_samples(scored):
         p /= p.sum()
         assert se.at[key, "confidence"] == pytest.approx(float((p * np.log(p)).sum()), abs=1e-9)
         # EigenScore: mean log eigenvalue = log det / K of the regularised (K, K) Gram matrix
-        z = decode_array(samples.at[key, "embeddings"], samples.at[key, "shape"]).astype(np.float64)
+        z = decode_embeddings(samples.at[key, "embeddings"], samples.at[key, "shape"])
+        z = z.astype(np.float64)
         z = z - z.mean(axis=1, keepdims=True)
         _, logdet = np.linalg.slogdet(z @ z.T + 1e-3 * np.eye(len(z)))
         assert es.at[key, "confidence"] == pytest.approx(-logdet / len(z), rel=1e-6)
@@ -235,6 +238,45 @@ def test_resume_skips_stored_methods_and_reuses_samples(
     assert forced["eigenscore"].status == "done"
     assert forced["eigenscore"].record["samples"] == {"reused": 8, "sampled": 0}
     pd.testing.assert_series_equal(results_frame(store, "eigenscore")["confidence"], before)
+
+
+def test_embeddings_keep_values_beyond_float16_and_an_overflowed_row_is_drawn_again(
+    scored, tmp_path, tiny_llama, word_tokenizer
+):
+    root = tmp_path / "store"
+    shutil.copytree(scored[0].root, root)
+    store = MapStore.open(root)
+    samples = store.read_table(SAMPLES_TABLE).to_pylist()
+    before = results_frame(store, "eigenscore")["confidence"]
+    # stored in float32: a value float16 cannot hold reads back as written
+    big = np.full((3, 5), 1e5, dtype=np.float32) * np.arange(1, 4, dtype=np.float32)[:, None]
+    assert np.array_equal(decode_embeddings(encode_array(big, np.float32), big.shape), big)
+    old = np.array([[1.5, -2.25], [3.0, 0.5]], dtype=np.float32)  # float16 bytes, written before
+    assert np.array_equal(decode_embeddings(encode_array(old), old.shape), old)
+    # a row written in float16 before, whose embeddings overflowed there, supersedes one row
+    row = dict(samples[0])
+    z = decode_embeddings(row["embeddings"], row["shape"]).copy()
+    z[0, 0] = 1e6  # beyond 65,504: infinite in float16
+    with np.errstate(over="ignore"):
+        row["embeddings"] = encode_array(z)
+    store.write_table(
+        SAMPLES_TABLE, pa.Table.from_pylist([row], schema=store.dataset(SAMPLES_TABLE).schema)
+    )
+    forced = run_baselines(
+        store,
+        ["eigenscore"],
+        model=tiny_llama,
+        tokenizer=word_tokenizer,
+        options=BaselineOptions(**{**OPTIONS.__dict__, "force": True}),
+    )
+    assert forced["eigenscore"].status == "done"
+    assert forced["eigenscore"].record["samples"] == {"reused": 7, "sampled": 1}
+    latest = {r["id"]: r for r in store.read_table(SAMPLES_TABLE).to_pylist()}[row["id"]]
+    assert latest["texts"] == samples[0]["texts"]  # the same draw: its seed is fixed by the id
+    redrawn = decode_embeddings(latest["embeddings"], latest["shape"])
+    assert np.isfinite(redrawn).all() and len(latest["embeddings"]) == 4 * redrawn.size
+    after = results_frame(store, "eigenscore")["confidence"]
+    pd.testing.assert_series_equal(after, before, rtol=1e-3)  # float32 against float16 rounding
 
 
 def test_unavailable_methods_are_reported_and_the_others_run(captured, tmp_path):

@@ -1,7 +1,11 @@
 """Sampled answers (Semantic Entropy, EigenScore) kept in the store's ``samples`` table.
 
 Drawn once per (request, id), committed a shard at a time, and reused by every
-later run whose sampling request is the same.
+later run whose sampling request is the same. Embeddings are stored in float32: a
+middle block of Gemma-3 holds values beyond float16's range (65,504). Rows written
+in float16 before read as they were, except one whose embeddings overflowed to
+infinity there: it counts as not sampled, so the next run draws it again (the same
+draw: a row's seed is fixed by its id).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +26,8 @@ from actmap.generation import SAMPLE_TOP_K, SHORT_MAX_NEW_TOKENS
 from actmap.store import MapStore, decode_array, encode_array, latest_rows
 
 SAMPLES_TABLE = "samples"
+
+log = logging.getLogger(__name__)
 
 
 def sampling_request(generator: str, options, capture: dict) -> dict:
@@ -74,7 +81,7 @@ def draw_samples(
         )
         sampled = dataclasses.replace(  # as stored: scores never depend on a resume
             sampled,
-            embeddings=sampled.embeddings.half().float(),
+            embeddings=sampled.embeddings.float(),
             config=dataclasses.replace(sampled.config, seed=request["seed"]),
         )
         pending.append((row, sampled, time.perf_counter() - start))
@@ -104,14 +111,23 @@ def samples_table(rows: list[tuple[str, Any, float]], key: str) -> pa.Table:
             "mean_logprobs": pa.array([s.mean_logprobs.tolist() for s in sets]),
             "stopped": [list(s.stopped) for s in sets],
             "shape": pa.array([list(s.embeddings.shape) for s in sets], pa.list_(pa.int32())),
-            "embeddings": [encode_array(s.embeddings.numpy()) for s in sets],
+            "embeddings": [encode_array(s.embeddings.numpy(), np.float32) for s in sets],
             "sampling_s": pa.array([t for _, _, t in rows], pa.float64()),
         }
     )
 
 
+def decode_embeddings(blob: bytes, shape) -> np.ndarray:
+    """A row's stored (K, d) embeddings as float32: float32 bytes, or float16 ones written
+    before (told apart by their length)."""
+    n = int(np.prod(shape))
+    dtype = np.float32 if len(blob) == 4 * n else np.float16
+    return decode_array(blob, shape, dtype).astype(np.float32)
+
+
 def read_samples(store: MapStore, request: dict, prompts) -> dict[str, tuple[Any, float]]:
-    """{id: (SampleSet, sampling seconds)} of the rows sampled under ``request``."""
+    """{id: (SampleSet, sampling seconds)} of the rows sampled under ``request``; a row whose
+    stored embeddings are not finite (float16 overflow) is left out, to be drawn again."""
     import torch
 
     from actmap.baselines.sampling import SampleSet, SamplingConfig
@@ -121,11 +137,14 @@ def read_samples(store: MapStore, request: dict, prompts) -> dict[str, tuple[Any
     key = json.dumps(request, sort_keys=True)
     table = store.read_table(SAMPLES_TABLE)
     table = latest_rows(table.filter(pc.equal(table.column("request"), key)))
-    out = {}
+    out, overflowed = {}, []
     for row in table.to_pylist():
+        embeddings = decode_embeddings(row["embeddings"], row["shape"])
+        if not np.isfinite(embeddings).all():
+            overflowed.append(row["id"])
+            continue
         config = json.loads(row["config"])
         config = SamplingConfig(**{**config, "stop_strings": tuple(config["stop_strings"])})
-        embeddings = decode_array(row["embeddings"], row["shape"]).astype(np.float32)
         out[row["id"]] = (
             SampleSet(
                 prompt=prompts.get(row["id"], ""),
@@ -139,5 +158,13 @@ def read_samples(store: MapStore, request: dict, prompts) -> dict[str, tuple[Any
                 config=config,
             ),
             row["sampling_s"],
+        )
+    if overflowed:
+        log.warning(
+            "%d rows of %s's samples hold embeddings beyond float16's range, stored before "
+            "embeddings were kept in float32; they are sampled again: %s",
+            len(overflowed),
+            store.root,
+            ", ".join(overflowed[:5]) + (" ..." if len(overflowed) > 5 else ""),
         )
     return out
