@@ -211,6 +211,12 @@ def test_actvit_and_tad_record_their_fit(scored):
     assert store.manifest["results"]["tad"]["details"]["n_previous"] == 3  # the store keeps K=3
 
 
+def forced_eigenscore(store, model, tokenizer):
+    """EigenScore run again on ``store`` (forced), from its stored samples where it can."""
+    options = BaselineOptions(**{**OPTIONS.__dict__, "force": True})
+    return run_baselines(store, ["eigenscore"], model=model, tokenizer=tokenizer, options=options)
+
+
 def test_resume_skips_stored_methods_and_reuses_samples(
     scored, monkeypatch, tiny_llama, word_tokenizer
 ):
@@ -228,13 +234,7 @@ def test_resume_skips_stored_methods_and_reuses_samples(
 
     monkeypatch.setattr(sampling, "sample_answers", forbidden)
     before = results_frame(store, "eigenscore")["confidence"]
-    forced = run_baselines(
-        store,
-        ["eigenscore"],
-        model=tiny_llama,
-        tokenizer=word_tokenizer,
-        options=BaselineOptions(**{**OPTIONS.__dict__, "force": True}),
-    )
+    forced = forced_eigenscore(store, tiny_llama, word_tokenizer)
     assert forced["eigenscore"].status == "done"
     assert forced["eigenscore"].record["samples"] == {"reused": 8, "sampled": 0}
     pd.testing.assert_series_equal(results_frame(store, "eigenscore")["confidence"], before)
@@ -262,13 +262,7 @@ def test_embeddings_keep_values_beyond_float16_and_an_overflowed_row_is_drawn_ag
     store.write_table(
         SAMPLES_TABLE, pa.Table.from_pylist([row], schema=store.dataset(SAMPLES_TABLE).schema)
     )
-    forced = run_baselines(
-        store,
-        ["eigenscore"],
-        model=tiny_llama,
-        tokenizer=word_tokenizer,
-        options=BaselineOptions(**{**OPTIONS.__dict__, "force": True}),
-    )
+    forced = forced_eigenscore(store, tiny_llama, word_tokenizer)
     assert forced["eigenscore"].status == "done"
     assert forced["eigenscore"].record["samples"] == {"reused": 7, "sampled": 1}
     latest = {r["id"]: r for r in store.read_table(SAMPLES_TABLE).to_pylist()}[row["id"]]
