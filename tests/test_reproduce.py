@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -85,6 +86,55 @@ def test_reproduce_runs_every_stage_then_skips_what_is_done(tmp_path, tiny_model
         assert f"{stage}tiny-answers" in again.output
     skipped = [line for line in again.output.splitlines() if "skipped (done before)" in line]
     assert len(skipped) == 4  # capture, copy, baselines, train; the report is rebuilt
+
+
+def test_lost_stage_markers_keep_the_copy_and_its_finished_work(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """With the state folder gone (a slip, a bad clean-up) the copy still holds the source's
+    rows: it is kept, not linked again, so no baseline is scored again and no seed retrained.
+    A copy of other rows is linked again."""
+    import actmap.experiments.runs as runs
+    from actmap.baselines import runner
+
+    config = tiny_config(
+        tmp_path,
+        tiny_model_dir,
+        seeds=[1],
+        name="tiny",
+        baselines=["perplexity", "answer_length"],
+        sections=["in_domain"],
+    )
+    result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    copy = out / "stores" / "tiny"
+    shard = next((copy / "results" / "perplexity").glob("*.parquet"))
+    before = shard.stat().st_mtime_ns
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("work done again")
+
+    monkeypatch.setattr(runner, "make_scorer", forbidden)
+    monkeypatch.setattr(runs.CorrectnessDetector, "fit", forbidden)
+    shutil.rmtree(out / "state")
+    again = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert again.exit_code == 0, again.output
+    assert shard.is_file() and shard.stat().st_mtime_ns == before
+    assert json.loads((copy / "manifest.json").read_text())["results"].keys() >= {
+        "perplexity",
+        "answer_length",
+    }
+    # a copy that holds other rows than the source is linked again
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["shards"]["maps"] = {"part-elsewhere.parquet": 3}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(out / "state")
+    monkeypatch.undo()
+    third = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert third.exit_code == 0, third.output
+    relinked = json.loads((copy / "manifest.json").read_text())
+    assert "part-elsewhere.parquet" not in relinked["shards"]["maps"]
 
 
 def test_shipped_configs_parse(tmp_path):

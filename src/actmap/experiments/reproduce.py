@@ -236,6 +236,24 @@ def link_copy(source: Path, target: Path) -> None:
     )
 
 
+def copy_holds_source(source: Path, target: Path) -> bool:
+    """``target`` is a copy of ``source`` as it is now: the same config, and every table of the
+    source (but the derived ones) listed with the same shards. Such a copy needs no new link
+    even when its stage marker is lost, and keeps what later stages wrote into it."""
+    try:
+        ours = json.loads((source / "manifest.json").read_text())
+        theirs = json.loads((target / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    shards = {k: v for k, v in (ours.get("shards") or {}).items() if k not in DERIVED_TABLES}
+    copied = theirs.get("shards") or {}
+    return (
+        bool(shards)
+        and ours.get("config") == theirs.get("config")
+        and all(copied.get(table) == listed for table, listed in shards.items())
+    )
+
+
 def store_is_complete(path: Path) -> bool:
     """A store exists and no writer holds it (a capture in progress holds ``writer.lock``)."""
     from actmap.store import MapStore
@@ -312,6 +330,12 @@ def copy_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> Stage:
             raise ActmapUserError(
                 f"store {spec.path} does not exist or is still being written (writer.lock held)"
             )
+        if copy_holds_source(spec.path, target):
+            # the marker went, not the rows: the copy's baseline results stay, and the later
+            # stages find their finished work (methods with results, seeds with the same key)
+            log.info("copy/%s: %s already holds the rows of %s; kept", spec.name, target, spec.path)
+            progress(1, 1, "kept (it holds the source's rows)")
+            return
         progress(0, 1, f"{spec.path} -> {target}")
         link_copy(spec.path, target)
         progress(1, 1, "")
