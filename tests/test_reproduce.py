@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -135,6 +138,46 @@ def test_lost_stage_markers_keep_the_copy_and_its_finished_work(
     assert third.exit_code == 0, third.output
     relinked = json.loads((copy / "manifest.json").read_text())
     assert "part-elsewhere.parquet" not in relinked["shards"]["maps"]
+
+
+HOLD_LOCK = """
+import sys, time
+sys.path.insert(0, {src!r})
+from actmap.store.lock import acquire
+acquire({folder!r})
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_two_calls_never_run_one_store_at_once(tmp_path):
+    """A call whose store another live call holds stops at once, naming that call; a call on
+    another store is not held back; the lock of a call that ended is free."""
+    path = tmp_path / "reproduce.toml"
+    stores = "".join(f'[[stores]]\nname = "{n}"\npath = "stores/{n}"\n' for n in ("a", "b"))
+    path.write_text('out = "out"\n' + stores)
+    folder = tmp_path / "out" / "state" / "locks" / "a"
+    script = HOLD_LOCK.format(
+        src=str(Path(__file__).resolve().parents[1] / "src"), folder=str(folder)
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = ["reproduce", "--config", str(path)]
+        held = CliRunner().invoke(app, [*args, "--store", "a"])
+        assert held.exit_code != 0
+        assert "store 'a' are running in another call" in held.output
+        assert f"process {holder.pid}" in held.output
+        other = CliRunner().invoke(
+            app, [*args, "--store", "b"]
+        )  # b does not exist: its copy says so
+        assert other.exit_code != 0 and "another call" not in other.output
+        assert "does not exist" in other.output
+    finally:
+        holder.kill()
+        holder.wait()
+    after = CliRunner().invoke(app, ["reproduce", "--config", str(path), "--store", "a"])
+    assert "another call" not in after.output and "does not exist" in after.output
 
 
 def test_shipped_configs_parse(tmp_path):

@@ -494,18 +494,50 @@ def report_stage(config: ReproduceConfig, state: Path) -> Stage:
     return Stage("report", lambda: {"always": os.urandom(4).hex()}, work, state)
 
 
+def lock_stores(stages: Sequence[Stage]) -> list:
+    """Take ``state/locks/<store>`` for every store of ``stages``: two reproduce calls never run
+    one store's stages at once (calls on other stores run side by side). Another live call's
+    lock is an error that names it; a killed call's lock is free (see `actmap.store.lock`)."""
+    from actmap.store.lock import StoreLocked, acquire
+
+    tickets, locked = [], set()
+    try:
+        for stage in stages:
+            if stage.store is None or stage.store in locked:
+                continue
+            locked.add(stage.store)
+            try:
+                tickets.append(acquire(stage.state_dir / "locks" / stage.store))
+            except StoreLocked as err:
+                raise ActmapUserError(
+                    f"reproduce: the stages of store {stage.store!r} are running in another "
+                    f"call ({err}); give this call the other stores with --store"
+                ) from None
+    except BaseException:
+        for ticket in tickets:
+            ticket.release()
+        raise
+    return tickets
+
+
 def run_plan(stages: Sequence[Stage], progress_for: Callable[[Stage], Progress]) -> dict[str, str]:
     """Run every stage not yet done, in order; ``{stage: "done" | "skipped (done before)"}``.
 
     A capture or copy that runs makes every later stage of its store run too (a new copy of
-    a store has none of the baseline results of the old one)."""
+    a store has none of the baseline results of the old one). Each store is locked for the
+    whole call (`lock_stores`)."""
+    tickets = lock_stores(stages)
     status, rerun = {}, set()
-    for stage in stages:
-        if stage.store not in rerun and stage.done():
-            status[stage.name] = "skipped (done before)"
-            continue
-        stage.run(progress_for(stage))
-        status[stage.name] = "done"
-        if stage.renews_store and stage.store is not None:
-            rerun.add(stage.store)
+    try:
+        for stage in stages:
+            if stage.store not in rerun and stage.done():
+                status[stage.name] = "skipped (done before)"
+                continue
+            stage.run(progress_for(stage))
+            status[stage.name] = "done"
+            if stage.renews_store and stage.store is not None:
+                rerun.add(stage.store)
+    finally:
+        for ticket in tickets:
+            ticket.release()
     return status
