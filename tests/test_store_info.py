@@ -35,6 +35,7 @@ def test_summary_counts_match_a_naive_count(tmp_path):
         {"written": 0, "wall_time_s": 0.02},  # a resumed run with its work done
         {"written": 50, "wall_time_s": 40.0},
         {"written": 8, "wall_time_s": 16.0, "finished_at": None},  # killed after two batches
+        {"written": 32, "wall_time_s": 3402.0},  # 32 summaries of 384 tokens
     ]
     store.edit_manifest(lambda m: m.setdefault("runs", []).extend(runs))
     expected = {}
@@ -51,9 +52,15 @@ def test_summary_counts_match_a_naive_count(tmp_path):
         assert counts.accuracy == correct / rows
     assert summary.total.rows == 150 and summary.total.correct == 60
     assert summary.empty_answers == 2
-    assert [r["rows_per_s"] for r in summary.capture_runs] == [100 / 60, None, 50 / 40, 0.5]
-    assert [r["finished"] for r in summary.capture_runs] == [True, True, True, False]
-    assert summary.capture_rows_per_s == 158 / 116  # rows over the seconds of runs that wrote
+    assert [r["rows_per_s"] for r in summary.capture_runs] == [
+        100 / 60,
+        None,
+        50 / 40,
+        0.5,
+        32 / 3402,
+    ]
+    assert [r["finished"] for r in summary.capture_runs] == [True, True, True, False, True]
+    assert summary.capture_rows_per_s == 190 / 3518  # rows over the seconds of runs that wrote
     assert not store.has_table("splits")  # read, never written
 
     result = runner.invoke(app, ["store", "info", str(tmp_path / "s"), "--json"])
@@ -71,9 +78,10 @@ def test_summary_counts_match_a_naive_count(tmp_path):
     assert "capture run 1: 100 rows in 60 s (1.67 rows/s)" in table.output
     assert "capture run 3: 50 rows in 40 s (1.25 rows/s)\n" in table.output
     assert "capture run 4: 8 rows in 16 s (0.50 rows/s), not finished" in table.output
+    assert "capture run 5: 32 rows in 3402 s (0.0094 rows/s)" in table.output  # not 0.01
     assert "capture run 2" not in table.output
     assert "wrote no rows (resumed, work done): 1" in table.output
-    assert "runs that wrote rows: 1.36 rows/s" in table.output
+    assert "runs that wrote rows: 0.054 rows/s" in table.output
 
 
 def test_info_on_a_folder_that_is_no_store_names_it(tmp_path):

@@ -195,6 +195,14 @@ class StoreSummary:
         }
 
 
+def rate_text(rows_per_s: float | None) -> str:
+    """A capture rate as printed: two decimals, or two significant digits under 0.1 (a
+    CNN/DM summary takes minutes: 0.0094, not 0.01); "-" when unknown."""
+    if rows_per_s is None:
+        return "-"
+    return f"{rows_per_s:.2f}" if rows_per_s >= 0.1 else f"{rows_per_s:.2g}"
+
+
 def store_summary(store: MapStore) -> StoreSummary:
     """Counts read from the store, never written into it (balanced rows as training sees them)."""
     meta = store.metadata()

@@ -38,7 +38,7 @@ def info(
 ) -> None:
     """Rows, labels, natural accuracy and balanced rows per split; capture runs' rows/s."""
     with user_errors():
-        from actmap.rows import store_summary
+        from actmap.rows import rate_text, store_summary
         from actmap.store import MapStore
 
         summary = store_summary(MapStore.open(store))
@@ -63,7 +63,7 @@ def info(
         if not run["written"]:  # a resumed run that found its work done
             idle += 1
             continue
-        rate = f"{run['rows_per_s']:.2f} rows/s" if run["rows_per_s"] else "-"
+        rate = f"{rate_text(run['rows_per_s'])} rows/s" if run["rows_per_s"] else "-"
         wall = run["wall_time_s"]
         console.print(
             f"capture run {i + 1}: {run['written']} rows in "
@@ -75,7 +75,8 @@ def info(
         console.print(f"capture runs that wrote no rows (resumed, work done): {idle}")
     if summary.capture_rows_per_s is not None:
         console.print(
-            f"capture rate over the runs that wrote rows: {summary.capture_rows_per_s:.2f} rows/s",
+            "capture rate over the runs that wrote rows: "
+            f"{rate_text(summary.capture_rows_per_s)} rows/s",
             highlight=False,
         )
 

@@ -104,6 +104,8 @@ def _generator_label(generator: str) -> str:
 def _counts_table(stores: dict[str, dict]) -> list[str]:
     """Per store: rows, natural accuracy (the factual rate of judged summaries), balanced
     train / validation / test rows and the capture rate; stores without counts are left out."""
+    from actmap.rows import rate_text
+
     counted = {name: s["counts"] for name, s in stores.items() if s.get("counts")}
     if not counted:
         return []
@@ -120,7 +122,7 @@ def _counts_table(stores: dict[str, dict]) -> list[str]:
         rate = c["capture_rows_per_s"]
         lines.append(
             f"| {name} | {total['rows']:,} | {total['labelled']:,} | {accuracy} | {balanced} "
-            f"| {'-' if rate is None else f'{rate:.2f}'} |"
+            f"| {rate_text(rate)} |"
         )
     return lines
 
