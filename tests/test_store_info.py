@@ -100,6 +100,7 @@ def test_subset_keeps_the_balanced_rows_and_their_side_rows(tmp_path):
     store.write_table("dense", pa.table({"id": every, "value": [0] * len(every)}))
     store.write_table("dense", pa.table({"id": ["s:0", "s:1"], "value": [7, 8]}))  # superseding
     store.write_table("skipped", pa.table({"id": ["e:1"], "split": ["test"], "reason": ["empty"]}))
+    store.write_table("results/ppl", pa.table({"id": every, "confidence": [0.5] * len(every)}))
     before = {f: f.stat().st_mtime_ns for f in (tmp_path / "s").rglob("*") if f.is_file()}
 
     result = runner.invoke(app, ["store", "subset", str(tmp_path / "s"), str(tmp_path / "b")])
@@ -131,7 +132,8 @@ def test_subset_keeps_the_balanced_rows_and_their_side_rows(tmp_path):
     assert {
         k: v for k, v in zip(dense["id"], dense["value"], strict=True) if k in ("s:0", "s:1")
     } == {k: v for k, v in (("s:0", 7), ("s:1", 8)) if k in set(meta["id"])}
-    assert not subset.has_table("skipped") and "dense 120 rows" in result.output
+    assert not subset.has_table("skipped") and not subset.has_table("results/ppl")
+    assert "dense 120 rows" in result.output
     assert subset.manifest["subset_of"]["root"] == str(tmp_path / "s")
     after = {f: f.stat().st_mtime_ns for f in (tmp_path / "s").rglob("*") if f.is_file()}
     assert {f: t for f, t in after.items() if f.name != "writer.lock"} == {
@@ -144,3 +146,8 @@ def test_subset_keeps_the_balanced_rows_and_their_side_rows(tmp_path):
         app, ["store", "subset", str(tmp_path / "s"), str(tmp_path / "c"), "--tables", "attention"]
     )
     assert unknown.exit_code == 2 and "no table 'attention'" in unknown.output
+    derived = runner.invoke(
+        app,
+        ["store", "subset", str(tmp_path / "s"), str(tmp_path / "d"), "--tables", "results/ppl"],
+    )
+    assert derived.exit_code == 2 and "does not carry 'results/ppl'" in derived.output

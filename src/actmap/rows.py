@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from actmap.data.splits import SPLITS, balanced_ids
 from actmap.errors import ActmapUserError
-from actmap.store import MapStore
+from actmap.store import MapStore, latest_rows
 
 BALANCE_SEED = 0
 
@@ -240,9 +240,16 @@ def store_summary(store: MapStore) -> StoreSummary:
     )
 
 
-# Tables a subset leaves out: ``splits`` is derived (the subset draws its own, the same rows) and
-# ``skipped`` holds the empty answers, which have no map and so are never balanced rows.
+# Tables a subset leaves out: ``splits`` is derived (the subset draws its own, the same rows),
+# ``skipped`` holds the empty answers, which have no map and so are never balanced rows, and a
+# method's ``results/<method>`` scores go with their record in the manifest, which stays behind
+# (run the method again on the subset).
 NOT_SUBSET = ("splits", "skipped")
+
+
+def carried(table: str) -> bool:
+    """Whether `balanced_subset` can carry ``table``."""
+    return table not in NOT_SUBSET and not table.startswith("results/")
 
 
 def balanced_subset(
@@ -259,8 +266,14 @@ def balanced_subset(
     target = Path(target)
     if target.exists() and any(target.iterdir()):
         raise ActmapUserError(f"{target} is not empty; give a new folder for the subset")
-    have = [t for t in source.tables() if t not in NOT_SUBSET]
+    have = [t for t in source.tables() if carried(t)]
     wanted = ["maps", *(t for t in (have if tables is None else tables) if t != "maps")]
+    derived = [t for t in wanted if not carried(t)]
+    if derived:
+        raise ActmapUserError(
+            f"a subset does not carry {', '.join(map(repr, derived))}: the subset draws its own "
+            "splits, and a method's results go with the manifest record that stays behind"
+        )
     missing = [t for t in wanted if t not in have]
     if missing:
         raise ActmapUserError(
@@ -280,8 +293,8 @@ def balanced_subset(
     written = {}
     try:
         for table in wanted:
-            data = source.read_latest(table)
-            kept = data.filter(pc.is_in(data["id"], value_set=ids))
+            # filtered as it is read: a big store's maps never sit in memory whole
+            kept = latest_rows(source.dataset(table).to_table(filter=pc.field("id").isin(ids)))
             subset.write_table(table, kept)
             written[table] = kept.num_rows
         subset.update_manifest(
