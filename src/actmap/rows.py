@@ -257,7 +257,8 @@ def balanced_subset(
 ) -> dict[str, int]:
     """Write a new store at ``target`` holding only ``source``'s balanced rows: the maps and,
     for those ids, the last row of each table in ``tables`` (default: every table the source
-    has, but the derived splits and the empty answers). Returns the rows written per table.
+    has that `carried` allows: not the derived splits, the empty answers or a method's results).
+    Returns the rows written per table.
 
     A store small enough to carry to another machine (a GPU box, say) that trains and scores
     on exactly the rows it would use here: each split of the subset holds as many correct as

@@ -22,6 +22,7 @@ import os
 import shutil
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -494,30 +495,22 @@ def report_stage(config: ReproduceConfig, state: Path) -> Stage:
     return Stage("report", lambda: {"always": os.urandom(4).hex()}, work, state)
 
 
-def lock_stores(stages: Sequence[Stage]) -> list:
-    """Take ``state/locks/<store>`` for every store of ``stages``: two reproduce calls never run
-    one store's stages at once (calls on other stores run side by side). Another live call's
-    lock is an error that names it; a killed call's lock is free (see `actmap.store.lock`)."""
+def lock_stores(stages: Sequence[Stage], held: ExitStack) -> None:
+    """Take ``state/locks/<store>`` for every store of ``stages`` until ``held`` closes: two
+    reproduce calls never run one store's stages at once (calls on other stores run side by
+    side). Another live call's lock is an error that names it; a killed call's lock is free
+    (see `actmap.store.lock`)."""
     from actmap.store.lock import StoreLocked, acquire
 
-    tickets, locked = [], set()
-    try:
-        for stage in stages:
-            if stage.store is None or stage.store in locked:
-                continue
-            locked.add(stage.store)
-            try:
-                tickets.append(acquire(stage.state_dir / "locks" / stage.store))
-            except StoreLocked as err:
-                raise ActmapUserError(
-                    f"reproduce: the stages of store {stage.store!r} are running in another "
-                    f"call ({err}); give this call the other stores with --store"
-                ) from None
-    except BaseException:
-        for ticket in tickets:
-            ticket.release()
-        raise
-    return tickets
+    folders = {s.store: s.state_dir / "locks" / s.store for s in stages if s.store is not None}
+    for store, folder in folders.items():
+        try:
+            held.callback(acquire(folder).release)
+        except StoreLocked as err:
+            raise ActmapUserError(
+                f"reproduce: the stages of store {store!r} are running in another call ({err}); "
+                "give this call the other stores with --store"
+            ) from None
 
 
 def run_plan(stages: Sequence[Stage], progress_for: Callable[[Stage], Progress]) -> dict[str, str]:
@@ -526,9 +519,9 @@ def run_plan(stages: Sequence[Stage], progress_for: Callable[[Stage], Progress])
     A capture or copy that runs makes every later stage of its store run too (a new copy of
     a store has none of the baseline results of the old one). Each store is locked for the
     whole call (`lock_stores`)."""
-    tickets = lock_stores(stages)
     status, rerun = {}, set()
-    try:
+    with ExitStack() as held:
+        lock_stores(stages, held)
         for stage in stages:
             if stage.store not in rerun and stage.done():
                 status[stage.name] = "skipped (done before)"
@@ -537,7 +530,4 @@ def run_plan(stages: Sequence[Stage], progress_for: Callable[[Stage], Progress])
             status[stage.name] = "done"
             if stage.renews_store and stage.store is not None:
                 rerun.add(stage.store)
-    finally:
-        for ticket in tickets:
-            ticket.release()
     return status
