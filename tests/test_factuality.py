@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -306,10 +308,13 @@ def test_llm_judge_reuses_the_document_prefix_exactly(tiny_llama, template):
         lambda m, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
     )
     try:
-        got = [judge.support_probability(d, c) for d, c in pairs]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = [judge.support_probability(d, c) for d, c in pairs]
     finally:
         handle.remove()
     assert got == pytest.approx(expected, abs=1e-5)
+    assert not [w for w in seen if "past_key_values" in str(w.message)]
     # three prefixes (document changes twice) and five short passes, each shorter than a prompt
     shortest = min(
         len(tok(judge.prompt(d, c), add_special_tokens=special)["input_ids"]) for d, c in pairs

@@ -8,9 +8,21 @@ logits of a full pass at the cost of the rest.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model`` takes its key/value cache by: ``cache`` in the transformers
+    releases that renamed it (they warn on the old name), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(output) -> Any:
+    """The key/value cache a forward pass returned, under either release's name."""
+    return output["cache"] if "cache" in output else output["past_key_values"]
 
 
 class PrefixCache:
@@ -34,7 +46,7 @@ class PrefixCache:
             ids = self.tokenizer(head, add_special_tokens=special)["input_ids"]
             tensor = torch.tensor([ids], device=self._device())
             with torch.no_grad():
-                cache = self.model(input_ids=tensor, use_cache=True).past_key_values
+                cache = cache_of(self.model(input_ids=tensor, use_cache=True))
             self._prefix = (head, special, ids, cache)
         return self._prefix[2], self._prefix[3]
 
@@ -48,8 +60,8 @@ class PrefixCache:
                 rest = ids[len(prefix) :]
                 out = self.model(
                     input_ids=torch.tensor([rest], device=device),
-                    past_key_values=cache,
                     use_cache=True,
+                    **{cache_keyword(self.model): cache},
                 )
                 cache.crop(-len(rest))  # back to the prefix for the next prompt
             else:

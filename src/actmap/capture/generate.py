@@ -14,6 +14,7 @@ from actmap.capture.hooks import StepRecorder, recording
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import cut_at_stop, stop_criteria
+from actmap.prefix_cache import cache_keyword, cache_of
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +105,12 @@ def with_shared_prefix(model: nn.Module, encoded: dict, n_shared: int) -> dict:
     for i, o in enumerate(own):
         tail[i, width - len(o) :] = o
         tail_mask[i, width - len(o) :] = 1
-    cache = model(input_ids=prefix[None], use_cache=True).past_key_values
+    cache = cache_of(model(input_ids=prefix[None], use_cache=True))
     cache.batch_repeat_interleave(len(rows))
     return {
         "input_ids": torch.cat([prefix.expand(len(rows), -1), tail], dim=1),
         "attention_mask": torch.cat([mask.new_ones((len(rows), n_shared)), tail_mask], dim=1),
-        "past_key_values": cache,
+        cache_keyword(model): cache,
     }
 
 
