@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 from report_stores import synthetic_store
@@ -9,7 +12,8 @@ from sklearn.metrics import roc_auc_score
 from test_report_rows import snapshot
 
 from actmap.experiments.runs import frozen_scores
-from actmap.experiments.transfer import StoreInfo, detectors_from_runs, transfer_rows
+from actmap.experiments.transfer import StoreInfo, detectors_from_runs, pooled_run, transfer_rows
+from actmap.rows import rows_fingerprint
 from actmap.store import MapStore
 
 
@@ -118,3 +122,35 @@ def test_dtype_rows_pair_one_generator_and_dataset_captured_in_two_dtypes(tmp_pa
     # the two stores share their questions: only the target's test rows are scored
     test_rows = (MapStore.open(tmp_path / "small-16").metadata()["split"] == "test").sum()
     assert all(r.rows == "test" and r.auroc.n == test_rows for r in dtype_rows)
+
+
+def test_a_pooled_fit_is_reused_only_while_made_from_the_same_rows_and_seeds(tmp_path):
+    """A scratch fit is read again only while its sources hold the rows it was fit on: a
+    source captured again (other rows and labels) or other seeds get a new fit, and the old
+    fit's seeds do not linger beside it."""
+    synthetic_store(tmp_path / "a", generator="gen-a", task="qa", seed=1, signal=2.0)
+    source = StoreInfo("a", tmp_path / "a", "gen-a", "qa")
+    out = tmp_path / "scratch" / "a" / "logreg"
+    model = out / "seed-1" / "model.safetensors"
+    pooled_run([source], "logreg", out, (1,), 10, "cpu")
+    first = model.stat().st_mtime_ns
+    pooled_run([source], "logreg", out, (1,), 10, "cpu")
+    assert model.stat().st_mtime_ns == first  # the same rows and seeds: reused
+
+    shutil.rmtree(tmp_path / "a")  # the source grows and its labels change
+    synthetic_store(
+        tmp_path / "a",
+        generator="gen-a",
+        task="qa",
+        seed=2,
+        signal=2.0,
+        sizes={"train": 60, "validation": 30, "test": 30},
+    )
+    pooled_run([source], "logreg", out, (1,), 10, "cpu")
+    assert model.stat().st_mtime_ns != first
+    meta = MapStore.open(tmp_path / "a").metadata()
+    made_from = json.loads((out / "manifest.json").read_text())["inputs"]
+    assert made_from["pooled_rows"] == [rows_fingerprint(meta["id"], meta["label"])]
+
+    pooled_run([source], "logreg", out, (2, 3), 10, "cpu")  # other seeds: a new fit alone
+    assert sorted(p.name for p in out.glob("seed-*")) == ["seed-2", "seed-3"]

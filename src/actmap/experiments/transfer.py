@@ -21,6 +21,7 @@ A row that cannot be made says why (``skipped``). Target stores are only read.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,16 +241,27 @@ def pooled_run(
     device: str | None,
 ) -> Path:
     """A detector fit on the pooled balanced train rows of ``sources`` (selected on their
-    pooled validation rows), written to ``out``; reused when already there."""
+    pooled validation rows), written to ``out``. A fit already there is reused only when it
+    was made from the same rows (each source's ids and labels), seeds and epoch cap: a source
+    that grew or was relabelled since gets a new fit, never a stale one."""
     from actmap.experiments.runs import LabeledMaps, recipe_config, run_seeds
-    from actmap.rows import balanced_splits
+    from actmap.rows import balanced_splits, rows_fingerprint
     from actmap.store import MapStore
 
-    if all((out / f"seed-{s}" / "metrics.json").is_file() for s in seeds):
+    stores = [MapStore.open(source.path) for source in sources]
+    metas = [store.metadata() for store in stores]
+    inputs = {
+        "pooled_stores": [str(s.path) for s in sources],
+        "pooled_rows": [rows_fingerprint(m["id"], m["label"]) for m in metas],
+        "seeds": [int(s) for s in seeds],
+        "max_epochs": max_epochs,
+    }
+    if fit_is_current(out, seeds, inputs):
         return out
+    if out.exists():
+        shutil.rmtree(out)  # another fit's seeds must not be read beside the new ones
     parts: dict[str, list] = {"train": [], "validation": []}
-    for source in sources:
-        store = MapStore.open(source.path)
+    for store in stores:
         splits = balanced_splits(store, persist=False)
         for split in parts:
             maps, meta = store.load_maps(splits[split])
@@ -273,9 +285,21 @@ def pooled_run(
         config=recipe_config(max_epochs),
         seeds=tuple(seeds),
         device=device,
-        inputs={"pooled_stores": [str(s.path) for s in sources]},
+        inputs=inputs,
     )
     return out
+
+
+def fit_is_current(out: Path, seeds: Sequence[int], inputs: dict[str, Any]) -> bool:
+    """``out`` holds a finished fit (every seed's metrics) made from ``inputs``."""
+    import json
+
+    try:
+        made_from = json.loads((out / "manifest.json").read_text()).get("inputs")
+    except (OSError, ValueError):
+        return False
+    done = all((out / f"seed-{s}" / "metrics.json").is_file() for s in seeds)
+    return done and made_from == json.loads(json.dumps(inputs))
 
 
 def detectors_from_runs(
