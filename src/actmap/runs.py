@@ -131,6 +131,12 @@ def prepare_run_folder(
         )
 
 
+def seed_finished(run: str | Path, seed: int) -> bool:
+    """Seed ``seed`` of a run folder finished: its ``metrics.json``, the last file a seed
+    writes, is there."""
+    return (Path(run) / f"seed-{seed}" / "metrics.json").is_file()
+
+
 def folder_summary(run: str | Path) -> dict[str, Any]:
     """Per-seed test metrics of every seed in the folder and their mean and std (ddof=1)."""
     from actmap.metrics import SUMMARY_METRICS, seed_summary

@@ -29,6 +29,7 @@ from typing import Any
 
 from actmap.artifacts import write_json
 from actmap.errors import ActmapUserError
+from actmap.runs import seed_finished
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +415,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
             "source": source_content(spec.path),
         }
         same = _read_key(out / TRAIN_KEY) == key
-        kept = [s for s in config.seeds if same and (out / f"seed-{s}" / "metrics.json").is_file()]
+        kept = [s for s in config.seeds if same and seed_finished(out, s)]
         prepare_run_folder(out, detector, recipe.to_dict(), overwrite=not kept)
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / TRAIN_KEY, key)
@@ -444,7 +445,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
         }
 
     def ready() -> bool:
-        return all((out / f"seed-{s}" / "metrics.json").is_file() for s in config.seeds)
+        return all(seed_finished(out, s) for s in config.seeds)
 
     return Stage(
         f"train/{spec.name}/{detector}",

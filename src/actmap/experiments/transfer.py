@@ -20,6 +20,7 @@ A row that cannot be made says why (``skipped``). Target stores are only read.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from actmap.intervals import N_RESAMPLES, Interval, bootstrap
+from actmap.runs import seed_finished
 
 log = logging.getLogger(__name__)
 
@@ -292,13 +294,11 @@ def pooled_run(
 
 def fit_is_current(out: Path, seeds: Sequence[int], inputs: dict[str, Any]) -> bool:
     """``out`` holds a finished fit (every seed's metrics) made from ``inputs``."""
-    import json
-
     try:
         made_from = json.loads((out / "manifest.json").read_text()).get("inputs")
     except (OSError, ValueError):
         return False
-    done = all((out / f"seed-{s}" / "metrics.json").is_file() for s in seeds)
+    done = all(seed_finished(out, s) for s in seeds)
     return done and made_from == json.loads(json.dumps(inputs))
 
 
