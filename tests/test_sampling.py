@@ -118,6 +118,63 @@ def test_logprobs_and_embeddings_match_teacher_forcing(model, tokenizer, source)
     assert len(lengths) > 1  # rows of one batch finished at different lengths
 
 
+def test_prompt_runs_once_per_batch_not_once_per_sample(model, tokenizer):
+    """The N rows of a prompt share one prompt pass: only one forward sees more than one
+    position, at the batch's width B, and every other forward decodes one position for
+    B * N rows."""
+    shapes = []
+    handle = model.model.embed_tokens.register_forward_pre_hook(
+        lambda module, args: shapes.append(tuple(args[0].shape))
+    )
+    try:
+        sample_answers(model, tokenizer, PROMPTS, n_samples=4, max_new_tokens=3, batch_size=2)
+    finally:
+        handle.remove()
+    width = len(tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"])
+    assert shapes[0] == (2, width - 1)
+    assert shapes[1:] and all(shape == (8, 1) for shape in shapes[1:])
+
+
+def test_one_token_prompt_runs_as_n_copies(model, tokenizer):
+    """With nothing to share before the last token, the N rows run the prompt as N copies."""
+    assert len(tokenizer("hi", add_special_tokens=False)["input_ids"]) == 1
+    shapes = []
+    handle = model.model.embed_tokens.register_forward_pre_hook(
+        lambda module, args: shapes.append(tuple(args[0].shape))
+    )
+    try:
+        (s,) = sample_answers(model, tokenizer, ["hi"], n_samples=3, max_new_tokens=2, seed=2)
+    finally:
+        handle.remove()
+    assert shapes[0] == (3, 1) and s.n_samples == 3
+
+
+def test_shared_prompt_draws_what_n_prompt_copies_draw(model, tokenizer):
+    """Under one seed, the shared prompt pass samples the tokens that ``generate`` with
+    ``num_return_sequences`` (N prompt copies) samples: each answer is a prefix of its row."""
+    prompt, n, steps, seed = PROMPTS[1], 5, 6, 11
+    (s,) = sample_answers(
+        model, tokenizer, [prompt], n_samples=n, max_new_tokens=steps, stop_strings=(), seed=seed
+    )
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        reference = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=s.config.temperature,
+            top_p=s.config.top_p,
+            top_k=s.config.top_k,
+            max_new_tokens=steps,
+            num_return_sequences=n,
+            pad_token_id=tokenizer.pad_token_id,
+        )[:, ids.shape[1] :]
+    for answer, row in zip(s.token_ids, reference.tolist(), strict=True):
+        assert list(answer) == row[: len(answer)]
+    assert any(len(answer) > 1 for answer in s.token_ids)
+
+
 def test_empty_answer_keeps_one_likelihood_and_prompt_state(model, tokenizer):
     # every token of this vocabulary is cut by a stop string that matches any first character
     stops = tuple(chr(c) for c in range(32, 127))

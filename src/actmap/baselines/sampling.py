@@ -1,9 +1,11 @@
 """Sampled answers for the sampling-based baselines (Semantic Entropy, EigenScore).
 
 `sample_answers` draws N answers per prompt in one ``generate`` call per batch
-(``num_return_sequences=N``) and keeps, per answer, what both methods read:
-the text, the per-token log-likelihoods, their mean, and one middle-layer
-embedding.
+and keeps, per answer, what both methods read: the text, the per-token
+log-likelihoods, their mean, and one middle-layer embedding. The prompt runs
+once: its key/value cache is copied to the N rows, which then only decode
+(``num_return_sequences=N`` would run the prompt N times; on a few-shot prompt
+that prefill is most of the cost).
 
 Conventions (BASELINES.md decisions 2, 5, 6):
 
@@ -46,6 +48,7 @@ from actmap.generation import (
     SAMPLE_TOP_P,
     SHORT_MAX_NEW_TOKENS,
 )
+from actmap.prefix_cache import cache_keyword, cache_of
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +149,31 @@ def resolve_embedding_layer(n_layers: int, embedding_layer: int | None) -> int:
     return layer
 
 
+def _shared_prompt(model, encoded: dict, n: int) -> tuple[dict, dict]:
+    """(inputs, cache kwargs) that make ``generate`` decode N rows per prompt on one prompt pass.
+
+    All prompt tokens but the last run once, at batch width B, with the positions ``generate``
+    gives a left-padded row; the cache is repeated N times prompt-major, and ``generate`` runs
+    only the last token. A one-token prompt, or a cache that cannot be repeated, runs as N
+    copies instead (``num_return_sequences``)."""
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    if ids.shape[1] < 2 or n == 1:
+        return {**encoded, "num_return_sequences": n}, {}
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    out = model(
+        input_ids=ids[:, :-1],
+        attention_mask=mask[:, :-1],
+        position_ids=positions[:, :-1],
+        use_cache=True,
+    )
+    cache = cache_of(out)
+    if not hasattr(cache, "batch_repeat_interleave"):
+        return {**encoded, "num_return_sequences": n}, {}
+    cache.batch_repeat_interleave(n)
+    inputs = {k: v.repeat_interleave(n, dim=0) for k, v in encoded.items()}
+    return {**inputs, "num_return_sequences": 1}, {cache_keyword(model): cache}
+
+
 @torch.inference_mode()
 def _generate(
     model: nn.Module, tokenizer, encoded: dict, config: SamplingConfig, layer: nn.Module
@@ -156,23 +184,24 @@ def _generate(
     block output at the last position of forward step ``s``: the position whose
     distribution produced generated token ``s``.
     """
-    states: list[torch.Tensor] = []  # one (B*N, D) per forward step
+    states: list[torch.Tensor] = []  # one (B*N, D) per forward step of generate
 
     def hook(module: nn.Module, args: tuple, output: object) -> None:
         states.append(_first_tensor(output)[:, -1, :].float())
 
     prompt_len = encoded["input_ids"].shape[1]
     processed = config.logprob_source == "processed"
+    inputs, cache = _shared_prompt(model, encoded, config.n_samples)  # before the hook
     handle = layer.register_forward_hook(hook)
     try:
         out = model.generate(
-            **encoded,
+            **inputs,
+            **cache,
             do_sample=True,
             temperature=config.temperature,
             top_p=config.top_p,
             top_k=config.top_k,
             max_new_tokens=config.max_new_tokens,
-            num_return_sequences=config.n_samples,
             pad_token_id=tokenizer.pad_token_id,
             return_dict_in_generate=True,
             output_scores=processed,

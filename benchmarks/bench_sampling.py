@@ -1,0 +1,78 @@
+"""Sampled answers with one shared prompt pass against N prompt copies, on a store's prompts.
+
+    .venv/bin/python benchmarks/bench_sampling.py --store stores/qwen-1.5b-triviaqa-bf16
+    .venv/bin/python benchmarks/bench_sampling.py --store stores/smollm2-gsm8k --prompts 4
+
+EigenScore and Semantic Entropy draw N = 10 answers per prompt. ``sample_answers`` runs the
+prompt once and copies its key/value cache to the N rows; ``num_return_sequences=N`` runs the
+prompt N times. Timed in one run, 1 thread, on the store's first prompts with the store's
+generator and dtype, alternating the two paths: seconds per prompt, the speedup, and how many
+of the N x prompts answers are the same under one seed (the two paths see the same distribution;
+in bfloat16 a logit can round differently, so a few answers may differ). The load average is
+printed: other jobs slow both paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from actmap.baselines import sampling
+from actmap.models import load_model, stored_dtype
+from actmap.store import MapStore
+
+
+def prompt_copies(model, encoded: dict, n: int) -> tuple[dict, dict]:
+    """The reference: ``generate`` expands the batch to N copies of every prompt."""
+    return {**encoded, "num_return_sequences": n}, {}
+
+
+def timed(model, tokenizer, prompts: list[str], seed: int) -> tuple[list, float]:
+    start = time.perf_counter()
+    sets = [sampling.sample_answers(model, tokenizer, [p], seed=seed)[0] for p in prompts]
+    return sets, (time.perf_counter() - start) / len(prompts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", required=True, help="a store whose prompts and generator to use")
+    parser.add_argument("--model", default=None, help="the generator (default: the store's)")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    store = MapStore.open(args.store)
+    config = store.manifest.get("config", {})
+    name = args.model or config["model"]["name"]
+    model, tokenizer, _ = load_model(name, "main", "cpu", stored_dtype(config))
+    prompts = list(store.metadata()["prompt"][: args.prompts])
+    shared_prompt = sampling._shared_prompt
+    totals = {"copies": 0.0, "shared": 0.0}
+    same = total = 0
+    for prompt in prompts:  # alternate, so a change in load hits both paths alike
+        sampling._shared_prompt = prompt_copies
+        (copies,), t_copies = timed(model, tokenizer, [prompt], args.seed)
+        sampling._shared_prompt = shared_prompt
+        (shared,), t_shared = timed(model, tokenizer, [prompt], args.seed)
+        totals["copies"] += t_copies / len(prompts)
+        totals["shared"] += t_shared / len(prompts)
+        same += sum(a == b for a, b in zip(copies.token_ids, shared.token_ids, strict=True))
+        total += copies.n_samples
+    tokens = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    print(
+        f"{name} ({stored_dtype(config)}), {len(prompts)} prompts of {min(tokens)}-{max(tokens)} "
+        f"tokens, N = {sampling.N_SAMPLES}, load average {os.getloadavg()[0]:.1f}"
+    )
+    print(f"N prompt copies    {totals['copies']:.2f} s/prompt (reference)")
+    print(
+        f"shared prompt pass {totals['shared']:.2f} s/prompt "
+        f"({totals['copies'] / totals['shared']:.2f}x)"
+    )
+    print(f"same answers under one seed: {same}/{total}")
+
+
+if __name__ == "__main__":
+    main()
