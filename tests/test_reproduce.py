@@ -269,8 +269,8 @@ def test_copy_is_redone_when_rows_change_not_when_a_no_op_run_is_logged(tmp_path
 
 def test_store_selection_plans_only_the_named_stores(tmp_path):
     """`--store` runs the stores that exist while the others are still being captured: the plan
-    holds only their stages (in the config's order) and a report; an unknown name is an error
-    that lists the config's stores."""
+    holds only their stages (in the config's order) and a report (none with --no-report); an
+    unknown name is an error that lists the config's stores."""
     from actmap.experiments.reproduce import plan, select_stores
 
     raw = {"out": "out", "stores": [{"name": n, "path": f"stores/{n}"} for n in ("a", "b", "c")]}
@@ -292,6 +292,10 @@ def test_store_selection_plans_only_the_named_stores(tmp_path):
     assert "copy/b: to run" in result.output and "copy/a" not in result.output
     bad = CliRunner().invoke(app, [*args, "--store", "x"])
     assert bad.exit_code != 0 and "no store named ['x']" in bad.output
+    assert [s.name for s in plan(picked, report=False)] == names[:-1]
+    alone = CliRunner().invoke(app, [*args, "--store", "b", "--dry-run", "--no-report"])
+    assert alone.exit_code == 0, alone.output
+    assert "copy/b: to run" in alone.output and "report" not in alone.output
 
 
 def test_a_train_stage_killed_between_seeds_keeps_the_seeds_it_finished(

@@ -42,13 +42,19 @@ def reproduce(
         "--store",
         help="Run only this store's stages (repeatable); the report reads only these.",
     ),
+    report: bool = typer.Option(
+        True,
+        "--report/--no-report",
+        help="End with the report (--no-report: only the stores' stages, e.g. for calls that "
+        "each run some stores side by side before one call renders the report).",
+    ),
 ) -> None:
     """Run the paper's evaluation end to end; finished stages are skipped when run again."""
     with user_errors():
         from actmap.experiments.reproduce import load_config, plan, run_plan, select_stores
 
         settings = select_stores(load_config(config), store)
-        stages = plan(settings, capture=run_capture_command)
+        stages = plan(settings, capture=run_capture_command, report=report)
         if dry_run:
             for stage in stages:
                 console.print(f"{stage.name}: {'done' if stage.done() else 'to run'}")
@@ -61,4 +67,5 @@ def reproduce(
             status = run_plan(stages, progress_for)
         for name, state in status.items():
             console.print(f"{name}: {state}")
-        console.print(f"report: {settings.out / 'report' / 'report.md'}")
+        if report:
+            console.print(f"report: {settings.out / 'report' / 'report.md'}")

@@ -291,9 +291,12 @@ def run_path(config: ReproduceConfig, spec: StoreSpec, detector: str) -> Path:
     return config.out / "runs" / spec.name / detector
 
 
-def plan(config: ReproduceConfig, capture: CaptureFn | None = None) -> list[Stage]:
+def plan(
+    config: ReproduceConfig, capture: CaptureFn | None = None, report: bool = True
+) -> list[Stage]:
     """Every stage in order: per store capture (if needed), copy, baselines, training; then
-    the report."""
+    the report, unless ``report`` is false (calls that each run some stores in parallel, and
+    one report over all of them afterwards)."""
     state = config.out / "state"
     stages: list[Stage] = []
     for spec in config.stores:
@@ -303,7 +306,8 @@ def plan(config: ReproduceConfig, capture: CaptureFn | None = None) -> list[Stag
         if spec.baselines:
             stages.append(baselines_stage(config, spec, state))
         stages += [train_stage(config, spec, d, state) for d in config.detectors]
-    stages.append(report_stage(config, state))
+    if report:
+        stages.append(report_stage(config, state))
     return stages
 
 
