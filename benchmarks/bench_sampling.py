@@ -47,7 +47,8 @@ def main() -> None:
     store = MapStore.open(args.store)
     config = store.manifest.get("config", {})
     name = args.model or config["model"]["name"]
-    model, tokenizer, _ = load_model(name, "main", "cpu", stored_dtype(config))
+    revision = config["model"].get("revision") or "main"
+    model, tokenizer, _ = load_model(name, revision, "cpu", stored_dtype(config))
     prompts = list(store.metadata()["prompt"][: args.prompts])
     shared_prompt = sampling._shared_prompt
     totals = {"copies": 0.0, "shared": 0.0}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -118,18 +120,25 @@ def test_logprobs_and_embeddings_match_teacher_forcing(model, tokenizer, source)
     assert len(lengths) > 1  # rows of one batch finished at different lengths
 
 
-def test_prompt_runs_once_per_batch_not_once_per_sample(model, tokenizer):
-    """The N rows of a prompt share one prompt pass: only one forward sees more than one
-    position, at the batch's width B, and every other forward decodes one position for
-    B * N rows."""
+@contextmanager
+def forward_shapes(model):
+    """The (batch, positions) shape of every forward pass run inside the block."""
     shapes = []
     handle = model.model.embed_tokens.register_forward_pre_hook(
         lambda module, args: shapes.append(tuple(args[0].shape))
     )
     try:
-        sample_answers(model, tokenizer, PROMPTS, n_samples=4, max_new_tokens=3, batch_size=2)
+        yield shapes
     finally:
         handle.remove()
+
+
+def test_prompt_runs_once_per_batch_not_once_per_sample(model, tokenizer):
+    """The N rows of a prompt share one prompt pass: only one forward sees more than one
+    position, at the batch's width B, and every other forward decodes one position for
+    B * N rows."""
+    with forward_shapes(model) as shapes:
+        sample_answers(model, tokenizer, PROMPTS, n_samples=4, max_new_tokens=3, batch_size=2)
     width = len(tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"])
     assert shapes[0] == (2, width - 1)
     assert shapes[1:] and all(shape == (8, 1) for shape in shapes[1:])
@@ -138,14 +147,8 @@ def test_prompt_runs_once_per_batch_not_once_per_sample(model, tokenizer):
 def test_one_token_prompt_runs_as_n_copies(model, tokenizer):
     """With nothing to share before the last token, the N rows run the prompt as N copies."""
     assert len(tokenizer("hi", add_special_tokens=False)["input_ids"]) == 1
-    shapes = []
-    handle = model.model.embed_tokens.register_forward_pre_hook(
-        lambda module, args: shapes.append(tuple(args[0].shape))
-    )
-    try:
+    with forward_shapes(model) as shapes:
         (s,) = sample_answers(model, tokenizer, ["hi"], n_samples=3, max_new_tokens=2, seed=2)
-    finally:
-        handle.remove()
     assert shapes[0] == (3, 1) and s.n_samples == 3
 
 

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from actmap.capture.generate import left_padded_positions
 from actmap.capture.records import Generation
 from actmap.scoring import ScoreResult
 
@@ -98,7 +99,7 @@ def last_token_logprobs(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
     """log-softmax (float32) of the raw logits at each left-padded row's last position -> (B, V)."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # padding must not shift positions
+    position_ids = left_padded_positions(attention_mask)  # padding must not shift positions
     device = next(model.parameters()).device
     out = model(
         input_ids=input_ids.to(device),

@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from actmap.capture.generate import stop_ids, tokenize_prompts
+from actmap.capture.generate import left_padded_positions, stop_ids, tokenize_prompts
+from actmap.capture.hooks import _first_tensor
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig
 from actmap.capture.stopping import check_stop_strings, cut_at_stop, stop_criteria
@@ -112,11 +113,6 @@ class SampleSet:
         return len(self.texts)
 
 
-def _first_tensor(output: object) -> torch.Tensor:
-    # transformers 5 decoder layers return a tensor; 4.x returned a tuple
-    return output if isinstance(output, torch.Tensor) else output[0]
-
-
 def check_same_sampling(rows: Sequence[SampleSet]) -> None:
     """Scores compare across rows only when every row was sampled with the same settings."""
     if not rows:
@@ -159,7 +155,7 @@ def _shared_prompt(model, encoded: dict, n: int) -> tuple[dict, dict]:
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     if ids.shape[1] < 2 or n == 1:
         return {**encoded, "num_return_sequences": n}, {}
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    positions = left_padded_positions(mask)
     out = model(
         input_ids=ids[:, :-1],
         attention_mask=mask[:, :-1],

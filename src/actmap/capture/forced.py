@@ -29,6 +29,7 @@ from actmap.capture.generate import (
     _eager_attention,
     _split_rows,
     check_prompts,
+    left_padded_positions,
     stop_ids,
     tokenize_prompts,
 )
@@ -149,7 +150,7 @@ def capture_answers_batch(
     fed = torch.where(answer_mask.bool(), chosen[:, :longest], torch.full_like(chosen[:, :1], pad))
     input_ids = torch.cat([encoded["input_ids"], fed], dim=1)  # (B, P + T)
     mask = torch.cat([encoded["attention_mask"], answer_mask], dim=1)
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate: padding takes none
+    positions = left_padded_positions(mask)
     text_config = getattr(model.config, "text_config", model.config)
     recorder = ForcedRecorder(
         chosen,

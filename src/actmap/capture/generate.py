@@ -71,6 +71,12 @@ def tokenize_prompts(tokenizer, prompts: Sequence[str], config: CaptureConfig, d
     return {k: v.to(device) for k, v in encoded.items()}
 
 
+def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch, as ``generate`` gives them: each row counts from 0 at
+    its first real token; padding takes none (0, masked out anyway)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def _unpadded(encoded: dict) -> list[torch.Tensor]:
     pairs = zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
     return [ids[mask.bool()] for ids, mask in pairs]
