@@ -109,8 +109,8 @@ def prepare_run_folder(
     if overwrite:
         shutil.rmtree(path)
         return
-    if not any(path.iterdir()):
-        return
+    if not any(not p.name.startswith(".") for p in path.iterdir()):
+        return  # empty, or only a killed run's checkpoint or temporary files
     if not _seed_dirs(path):
         raise ActmapUserError(
             f"{path} is not empty and holds no run; choose another --out or pass --overwrite"
@@ -129,6 +129,12 @@ def prepare_run_folder(
             f"({_differences(existing.recipe, recipe)}); choose another --out, "
             "or pass --overwrite to replace it"
         )
+
+
+def checkpoint_path(run: str | Path, seed: int) -> Path:
+    """Where seed ``seed`` of a run folder keeps its epoch checkpoint while it trains (a
+    hidden file, removed once the seed's folder is written)."""
+    return Path(run) / f".checkpoint-seed-{seed}.safetensors"
 
 
 def seed_finished(run: str | Path, seed: int) -> bool:

@@ -10,6 +10,7 @@ folders are the experiments' side (`actmap.experiments.runs`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -20,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,13 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actmap import metrics
+from actmap import metrics, train_checkpoint
 from actmap.errors import ActmapUserError
 
 log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, dict[str, float]], None]
 
+
+CHECKPOINT_EVERY_S = 30.0  # train_detector's default: seconds of training a kill can lose
 
 SCORING_PRECISIONS = ("float32", "bfloat16")  # of predict_logits and TrainConfig.precision
 
@@ -157,6 +161,29 @@ class Rngs:
             noise=torch.Generator(device=device).manual_seed(seed),
             mixup=np.random.default_rng(seed),
         )
+
+    def states(self, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(torch generator states, the mixup generator's state): these and the global
+        generators (dropout) are every random draw an epoch makes."""
+        torch_states = {
+            "global": torch.get_rng_state(),
+            "shuffle": self.shuffle.get_state(),
+            "noise": self.noise.get_state(),
+        }
+        if device.type == "cuda":
+            torch_states["cuda"] = torch.cuda.get_rng_state(device)
+        return torch_states, self.mixup.bit_generator.state
+
+    def restore(
+        self, torch_states: dict[str, torch.Tensor], mixup: dict[str, Any], device: torch.device
+    ) -> None:
+        """Put every generator back where `states` found it."""
+        torch.set_rng_state(torch_states["global"])
+        self.shuffle.set_state(torch_states["shuffle"])
+        self.noise.set_state(torch_states["noise"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(torch_states["cuda"], device)
+        self.mixup.bit_generator.state = mixup
 
 
 # --- the recipe's pieces ------------------------------------------------------
@@ -467,6 +494,15 @@ class EpochOutcome:
 
 
 @dataclass
+class LoopState:
+    """Where `select_epoch` stands after an epoch; what it needs to go on from there."""
+
+    epochs: int  # epochs finished
+    stopper: EarlyStopping
+    best: dict[str, torch.Tensor] | None  # the kept weights on CPU; None before any epoch is
+
+
+@dataclass
 class Selection:
     best_epoch: int
     best_score: float
@@ -481,6 +517,8 @@ def select_epoch(
     validate_epoch: Callable[[], tuple[float, float]],
     patience: int | None = None,
     on_epoch: Callable[[EpochOutcome], None] | None = None,
+    resume: LoopState | None = None,
+    after_epoch: Callable[[LoopState], None] | None = None,
 ) -> Selection:
     """The one training loop: train an epoch, validate, keep the checkpoint of the best
     validation score (strict improvements only, ties keep the earlier), stop after
@@ -488,12 +526,17 @@ def select_epoch(
 
     ``train_epoch(epoch)`` trains one epoch and returns its mean loss;
     ``validate_epoch()`` returns (validation AUROC, validation loss). The detectors'
-    recipe (`train_detector`) and ACT-ViT both train through it.
+    recipe (`train_detector`) and ACT-ViT both train through it. ``resume`` goes on from
+    a `LoopState` that ``after_epoch`` was handed after an epoch of an earlier run.
     """
-    stopper = EarlyStopping(patience if patience is not None else max_epochs + 1)
-    state: dict[str, torch.Tensor] | None = None
-    epochs = 0
-    for epoch in range(max_epochs):
+    if resume is None:
+        resume = LoopState(
+            0, EarlyStopping(patience if patience is not None else max_epochs + 1), None
+        )
+    stopper, state, epochs = resume.stopper, resume.best, resume.epochs
+    if epochs > 0 and stopper.should_stop:  # it stopped early just before it was killed
+        return Selection(stopper.best_epoch, stopper.best_score, state, epochs)
+    for epoch in range(epochs, max_epochs):
         t0 = time.perf_counter()
         train_loss = train_epoch(epoch)
         val_score, val_loss = validate_epoch()
@@ -515,9 +558,68 @@ def select_epoch(
                     stopper.best_epoch,
                 )
             )
+        if after_epoch is not None:
+            after_epoch(LoopState(epochs, stopper, state))
         if stopper.should_stop:
             break
     return Selection(stopper.best_epoch, stopper.best_score, state, epochs)
+
+
+@dataclass
+class EpochCheckpoints:
+    """`train_detector`'s checkpoint file (`actmap.train_checkpoint`): the state of one
+    seed's training, resumed when a killed run left it, saved again as epochs end."""
+
+    path: Path
+    ident: dict[str, Any]  # what the file must have been written for to be resumed
+    every_s: float  # seconds between two saves (the last epoch is always saved)
+    cfg: TrainConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    rngs: Rngs
+    device: torch.device
+    history: list[EpochRecord]  # the run's, extended with the resumed epochs
+    earlier_s: float = 0.0  # training seconds of the killed run resumed
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    last_save: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def resume(self, seed: int) -> LoopState | None:
+        """Put the model, optimizer, schedule and generators where the file left them and
+        return where the loop stood; None when there is nothing of this run to resume."""
+        saved = train_checkpoint.load(self.path, self.ident)
+        if saved is None:
+            return None
+        self.model.load_state_dict(saved.model)
+        self.optimizer.load_state_dict(saved.optimizer)
+        self.schedule.load_state_dict(saved.schedule)
+        self.rngs.restore(saved.generators, saved.numpy_generator, self.device)
+        self.history.extend(EpochRecord(**record) for record in saved.history)
+        self.earlier_s = saved.elapsed_s
+        log.info("seed %d: resuming %s after epoch %d", seed, self.path, saved.epochs)
+        return LoopState(saved.epochs, EarlyStopping(**saved.stopper), saved.best)
+
+    def save(self, loop: LoopState) -> None:
+        """`select_epoch`'s after-epoch hook: write the file if it is time to."""
+        now = time.perf_counter()
+        last = loop.stopper.should_stop or loop.epochs == self.cfg.max_epochs
+        if now - self.last_save < self.every_s and not last:
+            return
+        generators, mixup = self.rngs.states(self.device)
+        state = train_checkpoint.TrainState(
+            epochs=loop.epochs,
+            model=self.model.state_dict(),
+            best=loop.best,
+            optimizer=self.optimizer.state_dict(),
+            schedule=self.schedule.state_dict(),
+            stopper=asdict(loop.stopper),
+            generators=generators,
+            numpy_generator=mixup,
+            history=[asdict(record) for record in self.history],
+            elapsed_s=self.earlier_s + now - self.started,
+        )
+        train_checkpoint.save(self.path, state, self.ident)
+        self.last_save = time.perf_counter()
 
 
 def train_detector(
@@ -530,11 +632,20 @@ def train_detector(
     seed: int,
     device: torch.device | str | None = None,
     progress: ProgressCallback | None = None,
+    checkpoint: str | Path | None = None,
+    checkpoint_every_s: float | None = None,
 ) -> TrainResult:
     """Train `model` in place with the paper's recipe; it ends holding the selected weights.
 
     Maps are (N, C, H, W) tensors (float16 is fine, batches are cast to float32);
     labels are (N,) with 1 = correct. `device` overrides `cfg.device`.
+
+    With ``checkpoint`` (a file path), the training state is saved there at the end of an
+    epoch at most every ``checkpoint_every_s`` seconds (default `CHECKPOINT_EVERY_S`) and
+    after the last one, and a checkpoint already there from a killed run of the same seed,
+    recipe, device, module and data is resumed (`EpochCheckpoints`): the result is the
+    same as an unstopped run's. The file is left in place; delete it once the result is
+    saved.
     """
     device = resolve_device(device if device is not None else cfg.device)
     started = time.perf_counter()
@@ -547,6 +658,25 @@ def train_detector(
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: lr_multiplier(e, cfg))
         epoch_lr: list[float] = []
+        saver = None
+        if checkpoint is not None:
+            data = {"train_maps": train_maps, "train_labels": train_labels}
+            data.update(val_maps=val_maps, val_labels=val_labels)
+            ident = train_checkpoint.identity(seed, cfg.to_dict(), device, model, data)
+            every_s = CHECKPOINT_EVERY_S if checkpoint_every_s is None else checkpoint_every_s
+            saver = EpochCheckpoints(
+                Path(checkpoint),
+                ident,
+                every_s,
+                cfg,
+                model,
+                optimizer,
+                schedule,
+                rngs,
+                device,
+                history,
+            )
+        resume = saver.resume(seed) if saver is not None else None
 
         def train_epoch(epoch: int) -> float:
             epoch_lr.append(optimizer.param_groups[0]["lr"])
@@ -581,11 +711,13 @@ def train_detector(
             lambda: validate(model, val_maps, val_labels, cfg, device),
             cfg.patience,
             on_epoch,
+            resume,
+            saver.save if saver is not None else None,
         )
     if selection.state is None:
         raise RuntimeError("no epoch produced finite validation logits; training diverged")
     model.load_state_dict(selection.state)
-    wall = time.perf_counter() - started
+    wall = (saver.earlier_s if saver is not None else 0.0) + time.perf_counter() - started
     log.info(
         "seed %d: best epoch %d, val AUROC %.4f, %d epochs, %.1f s on %s",
         seed,

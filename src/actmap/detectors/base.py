@@ -147,8 +147,13 @@ class CorrectnessDetector:
         val_maps: Any,
         val_labels: Any,
         progress: ProgressCallback | None = None,
+        checkpoint: str | Path | None = None,
     ) -> CorrectnessDetector:
-        """Train on (maps, labels), select the epoch on validation AUROC; returns self."""
+        """Train on (maps, labels), select the epoch on validation AUROC; returns self.
+
+        ``checkpoint``: a file where training saves its state as it goes and from which a
+        killed fit of the same seed and data resumes (`actmap.training.train_detector`).
+        """
         x = as_maps(maps)
         y = as_labels(labels, len(x))
         vx = as_maps(val_maps, "val_maps")
@@ -162,7 +167,7 @@ class CorrectnessDetector:
         device = resolve_device(self.device if self.device is not None else cfg.device)
         seed_everything(self.seed)  # the initial weights depend on the seed too
         model = create_detector(self.detector, **kwargs)
-        result = train_detector(model, x, y, vx, vy, cfg, self.seed, device, progress)
+        result = train_detector(model, x, y, vx, vy, cfg, self.seed, device, progress, checkpoint)
         self.model_ = model.eval()
         self.detector_kwargs_ = kwargs
         self.config_ = cfg

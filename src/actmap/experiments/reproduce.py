@@ -411,8 +411,9 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
         from actmap.runs import extend_run_record, prepare_run_folder
 
         recipe = recipe_config(config.max_epochs)
-        # a stage killed between seeds keeps the seeds it finished, if nothing it was trained
-        # on has changed since (the source store's rows, the recipe, the seeds, the device)
+        # a killed stage keeps the seeds it finished and the epoch checkpoint of the one it
+        # was training, if nothing it was trained on has changed since (the source store's
+        # rows, the recipe, the seeds, the device)
         key = {
             "settings": settings(),
             "recipe": recipe.to_dict(),
@@ -420,7 +421,8 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
         }
         same = _read_key(out / TRAIN_KEY) == key
         kept = [s for s in config.seeds if same and seed_finished(out, s)]
-        prepare_run_folder(out, detector, recipe.to_dict(), overwrite=not kept)
+        if not same:  # another run's folder, or none
+            prepare_run_folder(out, detector, recipe.to_dict(), overwrite=True)
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / TRAIN_KEY, key)
         todo = [s for s in config.seeds if s not in kept]

@@ -24,6 +24,7 @@ from actmap import metrics
 from actmap.artifacts import package_version, write_json
 from actmap.detectors.base import CorrectnessDetector
 from actmap.errors import ActmapUserError
+from actmap.runs import checkpoint_path
 from actmap.training import ProgressCallback, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,8 @@ def run_seeds(
     runs = []
     for seed in seeds:
         est = CorrectnessDetector(detector, detector_kwargs, config, seed=seed, device=device)
-        est.fit(train.maps, train.labels, val.maps, val.labels, progress=progress)
+        checkpoint = None if out is None else checkpoint_path(out, seed)
+        est.fit(train.maps, train.labels, val.maps, val.labels, progress, checkpoint)
         scores, seed_metrics = evaluate_on_test(est, test)
         seed_metrics.update(best_epoch=est.best_epoch_, best_val_auroc=est.best_val_auroc_)
         runs.append(SeedRun(seed, est, scores, seed_metrics))
@@ -185,6 +187,7 @@ def run_seeds(
             write_json(seed_dir / "history.json", [asdict(r) for r in est.history_])
             scores.write_parquet(seed_dir / "test_scores.parquet")
             write_json(seed_dir / "metrics.json", seed_metrics)
+            checkpoint.unlink(missing_ok=True)  # metrics.json is the seed's last file
     result = SeedRuns(runs, summarize_runs(runs))
     if out is not None:
         manifest = environment_manifest(runs[0].detector.device_, inputs)
