@@ -140,6 +140,62 @@ def test_lost_stage_markers_keep_the_copy_and_its_finished_work(
     assert "part-elsewhere.parquet" not in relinked["shards"]["maps"]
 
 
+def test_a_source_that_grew_retrains_its_detectors_even_after_a_killed_call(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """The source store grows after its detectors were trained, and the call that copies it
+    again dies before training (a session's end). The next call must still train them again,
+    on the rows the store holds now, not keep the runs of the old rows."""
+    import pandas as pd
+
+    from actmap.baselines import runner
+    from actmap.cli.reproduce import run_capture_command
+    from actmap.experiments.reproduce import plan
+    from actmap.rows import balanced_splits
+    from actmap.store import MapStore
+
+    config = tiny_config(
+        tmp_path, tiny_model_dir, seeds=[1], name="tiny", baselines=["answer_length"],
+        sections=["in_domain"],
+    )  # fmt: skip
+    result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "out" / "runs" / "tiny" / "logreg"
+
+    def test_ids() -> set[str]:
+        return set(pd.read_parquet(run / "seed-1" / "test_scores.parquet")["id"].astype(str))
+
+    old_ids = test_ids()
+    marker = tmp_path / "out" / "state" / "train__tiny__logreg.json"
+    saved_marker = marker.read_text()
+    source = tmp_path / "captured" / "tiny"
+    answers = answers_file(
+        tmp_path / "answers.jsonl", (("train", 24), ("validation", 12), ("test", 24))
+    )  # the same file with 12 more test answers: the capture resumes and adds them
+    options = {"answers": str(answers), "model": str(tiny_model_dir), "batch_size": 16}
+    run_capture_command(source, options)
+    new_ids = {str(i) for i in balanced_splits(MapStore.open(source), persist=False)["test"]}
+    assert new_ids != old_ids  # the test split grew
+
+    def session_ends(*args, **kwargs):
+        raise KeyboardInterrupt  # as the signal that ends a session
+
+    # the copy runs again, then the session ends in the baselines, before any training
+    monkeypatch.setattr(runner, "make_scorer", session_ends)
+    killed = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert killed.exit_code != 0 and "copy/tiny: skipped" not in killed.output  # it ran
+    monkeypatch.undo()
+    assert not marker.exists()  # the renewed copy took its later stages' markers first
+    # a marker left by an actmap before that: the run of the old rows is still not done
+    marker.write_text(saved_marker)
+    train = next(s for s in plan(load_config(config)) if s.name == "train/tiny/logreg")
+    assert not train.done()
+    again = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert again.exit_code == 0, again.output
+    assert "train/tiny/logreg: done" in again.output
+    assert test_ids() == new_ids
+
+
 HOLD_LOCK = """
 import sys, time
 sys.path.insert(0, {src!r})

@@ -451,7 +451,11 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
         }
 
     def ready() -> bool:
-        return all(seed_finished(out, s) for s in config.seeds)
+        # finished seeds, of the rows the source holds now (a run folder without a key
+        # predates the key, and is taken as it is)
+        key = _read_key(out / TRAIN_KEY)
+        current = key is None or key.get("source") == source_content(spec.path)
+        return current and all(seed_finished(out, s) for s in config.seeds)
 
     return Stage(
         f"train/{spec.name}/{detector}",
@@ -524,15 +528,20 @@ def run_plan(stages: Sequence[Stage], progress_for: Callable[[Stage], Progress])
     """Run every stage not yet done, in order; ``{stage: "done" | "skipped (done before)"}``.
 
     A capture or copy that runs makes every later stage of its store run too (a new copy of
-    a store has none of the baseline results of the old one). Each store is locked for the
-    whole call (`lock_stores`)."""
+    a store has none of the baseline results of the old one, and detectors trained on the old
+    rows are stale). Their markers go before it runs, so a call killed after it still leaves
+    them to run. Each store is locked for the whole call (`lock_stores`)."""
     status, rerun = {}, set()
     with ExitStack() as held:
         lock_stores(stages, held)
-        for stage in stages:
+        for index, stage in enumerate(stages):
             if stage.store not in rerun and stage.done():
                 status[stage.name] = "skipped (done before)"
                 continue
+            if stage.renews_store and stage.store is not None:
+                for later in stages[index + 1 :]:
+                    if later.store == stage.store:
+                        later.marker.unlink(missing_ok=True)
             stage.run(progress_for(stage))
             status[stage.name] = "done"
             if stage.renews_store and stage.store is not None:
