@@ -168,6 +168,7 @@ def test_a_source_that_grew_retrains_its_detectors_even_after_a_killed_call(
     old_ids = test_ids()
     marker = tmp_path / "out" / "state" / "train__tiny__logreg.json"
     saved_marker = marker.read_text()
+    saved_baselines = (tmp_path / "out" / "state" / "baselines__tiny.json").read_text()
     source = tmp_path / "captured" / "tiny"
     answers = answers_file(
         tmp_path / "answers.jsonl", (("train", 24), ("validation", 12), ("test", 24))
@@ -188,8 +189,11 @@ def test_a_source_that_grew_retrains_its_detectors_even_after_a_killed_call(
     assert not marker.exists()  # the renewed copy took its later stages' markers first
     # a marker left by an actmap before that: the run of the old rows is still not done
     marker.write_text(saved_marker)
-    train = next(s for s in plan(load_config(config)) if s.name == "train/tiny/logreg")
-    assert not train.done()
+    stages = {s.name: s for s in plan(load_config(config))}
+    assert not stages["train/tiny/logreg"].done()
+    # and the baselines of the old copy's marker: the new copy has none of their results
+    (tmp_path / "out" / "state" / "baselines__tiny.json").write_text(saved_baselines)
+    assert not stages["baselines/tiny"].done()
     again = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
     assert again.exit_code == 0, again.output
     assert "train/tiny/logreg: done" in again.output

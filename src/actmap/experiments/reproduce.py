@@ -384,11 +384,23 @@ def baselines_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> St
             log.warning("baseline %s failed on %s: %s", method, spec.name, reason)
         progress(len(names), len(names), ", ".join(f"{k}: {r.status}" for k, r in results.items()))
 
+    def ready() -> bool:
+        """Every method has results in the copy (a call killed mid-stage, or an older copy's
+        marker, leaves one without)."""
+        from actmap.store import MapStore
+
+        target = copy_path(config, spec)
+        if not (target / "manifest.json").is_file():
+            return False
+        store = MapStore.open(target)
+        return all(store.has_table(f"results/{method}") for method in spec.baselines)
+
     return Stage(
         f"baselines/{spec.name}",
         lambda: {"methods": list(spec.baselines), "options": config.baseline_options},
         work,
         state,
+        ready=ready,
         store=spec.name,
     )
 
