@@ -26,12 +26,11 @@ import torch
 from torch import nn
 
 from actmap.atomic import atomic_path
+from actmap.runs import recipe_of
 
 log = logging.getLogger(__name__)
 
 FORMAT = "actmap-train-checkpoint/1"
-# recipe fields that do not change what an epoch computes
-_NOT_IDENTITY = ("seeds", "device", "eval_batch_size")
 
 
 @dataclass
@@ -70,7 +69,7 @@ def identity(
     return {
         "format": FORMAT,
         "seed": int(seed),
-        "recipe": {k: v for k, v in recipe.items() if k not in _NOT_IDENTITY},
+        "recipe": recipe_of(recipe),
         "device": device.type,
         "module": type(model).__name__,
         "tensors": {k: list(v.shape) for k, v in model.state_dict().items()},

@@ -580,8 +580,8 @@ class EpochCheckpoints:
     rngs: Rngs
     device: torch.device
     history: list[EpochRecord]  # the run's, extended with the resumed epochs
+    started: float  # train_detector's perf_counter at its start
     earlier_s: float = 0.0  # training seconds of the killed run resumed
-    started: float = dataclasses.field(default_factory=time.perf_counter)
     last_save: float = dataclasses.field(default_factory=time.perf_counter)
 
     def resume(self, seed: int) -> LoopState | None:
@@ -660,8 +660,12 @@ def train_detector(
         epoch_lr: list[float] = []
         saver = None
         if checkpoint is not None:
-            data = {"train_maps": train_maps, "train_labels": train_labels}
-            data.update(val_maps=val_maps, val_labels=val_labels)
+            data = {
+                "train_maps": train_maps,
+                "train_labels": train_labels,
+                "val_maps": val_maps,
+                "val_labels": val_labels,
+            }
             ident = train_checkpoint.identity(seed, cfg.to_dict(), device, model, data)
             every_s = CHECKPOINT_EVERY_S if checkpoint_every_s is None else checkpoint_every_s
             saver = EpochCheckpoints(
@@ -675,6 +679,7 @@ def train_detector(
                 rngs,
                 device,
                 history,
+                started,
             )
         resume = saver.resume(seed) if saver is not None else None
 

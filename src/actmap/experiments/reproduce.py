@@ -551,11 +551,10 @@ def run_plan(stages: Sequence[Stage], progress_for: Callable[[Stage], Progress])
                 status[stage.name] = "skipped (done before)"
                 continue
             if stage.renews_store and stage.store is not None:
+                rerun.add(stage.store)
                 for later in stages[index + 1 :]:
                     if later.store == stage.store:
                         later.marker.unlink(missing_ok=True)
             stage.run(progress_for(stage))
             status[stage.name] = "done"
-            if stage.renews_store and stage.store is not None:
-                rerun.add(stage.store)
     return status
