@@ -270,3 +270,29 @@ def test_ablation_maps_become_a_store_that_training_reads(tmp_path):
     assert splits["train"].maps.shape[1:] == (16, 16, 64)
     with pytest.raises(StoreError, match="shape"):
         derived.write_maps([record(99, rng)])  # a 12x32x128 map does not fit this store
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["022", "027"])
+def test_store_files_take_the_umask_modes_of_ordinary_files(tmp_path, umask):
+    from actmap.atomic import atomic_path
+
+    old = os.umask(umask)
+    try:
+        # the reference: what a plain open() and mkdir give under the same umask
+        (tmp_path / "plain.txt").write_text("x")
+        (tmp_path / "plain-dir").mkdir()
+        store = MapStore.create(tmp_path / "s", {"a": 1})
+        store.write_maps([record(0, np.random.default_rng(0))])
+        with atomic_path(tmp_path / "folder", directory=True) as tmp:
+            (tmp / "inside.txt").write_text("y")
+    finally:
+        os.umask(old)
+    file_mode = (tmp_path / "plain.txt").stat().st_mode & 0o777
+    dir_mode = (tmp_path / "plain-dir").stat().st_mode & 0o777
+    assert file_mode == 0o666 & ~umask and dir_mode == 0o777 & ~umask
+    written = [p for p in (tmp_path / "s").rglob("*") if p.is_file() and p.name != "writer.lock"]
+    assert any(p.suffix == ".parquet" for p in written) and any(
+        p.name == "manifest.json" for p in written
+    )
+    assert {p.stat().st_mode & 0o777 for p in written} == {file_mode}
+    assert (tmp_path / "folder").stat().st_mode & 0o777 == dir_mode
