@@ -197,3 +197,50 @@ def tiny_model_dir(tmp_path, tiny_llama, word_tokenizer):
     tiny_llama.save_pretrained(folder)
     word_tokenizer.save_pretrained(folder)
     return folder
+
+
+class EndingSession:
+    """What the `ending_session` fits trained: ``fitted`` (each fit's seed, in order) and
+    ``epochs`` (one entry per epoch trained); ``kill_at`` n ends the n-th fit in its second
+    epoch, after its first epoch's checkpoint (None: no fit dies)."""
+
+    def __init__(self) -> None:
+        self.fitted: list[int] = []
+        self.epochs: list[int] = []
+        self.kill_at: int | None = None
+
+    def restart(self, kill_at: int | None = None) -> None:
+        self.fitted.clear()
+        self.epochs.clear()
+        self.kill_at = kill_at
+
+
+@pytest.fixture()
+def ending_session(monkeypatch) -> EndingSession:
+    """Detector fits that checkpoint every epoch and can be killed mid-training (a session
+    that ends), counting the seeds and epochs each call trains."""
+    import actmap.experiments.runs as runs
+    from actmap import training
+
+    state = EndingSession()
+    real_fit, real_epoch = runs.CorrectnessDetector.fit, training.train_one_epoch
+
+    def fit(self, maps, labels, val_maps, val_labels, progress=None, checkpoint=None):
+        state.fitted.append(self.seed)
+
+        def dying(epoch, info):
+            if state.kill_at == len(state.fitted) and epoch == 1:
+                raise RuntimeError("the session ended")
+            if progress is not None:
+                progress(epoch, info)
+
+        return real_fit(self, maps, labels, val_maps, val_labels, dying, checkpoint)
+
+    def train_one_epoch(*args, **kwargs):
+        state.epochs.append(1)
+        return real_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(runs.CorrectnessDetector, "fit", fit)
+    monkeypatch.setattr(training, "train_one_epoch", train_one_epoch)
+    monkeypatch.setattr(training, "CHECKPOINT_EVERY_S", 0.0)  # a checkpoint every epoch
+    return state

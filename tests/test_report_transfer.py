@@ -154,3 +154,33 @@ def test_a_pooled_fit_is_reused_only_while_made_from_the_same_rows_and_seeds(tmp
 
     pooled_run([source], "logreg", out, (2, 3), 10, "cpu")  # other seeds: a new fit alone
     assert sorted(p.name for p in out.glob("seed-*")) == ["seed-2", "seed-3"]
+
+
+def test_a_killed_pooled_fit_keeps_its_finished_seeds_and_resumes_the_one_in_training(
+    tmp_path, ending_session
+):
+    """A session that ends inside a pooled fit's third seed keeps the first two seeds and the
+    third's epoch checkpoint: the rerun trains only the epochs the kill lost."""
+    synthetic_store(tmp_path / "a", generator="gen-a", task="qa", seed=1, signal=2.0)
+    source = StoreInfo("a", tmp_path / "a", "gen-a", "qa")
+    out = tmp_path / "scratch" / "a" / "mlp"
+    ending_session.restart(kill_at=3)
+    with pytest.raises(RuntimeError, match="the session ended"):
+        pooled_run([source], "mlp", out, (1, 2, 3), 2, "cpu")
+    assert ending_session.fitted == [1, 2, 3]
+    assert (out / ".checkpoint-seed-3.safetensors").is_file()
+    first = (out / "seed-1" / "model.safetensors").read_bytes()
+
+    ending_session.restart()
+    pooled_run([source], "mlp", out, (1, 2, 3), 2, "cpu")
+    assert ending_session.fitted == [3]
+    assert len(ending_session.epochs) == 1  # of seed 3's two epochs, the one the kill lost
+    assert (out / "seed-1" / "model.safetensors").read_bytes() == first
+    assert not list(out.glob(".checkpoint-*"))
+    summary = json.loads((out / "summary.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert summary["seeds"] == manifest["seeds"] == [1, 2, 3]
+
+    ending_session.restart()
+    pooled_run([source], "mlp", out, (1, 2, 3), 2, "cpu")
+    assert ending_session.fitted == []  # finished: reused as it is

@@ -359,38 +359,16 @@ def test_store_selection_plans_only_the_named_stores(tmp_path):
 
 
 def test_a_killed_train_stage_keeps_its_finished_seeds_and_resumes_the_one_in_training(
-    tmp_path, tiny_model_dir, monkeypatch
+    tmp_path, tiny_model_dir, ending_session
 ):
     """A session that ends mid-stage loses at most the epochs since the training seed's last
     checkpoint: the rerun resumes that seed, trains the others, and the run holds every
     seed; a changed source retrains all of them from their first epoch."""
-    import actmap.experiments.runs as runs
-    from actmap import training
-
     config = tiny_config(
         tmp_path, tiny_model_dir, seeds=[1, 2, 3], name="tiny", baselines=[], sections=["in_domain"]
     )
-    fitted, real_fit = [], runs.CorrectnessDetector.fit
-    epochs, real_epoch = [], training.train_one_epoch
-
-    def fit(self, maps, labels, val_maps, val_labels, progress=None, checkpoint=None):
-        fitted.append(self.seed)
-
-        def dying(epoch, info):  # the session ends in epoch 1, after epoch 0's checkpoint
-            if kill_at is not None and len(fitted) == kill_at and epoch == 1:
-                raise RuntimeError("the session ended")
-            progress(epoch, info)
-
-        return real_fit(self, maps, labels, val_maps, val_labels, dying, checkpoint)
-
-    def train_one_epoch(*args, **kwargs):
-        epochs.append(1)
-        return real_epoch(*args, **kwargs)
-
-    monkeypatch.setattr(runs.CorrectnessDetector, "fit", fit)
-    monkeypatch.setattr(training, "train_one_epoch", train_one_epoch)
-    monkeypatch.setattr(training, "CHECKPOINT_EVERY_S", 0.0)  # a checkpoint every epoch
-    kill_at = 3  # seeds 1 and 2 finish, seed 3 dies in its second epoch
+    fitted, epochs = ending_session.fitted, ending_session.epochs
+    ending_session.restart(kill_at=3)  # seeds 1 and 2 finish, seed 3 dies in its second epoch
     result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
     assert result.exit_code != 0 and fitted == [1, 2, 3]
     run = tmp_path / "out" / "runs" / "tiny" / "logreg"
@@ -399,9 +377,7 @@ def test_a_killed_train_stage_keeps_its_finished_seeds_and_resumes_the_one_in_tr
     assert (run / ".checkpoint-seed-3.safetensors").is_file()
     assert not (run / ".checkpoint-seed-1.safetensors").exists()  # removed once finished
 
-    fitted.clear()
-    epochs.clear()
-    kill_at = None
+    ending_session.restart()
     result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
     assert result.exit_code == 0, result.output
     assert fitted == [3]  # only the seed the kill interrupted
@@ -418,8 +394,7 @@ def test_a_killed_train_stage_keeps_its_finished_seeds_and_resumes_the_one_in_tr
     key = json.loads((run / "stage-key.json").read_text())
     (run / "stage-key.json").write_text(json.dumps({**key, "source": "another"}))
     (tmp_path / "out" / "state" / "train__tiny__logreg.json").unlink()
-    fitted.clear()
-    epochs.clear()
+    ending_session.restart()
     result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
     assert result.exit_code == 0, result.output
     assert fitted == [1, 2, 3] and len(epochs) == 6

@@ -245,9 +245,12 @@ def pooled_run(
     """A detector fit on the pooled balanced train rows of ``sources`` (selected on their
     pooled validation rows), written to ``out``. A fit already there is reused only when it
     was made from the same rows (each source's ids and labels), seeds and epoch cap: a source
-    that grew or was relabelled since gets a new fit, never a stale one."""
-    from actmap.experiments.runs import LabeledMaps, recipe_config, run_seeds
-    from actmap.rows import balanced_splits, rows_fingerprint
+    that grew or was relabelled since gets a new fit, never a stale one. A killed fit of the
+    same inputs keeps its finished seeds and the epoch checkpoint of the seed it was training."""
+    from actmap.artifacts import write_json
+    from actmap.experiments.runs import recipe_config, run_seeds
+    from actmap.rows import rows_fingerprint
+    from actmap.runs import extend_run_record
     from actmap.store import MapStore
 
     stores = [MapStore.open(source.path) for source in sources]
@@ -260,8 +263,33 @@ def pooled_run(
     }
     if fit_is_current(out, seeds, inputs):
         return out
-    if out.exists():
+    if _fit_inputs(out) != _as_json(inputs) and out.exists():
         shutil.rmtree(out)  # another fit's seeds must not be read beside the new ones
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / FIT_INPUTS, inputs)
+    todo = [int(s) for s in seeds if not seed_finished(out, s)]
+    if todo:
+        train, validation = _pooled_balanced(sources, stores)
+        run_seeds(
+            train,
+            validation,
+            validation,  # no test rows of the sources are needed: the target is the test
+            out,
+            detector=detector,
+            config=recipe_config(max_epochs),
+            seeds=tuple(todo),
+            device=device,
+            inputs=inputs,
+        )
+    extend_run_record(out)  # summary and manifest cover the kept seeds too
+    return out
+
+
+def _pooled_balanced(sources: Sequence[StoreInfo], stores: Sequence[Any]):
+    """(train, validation) `LabeledMaps`: each source's balanced rows of the split, pooled."""
+    from actmap.experiments.runs import LabeledMaps
+    from actmap.rows import balanced_splits
+
     parts: dict[str, list] = {"train": [], "validation": []}
     for store in stores:
         splits = balanced_splits(store, persist=False)
@@ -277,29 +305,33 @@ def pooled_run(
             [f"{s.name}/{k}" for s, c in zip(sources, chunks, strict=True) for k in c[2]],
         )
 
-    validation = pooled("validation")
-    run_seeds(
-        pooled("train"),
-        validation,
-        validation,  # no test rows of the sources are needed: the target is the test
-        out,
-        detector=detector,
-        config=recipe_config(max_epochs),
-        seeds=tuple(seeds),
-        device=device,
-        inputs=inputs,
-    )
-    return out
+    return pooled("train"), pooled("validation")
+
+
+FIT_INPUTS = "fit-inputs.json"  # written before a pooled fit's first seed: what it is fit on
+
+
+def _as_json(value: Any) -> Any:
+    return json.loads(json.dumps(value))
+
+
+def _fit_inputs(out: Path) -> Any:
+    try:
+        return json.loads((out / FIT_INPUTS).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def fit_is_current(out: Path, seeds: Sequence[int], inputs: dict[str, Any]) -> bool:
     """``out`` holds a finished fit (every seed's metrics) made from ``inputs``."""
-    try:
-        made_from = json.loads((out / "manifest.json").read_text()).get("inputs")
-    except (OSError, ValueError):
-        return False
+    made_from = _fit_inputs(out)  # a fit older than the inputs file: its manifest's inputs
+    if made_from is None:
+        try:
+            made_from = json.loads((out / "manifest.json").read_text()).get("inputs")
+        except (OSError, ValueError):
+            return False
     done = all(seed_finished(out, s) for s in seeds)
-    return done and made_from == json.loads(json.dumps(inputs))
+    return done and made_from == _as_json(inputs)
 
 
 def detectors_from_runs(
