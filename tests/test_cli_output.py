@@ -75,10 +75,14 @@ def test_piped_progress_prints_plain_lines_with_counts_and_eta():
         bar.update(job, completed=7, info="batch 3")
         done = bar.add_task("finished", total=1, info="")
         bar.update(done, completed=1)
+        bar.add_task("later stage", total=5, info="", visible=False)
+        bar.advance(job, 1)
     lines = log.getvalue().splitlines()
     assert lines[0].startswith("capture/test: 3/10 32 rows a batch elapsed 0:00:0")
     assert "capture/test: 7/10 batch 3 elapsed" in lines[1] and " eta " in lines[1]
+    assert any(line.startswith("capture/test: 8/10") for line in lines)
     assert not any(line.startswith("finished:") for line in lines)  # a finished task is quiet
+    assert not any(line.startswith("later stage:") for line in lines)  # so is a hidden one
 
     terminal = io.StringIO()
     with progress_bar(every_s=0, on=Console(file=terminal, force_terminal=True)) as bar:
@@ -203,3 +207,26 @@ def test_restored_work_reported_late_is_still_not_this_runs_work():
     bar.advance(job, 32)
     assert bar.tasks[0].completed == 1152
     assert bar.eta(bar.tasks[0]) == pytest.approx(348 * 2400.0 / 32)
+
+
+def test_seed_bars_count_each_seeds_epochs_and_show_from_its_first_epoch():
+    """`actmap train` and `actmap demo`'s training progress: one count of epochs per seed."""
+    import io
+
+    from rich.console import Console
+
+    from actmap.cli.common import progress_bar
+    from actmap.cli.train import SeedBars
+
+    log = io.StringIO()
+    with progress_bar(every_s=0, on=Console(file=log, force_terminal=False, width=200)) as bar:
+        seeds = SeedBars(bar, (42, 123), max_epochs=5, visible=False)
+        seeds(0, {"seed": 42, "train_loss": 0.7, "val_auroc": 0.5})
+        seeds(2, {"seed": 42, "train_loss": 0.25, "val_auroc": 0.75})
+        assert [t.completed for t in bar.tasks] == [3, 0]
+        seeds.finish()  # seed 42 stopped early; seed 123 was never reported
+        assert [(t.completed, t.total, t.visible) for t in bar.tasks] == [(5, 5, True)] * 2
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("seed 42: 1/5 loss 0.700 val AUROC 0.500 elapsed")
+    assert lines[1].startswith("seed 42: 3/5 loss 0.250 val AUROC 0.750 elapsed")
+    assert not any(line.startswith("seed 123:") for line in lines)  # hidden until it trains

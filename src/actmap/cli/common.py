@@ -151,7 +151,7 @@ class LoggedProgress(Progress):
             return
         self._last_line = now
         for task in self.tasks:
-            if task.finished:
+            if task.finished or not task.visible:  # done, or not started (a later stage)
                 continue
             total = "?" if task.total is None else f"{task.total:g}"
             info = task.fields.get("info", "")

@@ -30,7 +30,7 @@ def demo(
 ) -> None:
     """Generate with capture on built-in questions, label, store maps, train, and summarise."""
     with user_errors():
-        from actmap.cli.train import print_summary
+        from actmap.cli.train import SeedBars, print_summary
         from actmap.experiments.demo import DemoConfig, run_demo
 
         config = DemoConfig(
@@ -38,18 +38,15 @@ def demo(
         )
         with progress_bar() as bar:
             capture = bar.add_task("capture", total=questions, info="", visible=False)
-            train = bar.add_task("training", total=None, info="", visible=False)
+            on_epoch = SeedBars(bar, config.seeds, max_epochs, visible=False)
 
             def on_capture(n: int) -> None:
                 bar.update(capture, visible=True)
                 bar.advance(capture, n)
 
-            def on_epoch(epoch: int, info: dict) -> None:
-                text = f"seed {info['seed']} epoch {epoch + 1} val AUROC {info['val_auroc']:.3f}"
-                bar.update(train, visible=True, info=text)
-
             with quiet_transformers():  # actmap shows its own progress
                 result = run_demo(out, config, console.print, on_capture, on_epoch)
+            on_epoch.finish()
         summary, overhead = result["detector"], result["capture_overhead"]
         length, permuted = result["answer_length_only"], result["permuted_labels"]
         print_summary(summary)

@@ -28,19 +28,34 @@ def train_with_progress(
     sizes = {s: len(v.row_ids()) for s, v in splits.items()}
     console.print(f"balanced rows: {sizes}; detector {detector}; seeds {seeds}")
     with progress_bar() as bar:
-        jobs = {s: bar.add_task(f"seed {s}", total=config.max_epochs, info="") for s in seeds}
-
-        def progress(epoch: int, info: dict) -> None:
-            loss, auroc = info.get("train_loss", float("nan")), info.get("val_auroc", float("nan"))
-            text = f"loss {loss:.3f} val AUROC {auroc:.3f}"
-            bar.update(jobs[int(info["seed"])], completed=epoch + 1, info=text)
-
+        progress = SeedBars(bar, seeds, config.max_epochs)
         runs, splits = train_on_store(
             store_path, detector, seeds, out, config, device, progress, (splits, store)
         )
-        for job in jobs.values():  # early-stopped seeds end before max_epochs
-            bar.update(job, completed=config.max_epochs)
+        progress.finish()
     return runs, splits
+
+
+class SeedBars:
+    """One progress task per training seed, counting its epochs up to the recipe's cap; called
+    as a training progress callback ``(epoch, info)``. Hidden tasks (``visible=False``) show
+    from their seed's first epoch; `finish` fills the seeds early stopping ended sooner."""
+
+    def __init__(self, bar, seeds, max_epochs: int, visible: bool = True) -> None:
+        self.bar, self.max_epochs = bar, max_epochs
+        self.jobs = {
+            int(s): bar.add_task(f"seed {s}", total=max_epochs, info="", visible=visible)
+            for s in seeds
+        }
+
+    def __call__(self, epoch: int, info: dict) -> None:
+        loss, auroc = info.get("train_loss", float("nan")), info.get("val_auroc", float("nan"))
+        text = f"loss {loss:.3f} val AUROC {auroc:.3f}"
+        self.bar.update(self.jobs[int(info["seed"])], completed=epoch + 1, info=text, visible=True)
+
+    def finish(self) -> None:
+        for job in self.jobs.values():  # early-stopped seeds end before max_epochs
+            self.bar.update(job, completed=self.max_epochs, visible=True)
 
 
 @app.command()
