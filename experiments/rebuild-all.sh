@@ -39,7 +39,7 @@ reproduce_stores() {  # one call per store, in the order given; a store held els
   done
 }
 lane_a() {
-  run experiments/rebuild-queue.sh && touch "$CAPTURED"
+  run experiments/rebuild-queue.sh && touch "$CAPTURED" || return 1
   reproduce_stores "${STORES[@]}"
 }
 lane_b() {
@@ -59,6 +59,7 @@ pid_a=$!
 lane_b >> logs/rebuild-lane-B.log 2>&1 &
 pid_b=$!
 wait "$pid_a" "$pid_b"
+[ -e "$CAPTURED" ] || { echo "=== $(date -Is) the captures did not finish: logs/rebuild-lane-A.log"; exit 1; }
 echo "=== $(date -Is) lanes ended; the report over every store"
 run $A reproduce --config "$CONFIG"
 echo "=== $(date -Is) rebuild done"
