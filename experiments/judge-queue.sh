@@ -9,7 +9,8 @@
 #    runs/judge-check/<judge>/judge-check.json and writes check.json at the end.
 # 2. SmolLM2 summaries of all 1,500 local articles (384 new tokens, zero-shot).
 # 3. Judged labels (every sentence supported at 0.5) with JUDGE in JUDGE_DTYPE, LABEL_LIMIT
-#    summaries per run; rerun to continue. JUDGE defaults to the 1.5B: on the first 50 pairs
+#    summaries per run, up to LABEL_UP_TO judged in all (unset: every summary); rerun to
+#    continue. JUDGE defaults to the 1.5B: on the first 50 pairs
 #    the 0.5B ranks well (AUROC .926) but gives every claim, its own article's highlight
 #    included, a support below 0.5 (accuracy .500), so at the paper's 0.5 it would label
 #    every summary unsupported.
@@ -22,6 +23,7 @@ CHECK_15B_PAIRS=${CHECK_15B_PAIRS:-500}
 JUDGE=${JUDGE:-qwen2.5-coder-1.5b-instruct}
 JUDGE_DTYPE=${JUDGE_DTYPE:-bfloat16}
 LABEL_LIMIT=${LABEL_LIMIT:-1500}
+UP_TO=(${LABEL_UP_TO:+--up-to "$LABEL_UP_TO"})
 TAG=${JUDGE:14:4}   # 1.5b, 0.5b
 [ "$JUDGE_DTYPE" = float32 ] || TAG+=-$JUDGE_DTYPE
 run() { echo "=== $(date -Is) start: $*"; "$@"; echo "=== $(date -Is) end rc=$?: $*"; }
@@ -32,5 +34,5 @@ run $A judge check --judge "$($GET qwen2.5-coder-0.5b-instruct)" --pairs 500 \
 run $A capture --task cnn_dm --out stores/smollm2-cnn_dm --attention-keys 10 --keep-dense \
   --splits train,validation,test
 run $A judge --store stores/smollm2-cnn_dm --judge "$($GET "$JUDGE")" --judge-dtype "$JUDGE_DTYPE" \
-  --out "stores/smollm2-cnn_dm-judged-$TAG" --limit "$LABEL_LIMIT"
+  --out "stores/smollm2-cnn_dm-judged-$TAG" --limit "$LABEL_LIMIT" "${UP_TO[@]}"
 echo "=== $(date -Is) queue done"

@@ -6,9 +6,11 @@
 # Two lanes of one thread each, the machine's two cores:
 #   A  experiments/rebuild-queue.sh: every capture of configs/reproduce-full.toml's short-answer
 #      stores (then grid-queue.sh's float32 Qwen-0.5B TriviaQA store, for the dtype check);
-#   B  experiments/judge-queue.sh (the CNN/DailyMail judge checks, the 1,500 summaries and
-#      their judged labels), the judged store's reproduce stages, then experiments/actvit-sweep.sh
-#      (the full 24-configuration ACT-ViT sweep on Gemma-3 x built-in, lane A's first store).
+#   B  experiments/judge-queue.sh (the CNN/DailyMail judge checks, the 1,500 summaries, and
+#      judged labels for LABEL_UP_TO of them, default 608: the count the judged store held when
+#      the grid's figures were measured, at about 30 s a summary), the judged store's reproduce
+#      stages, then experiments/actvit-sweep.sh (the full 24-configuration ACT-ViT sweep on
+#      Gemma-3 x built-in, lane A's first store).
 # When lane A's captures are done, each lane runs the reproduce stages (copy, baselines,
 # training) of the config's stores, one `actmap reproduce --no-report --store S` call per store:
 # A from the config's first store on, B (after its own steps) from the last one back. A store
@@ -43,7 +45,7 @@ lane_a() {
   reproduce_stores "${STORES[@]}"
 }
 lane_b() {
-  run experiments/judge-queue.sh
+  LABEL_UP_TO=${LABEL_UP_TO:-608} run experiments/judge-queue.sh
   reproduce_stores "$CNN"
   run nice -n "$NICE" experiments/actvit-sweep.sh
   # a store still being captured waits; if lane A ended without its captures, stop here

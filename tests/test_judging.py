@@ -91,6 +91,25 @@ def test_judging_labels_every_summary_and_resumes(summary_store, tmp_path):
     assert judged.has_table("generations") and judged.has_table("maps")
 
 
+def test_judging_up_to_a_total_stops_a_resumed_pass_there(summary_store, tmp_path):
+    """``up_to`` counts the summaries judged over every call; ``limit`` counts this call's."""
+    judge, out = FirstWordJudge(), tmp_path / "judged"
+    judge_store(summary_store, out, judge, batch_size=3, limit=4, up_to=6)
+    restored, advanced = [], []
+    judged = judge_store(
+        summary_store, out, judge, batch_size=3, up_to=6,
+        progress=advanced.append, resumed=restored.append,
+    )  # fmt: skip
+    assert restored == [4] and advanced == [2]  # two more make six
+    assert len(judged_labels(judged)) == 6 and len(judged.read_table(JUDGMENTS)) == 6
+    calls = judge.calls
+    again = judge_store(summary_store, out, judge, up_to=6, progress=advanced.append)
+    assert judge.calls == calls and len(judged_labels(again)) == 6  # nothing left to judge
+    # the first six summaries in the source's order, as one call of six would have chosen
+    order = summary_store.read_latest("generations", ["label_text"]).column("id").to_pylist()
+    assert sorted(judged_labels(again)) == sorted(order[:6])
+
+
 def test_judging_refuses_a_store_that_is_not_summaries(tmp_path):
     store = MapStore.create(tmp_path / "qa", {"task": {"task": "triviaqa"}})
     with pytest.raises(StoreError, match="cnn_dm"):

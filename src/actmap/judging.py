@@ -75,11 +75,14 @@ def judge_store(
     limit: int | None = None,
     progress: Callable[[int], None] | None = None,
     resumed: Callable[[int], None] | None = None,
+    up_to: int | None = None,
 ) -> MapStore:
     """Judge every summary of ``source`` not judged yet in ``target``; returns the target store.
 
-    ``limit`` caps the summaries judged by this call (the rest wait for the next one). The
-    summaries judged before are reported once to ``resumed`` when given, else to ``progress``.
+    ``limit`` caps the summaries judged by this call (the rest wait for the next one);
+    ``up_to`` caps the summaries judged in ``target`` over every call (a resumed pass stops
+    there). The summaries judged before are reported once to ``resumed`` when given, else to
+    ``progress``.
     """
     config = source.manifest.get("config", {})
     task = config.get("task", {})
@@ -114,6 +117,8 @@ def judge_store(
     restored = resumed or progress
     if restored is not None and len(rows) > len(todo):
         restored(len(rows) - len(todo))
+    if up_to is not None:
+        todo = todo[: max(0, up_to - (len(rows) - len(todo)))]
     todo = todo[:limit] if limit is not None else todo
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]

@@ -453,6 +453,9 @@ def judge_command(
     threshold: float = typer.Option(0.5, help="Support a sentence needs (MiniCheck: 0.5)."),
     batch_size: int = typer.Option(8, min=1, help="Summaries per committed batch."),
     limit: int = typer.Option(None, min=1, help="Judge at most this many summaries in this call."),
+    up_to: int = typer.Option(
+        None, min=1, help="Stop once this many summaries are judged in --out, over every call."
+    ),
     judge_dtype: str = typer.Option("float32", help=JUDGE_DTYPE_HELP),
 ) -> None:
     """Label the summaries of a store with a factuality judge (resumable, separate pass)."""
@@ -475,7 +478,7 @@ def judge_command(
         the_judge = load_factuality_judge(judge, judge_dtype)
         total = len(source.ids("maps"))
         with progress_bar() as bar:
-            job = bar.add_task("judge summaries", total=total, info="")
+            job = bar.add_task("judge summaries", total=min(total, up_to or total), info="")
             judged = judge_store(
                 source,
                 out,
@@ -485,6 +488,7 @@ def judge_command(
                 limit=limit,
                 progress=lambda n: bar.advance(job, n),
                 resumed=lambda n: bar.resume(job, n),
+                up_to=up_to,
             )
         accuracy = natural_accuracy(judged)
         console.print(
