@@ -9,6 +9,7 @@ import torch
 
 from actmap.baselines.sampling import (
     SamplingConfig,
+    TopKTopP,
     _first_tensor,
     cut_answer,
     resolve_embedding_layer,
@@ -282,3 +283,54 @@ def test_questions_must_align(model, tokenizer):
         model, tokenizer, PROMPTS, n_samples=2, max_new_tokens=2, questions=["q1", "q2"]
     )
     assert [s.question for s in sets] == ["q1", "q2"]
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p"), [(50, 0.9), (5, 0.5), (50, 1.0), (1, 0.9), (300, 0.99)]
+)
+def test_top_k_top_p_keeps_what_transformers_two_warpers_keep(top_k, top_p):
+    """The reference: transformers' own top-k warper, then its top-p warper, on the same scores.
+    Rows of distinct scores keep the same tokens; rows with ties (at the k-th score, or many
+    equal scores) keep the same scores, whichever of the tied tokens each breaks the tie to."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    scores = torch.randn(16, 1000, generator=torch.Generator().manual_seed(top_k)) * 3
+    scores[0, :100] = scores[0].max() + 1  # 100 tokens tied above the rest
+    scores[1] = scores[1].round()  # many ties everywhere
+    reference = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, scores.clone()))
+    fused = TopKTopP(top_k, top_p)(None, scores.clone())
+    assert torch.equal(fused[2:], reference[2:])
+    for ours, theirs in zip(fused[:2], reference[:2], strict=True):
+        assert torch.equal(
+            ours[ours.isfinite()].sort().values, theirs[theirs.isfinite()].sort().values
+        )
+    assert (fused.isfinite().sum(-1) <= max(top_k, 100)).all()
+    if top_p < 1:  # the nucleus removes some of the top-k tokens in most rows
+        assert (fused.isfinite().sum(-1)[2:] < top_k).any() or top_k == 1
+
+
+def test_sampling_passes_top_k_and_top_p_as_one_processor(model, tokenizer, monkeypatch):
+    """``generate`` sees neither of its own top-k / top-p warpers, only `TopKTopP`; with top-k
+    off, transformers' top-p warper alone (it must sort the vocabulary anyway)."""
+    seen = []
+    real = model.generate
+
+    def generate(**kwargs):
+        seen.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(model, "generate", generate)
+    sample_answers(model, tokenizer, ["hi"], n_samples=2, max_new_tokens=2, seed=0)
+    sample_answers(model, tokenizer, ["hi"], n_samples=2, max_new_tokens=2, seed=0, top_k=0)
+    fused, plain = seen
+    assert (fused["top_k"], fused["top_p"]) == (0, 1.0)
+    (processor,) = fused["logits_processor"]
+    assert isinstance(processor, TopKTopP) and (processor.top_k, processor.top_p) == (50, 0.9)
+    assert (plain["top_k"], plain["top_p"]) == (0, 0.9) and "logits_processor" not in plain
+
+
+def test_top_k_top_p_refuses_settings_it_cannot_run():
+    with pytest.raises(ValueError, match="top_k >= 1"):
+        TopKTopP(0, 0.9)
+    with pytest.raises(ValueError, match="0 < top_p <= 1"):
+        TopKTopP(50, 0.0)

@@ -25,6 +25,9 @@ Conventions (BASELINES.md decisions 2, 5, 6):
   alignment: the position whose output distribution produced the last answer
   token (SPEC section 1, row ``T - 1`` of a trajectory). With an empty answer
   it is the last prompt position.
+- Top-k then top-p run as one step (`TopKTopP`) that sorts the k kept scores, not the
+  vocabulary: it keeps the tokens transformers' two warpers keep, so a seed draws the
+  same answers, at a fraction of the cost on large vocabularies (Qwen 151k, Gemma 262k).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from actmap.capture.generate import left_padded_positions, stop_ids, tokenize_prompts
 from actmap.capture.hooks import _first_tensor
@@ -170,6 +174,43 @@ def _shared_prompt(model, encoded: dict, n: int) -> tuple[dict, dict]:
     return {**inputs, "num_return_sequences": 1}, {cache_keyword(model): cache}
 
 
+class TopKTopP(LogitsProcessor):
+    """transformers' top-k warper followed by its top-p warper, in one step over the kept
+    scores: top-k keeps every score at or above the k-th largest (ties included), then top-p
+    removes the kept tokens whose ascending cumulative probability is at most 1 - top_p,
+    keeping the most likely one. The top-p warper sorts the whole vocabulary every step
+    (about 125 ms for 10 rows of Qwen's 151,936 scores on one thread); this sorts the k kept."""
+
+    def __init__(self, top_k: int, top_p: float, filter_value: float = -float("inf")) -> None:
+        if top_k < 1 or not 0 < top_p <= 1:
+            raise ValueError(f"TopKTopP needs top_k >= 1 and 0 < top_p <= 1, got {top_k}, {top_p}")
+        self.top_k, self.top_p, self.filter_value = top_k, top_p, filter_value
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        kth = torch.topk(scores, min(self.top_k, scores.shape[-1])).values[..., -1:]
+        kept = scores >= kth  # top-k's rule: ties with the k-th score stay
+        values, indices = torch.topk(scores, int(kept.sum(-1).max()))  # descending
+        if self.top_p < 1:
+            ascending = values.masked_fill(values < kth, self.filter_value).flip(-1)
+            remove = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
+            remove[..., -1] = False  # the most likely token always stays
+            order = indices.flip(-1)
+            kept = kept.scatter(1, order, kept.gather(1, order) & ~remove)
+        return scores.masked_fill(~kept, self.filter_value)
+
+
+def _warpers(config: SamplingConfig) -> dict:
+    """``generate`` keywords for top-k and top-p: `TopKTopP` when both apply (top-k >= 1),
+    else transformers' own warpers (top-p alone must sort the vocabulary anyway)."""
+    if config.top_k < 1:
+        return {"top_p": config.top_p, "top_k": 0}
+    return {
+        "top_p": 1.0,  # off in generate: the processor below does both
+        "top_k": 0,
+        "logits_processor": LogitsProcessorList([TopKTopP(config.top_k, config.top_p)]),
+    }
+
+
 @torch.inference_mode()
 def _generate(
     model: nn.Module, tokenizer, encoded: dict, config: SamplingConfig, layer: nn.Module
@@ -195,8 +236,7 @@ def _generate(
             **cache,
             do_sample=True,
             temperature=config.temperature,
-            top_p=config.top_p,
-            top_k=config.top_k,
+            **_warpers(config),
             max_new_tokens=config.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
             return_dict_in_generate=True,
