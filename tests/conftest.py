@@ -244,3 +244,22 @@ def ending_session(monkeypatch) -> EndingSession:
     monkeypatch.setattr(training, "train_one_epoch", train_one_epoch)
     monkeypatch.setattr(training, "CHECKPOINT_EVERY_S", 0.0)  # a checkpoint every epoch
     return state
+
+
+@pytest.fixture()
+def vocabulary_projections():
+    """``with vocabulary_projections(model) as seen:`` records, per forward pass in the block,
+    how many positions the model projects onto its vocabulary (its LM head's input length)."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def record(model):
+        seen: list[int] = []
+        head = model.get_output_embeddings()
+        handle = head.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[-2]))
+        try:
+            yield seen
+        finally:
+            handle.remove()
+
+    return record

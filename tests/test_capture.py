@@ -166,7 +166,9 @@ def test_stop_position_skips_leading_whitespace():
         CaptureConfig(stop_strings=("",))
 
 
-def test_shared_prefix_runs_once_and_changes_nothing(tiny_llama, word_tokenizer):
+def test_shared_prefix_runs_once_and_changes_nothing(
+    tiny_llama, word_tokenizer, vocabulary_projections
+):
     from actmap.capture.generate import shared_prefix_length, tokenize_prompts
 
     head = "what is the capital of the river and the city of paris what is "
@@ -182,11 +184,15 @@ def test_shared_prefix_runs_once_and_changes_nothing(tiny_llama, word_tokenizer)
     )
     try:
         shared = CaptureConfig(max_new_tokens=8, batch_size=4, attention_keys=3, share_prefix=4)
-        with warnings.catch_warnings(record=True) as seen:
+        with (
+            warnings.catch_warnings(record=True) as seen,
+            vocabulary_projections(tiny_llama) as projected,
+        ):
             warnings.simplefilter("always")
             records = generate_with_capture(tiny_llama, word_tokenizer, prompts, shared)
     finally:
         handle.remove()
+    assert projected[0] == 1  # the prefix pass keeps no logits but its last position's
     # the cache goes in under the keyword this transformers release takes (no deprecation)
     assert not [w for w in seen if "past_key_values" in str(w.message)]
     assert fed[0] == (1, n_head) and fed[1][1] == max(r.prompt_tokens for r in records) - n_head

@@ -290,7 +290,7 @@ def test_judges_load_from_a_local_path(tmp_path, tiny_t5, tiny_llama):
 
 
 @pytest.mark.parametrize("template", [None, CHAT_TEMPLATE])
-def test_llm_judge_reuses_the_document_prefix_exactly(tiny_llama, template):
+def test_llm_judge_reuses_the_document_prefix_exactly(tiny_llama, template, vocabulary_projections):
     tok = word_tokenizer(template)
     judge = LLMFactualityJudge(tiny_llama, tok)
     special = template is None
@@ -308,12 +308,16 @@ def test_llm_judge_reuses_the_document_prefix_exactly(tiny_llama, template):
         lambda m, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
     )
     try:
-        with warnings.catch_warnings(record=True) as seen:
+        with (
+            warnings.catch_warnings(record=True) as seen,
+            vocabulary_projections(tiny_llama) as projected,
+        ):
             warnings.simplefilter("always")
             got = [judge.support_probability(d, c) for d, c in pairs]
     finally:
         handle.remove()
     assert got == pytest.approx(expected, abs=1e-5)
+    assert projected == [1] * len(lengths)  # the last position only, prefixes included
     assert not [w for w in seen if "past_key_values" in str(w.message)]
     # three prefixes (document changes twice) and five short passes, each shorter than a prompt
     shortest = min(

@@ -134,15 +134,16 @@ def forward_shapes(model):
         handle.remove()
 
 
-def test_prompt_runs_once_per_batch_not_once_per_sample(model, tokenizer):
+def test_prompt_runs_once_per_batch_not_once_per_sample(model, tokenizer, vocabulary_projections):
     """The N rows of a prompt share one prompt pass: only one forward sees more than one
     position, at the batch's width B, and every other forward decodes one position for
-    B * N rows."""
-    with forward_shapes(model) as shapes:
+    B * N rows. No pass projects more than its last position onto the vocabulary."""
+    with forward_shapes(model) as shapes, vocabulary_projections(model) as projected:
         sample_answers(model, tokenizer, PROMPTS, n_samples=4, max_new_tokens=3, batch_size=2)
     width = len(tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"])
     assert shapes[0] == (2, width - 1)
     assert shapes[1:] and all(shape == (8, 1) for shape in shapes[1:])
+    assert projected == [1] * len(shapes)
 
 
 def test_one_token_prompt_runs_as_n_copies(model, tokenizer):

@@ -3,7 +3,8 @@
 An LLM judge asks one model many prompts that begin alike (every claim of one article, every
 answer pair of one question). `PrefixCache` keeps the key/value cache of the latest shared
 prefix and runs each prompt's remaining tokens on top of it, giving the last position's
-logits of a full pass at the cost of the rest.
+logits of a full pass at the cost of the rest. Every pass projects only its last position
+onto the vocabulary (``logits_to_keep=1``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class PrefixCache:
             ids = self.tokenizer(head, add_special_tokens=special)["input_ids"]
             tensor = torch.tensor([ids], device=self._device())
             with torch.no_grad():
-                cache = cache_of(self.model(input_ids=tensor, use_cache=True))
+                # no logits wanted: the vocabulary projection of the prefix's positions
+                # would be about a sixth of a 1.5B judge's pass over an article
+                cache = cache_of(self.model(input_ids=tensor, use_cache=True, logits_to_keep=1))
             self._prefix = (head, special, ids, cache)
         return self._prefix[2], self._prefix[3]
 
@@ -61,9 +64,10 @@ class PrefixCache:
                 out = self.model(
                     input_ids=torch.tensor([rest], device=device),
                     use_cache=True,
+                    logits_to_keep=1,
                     **{cache_keyword(self.model): cache},
                 )
                 cache.crop(-len(rest))  # back to the prefix for the next prompt
             else:
-                out = self.model(input_ids=torch.tensor([ids], device=device))
+                out = self.model(input_ids=torch.tensor([ids], device=device), logits_to_keep=1)
         return out.logits[0, -1].float()

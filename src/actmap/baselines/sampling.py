@@ -165,6 +165,7 @@ def _shared_prompt(model, encoded: dict, n: int) -> tuple[dict, dict]:
         attention_mask=mask[:, :-1],
         position_ids=positions[:, :-1],
         use_cache=True,
+        logits_to_keep=1,  # only the cache is kept
     )
     cache = cache_of(out)
     if not hasattr(cache, "batch_repeat_interleave"):

@@ -111,7 +111,7 @@ def with_shared_prefix(model: nn.Module, encoded: dict, n_shared: int) -> dict:
     for i, o in enumerate(own):
         tail[i, width - len(o) :] = o
         tail_mask[i, width - len(o) :] = 1
-    cache = cache_of(model(input_ids=prefix[None], use_cache=True))
+    cache = cache_of(model(input_ids=prefix[None], use_cache=True, logits_to_keep=1))
     cache.batch_repeat_interleave(len(rows))
     return {
         "input_ids": torch.cat([prefix.expand(len(rows), -1), tail], dim=1),
