@@ -400,3 +400,15 @@ def test_a_killed_train_stage_keeps_its_finished_seeds_and_resumes_the_one_in_tr
     assert fitted == [1, 2, 3] and len(epochs) == 6
     # seed 3 from scratch on the same rows: what its resumed run scored
     assert json.loads((run / "seed-3" / "metrics.json").read_text()) == resumed
+
+
+def test_a_missing_or_torn_marker_reads_as_none(tmp_path):
+    """Stage markers, train keys and fit inputs are read with `read_json`: a file a killed
+    call left half written, or never wrote, is no marker."""
+    from actmap.artifacts import read_json, write_json
+
+    write_json(tmp_path / "whole.json", {"fingerprint": "abc", "seeds": (1, 2)})
+    (tmp_path / "torn.json").write_text('{"fingerprint": "ab')
+    assert read_json(tmp_path / "whole.json") == {"fingerprint": "abc", "seeds": [1, 2]}
+    assert read_json(tmp_path / "torn.json") is None
+    assert read_json(tmp_path / "missing.json") is None

@@ -36,6 +36,15 @@ def json_safe(value: Any) -> Any:
     return str(value)
 
 
+def read_json(path: Path) -> Any:
+    """The JSON in ``path``, or None where there is none (missing, unreadable or torn): a
+    marker a killed or older run did not leave is the same as no marker."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Strict JSON (NaN -> null), written to a temporary file then renamed into place."""
     atomic_write_text(path, json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")

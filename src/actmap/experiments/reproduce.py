@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from actmap.artifacts import write_json
+from actmap.artifacts import read_json, write_json
 from actmap.errors import ActmapUserError
 from actmap.runs import seed_finished
 
@@ -175,12 +175,7 @@ class Stage:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def done(self) -> bool:
-        if not self.marker.is_file():
-            return False
-        try:
-            recorded = json.loads(self.marker.read_text()).get("fingerprint")
-        except ValueError:
-            return False
+        recorded = (read_json(self.marker) or {}).get("fingerprint")
         return recorded == self.fingerprint() and self.ready()
 
     def run(self, progress: Progress) -> Any:
@@ -408,13 +403,6 @@ def baselines_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> St
 TRAIN_KEY = "stage-key.json"  # in a train stage's run folder: what its finished seeds hold for
 
 
-def _read_key(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: Path) -> Stage:
     out = run_path(config, spec, detector)
 
@@ -431,7 +419,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
             "recipe": recipe.to_dict(),
             "source": source_content(spec.path),
         }
-        same = _read_key(out / TRAIN_KEY) == key
+        same = read_json(out / TRAIN_KEY) == key
         kept = [s for s in config.seeds if same and seed_finished(out, s)]
         if not same:  # another run's folder, or none
             prepare_run_folder(out, detector, recipe.to_dict(), overwrite=True)
@@ -465,7 +453,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
     def ready() -> bool:
         # finished seeds, of the rows the source holds now (a run folder without a key
         # predates the key, and is taken as it is)
-        key = _read_key(out / TRAIN_KEY)
+        key = read_json(out / TRAIN_KEY)
         current = key is None or key.get("source") == source_content(spec.path)
         return current and all(seed_finished(out, s) for s in config.seeds)
 

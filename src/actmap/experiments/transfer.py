@@ -20,7 +20,6 @@ A row that cannot be made says why (``skipped``). Target stores are only read.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from actmap.artifacts import json_safe, read_json, write_json
 from actmap.intervals import N_RESAMPLES, Interval, bootstrap
 from actmap.runs import seed_finished
 
@@ -247,7 +247,6 @@ def pooled_run(
     was made from the same rows (each source's ids and labels), seeds and epoch cap: a source
     that grew or was relabelled since gets a new fit, never a stale one. A killed fit of the
     same inputs keeps its finished seeds and the epoch checkpoint of the seed it was training."""
-    from actmap.artifacts import write_json
     from actmap.experiments.runs import recipe_config, run_seeds
     from actmap.rows import rows_fingerprint
     from actmap.runs import extend_run_record
@@ -263,7 +262,7 @@ def pooled_run(
     }
     if fit_is_current(out, seeds, inputs):
         return out
-    if _fit_inputs(out) != _as_json(inputs) and out.exists():
+    if read_json(out / FIT_INPUTS) != json_safe(inputs) and out.exists():
         shutil.rmtree(out)  # another fit's seeds must not be read beside the new ones
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / FIT_INPUTS, inputs)
@@ -311,27 +310,13 @@ def _pooled_balanced(sources: Sequence[StoreInfo], stores: Sequence[Any]):
 FIT_INPUTS = "fit-inputs.json"  # written before a pooled fit's first seed: what it is fit on
 
 
-def _as_json(value: Any) -> Any:
-    return json.loads(json.dumps(value))
-
-
-def _fit_inputs(out: Path) -> Any:
-    try:
-        return json.loads((out / FIT_INPUTS).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def fit_is_current(out: Path, seeds: Sequence[int], inputs: dict[str, Any]) -> bool:
     """``out`` holds a finished fit (every seed's metrics) made from ``inputs``."""
-    made_from = _fit_inputs(out)  # a fit older than the inputs file: its manifest's inputs
-    if made_from is None:
-        try:
-            made_from = json.loads((out / "manifest.json").read_text()).get("inputs")
-        except (OSError, ValueError):
-            return False
+    made_from = read_json(out / FIT_INPUTS)
+    if made_from is None:  # a fit older than the inputs file: its manifest's inputs
+        made_from = (read_json(out / "manifest.json") or {}).get("inputs")
     done = all(seed_finished(out, s) for s in seeds)
-    return done and made_from == _as_json(inputs)
+    return done and made_from is not None and made_from == json_safe(inputs)
 
 
 def detectors_from_runs(
