@@ -335,3 +335,21 @@ def test_top_k_top_p_refuses_settings_it_cannot_run():
         TopKTopP(0, 0.9)
     with pytest.raises(ValueError, match="0 < top_p <= 1"):
         TopKTopP(50, 0.0)
+
+
+def test_the_sampling_baselines_import_transformers_only_when_they_generate():
+    """Importing EigenScore, Semantic Entropy or the sampler loads no transformers (the
+    baselines' registry and the CLI stay light); `generate` imports it when it runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys; import actmap.baselines.sampling, actmap.baselines.eigenscore, "
+        "actmap.baselines.semantic_entropy; sys.exit('transformers' in sys.modules)"
+    )
+    src = Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={"PYTHONPATH": str(src), "PATH": ""}, capture_output=True
+    )
+    assert done.returncode == 0, done.stderr

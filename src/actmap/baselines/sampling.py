@@ -38,7 +38,6 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from transformers import LogitsProcessor, LogitsProcessorList
 
 from actmap.capture.generate import left_padded_positions, stop_ids, tokenize_prompts
 from actmap.capture.hooks import _first_tensor
@@ -175,12 +174,14 @@ def _shared_prompt(model, encoded: dict, n: int) -> tuple[dict, dict]:
     return {**inputs, "num_return_sequences": 1}, {cache_keyword(model): cache}
 
 
-class TopKTopP(LogitsProcessor):
+class TopKTopP:
     """transformers' top-k warper followed by its top-p warper, in one step over the kept
     scores: top-k keeps every score at or above the k-th largest (ties included), then top-p
     removes the kept tokens whose ascending cumulative probability is at most 1 - top_p,
     keeping the most likely one. The top-p warper sorts the whole vocabulary every step
-    (about 125 ms for 10 rows of Qwen's 151,936 scores on one thread); this sorts the k kept."""
+    (about 125 ms for 10 rows of Qwen's 151,936 scores on one thread); this sorts the k kept.
+    A logits processor by its call ``(input_ids, scores) -> scores`` (transformers is imported
+    only where `generate` runs)."""
 
     def __init__(self, top_k: int, top_p: float, filter_value: float = -float("inf")) -> None:
         if top_k < 1 or not 0 < top_p <= 1:
@@ -203,6 +204,8 @@ class TopKTopP(LogitsProcessor):
 def _warpers(config: SamplingConfig) -> dict:
     """``generate`` keywords for top-k and top-p: `TopKTopP` when both apply (top-k >= 1),
     else transformers' own warpers (top-p alone must sort the vocabulary anyway)."""
+    from transformers import LogitsProcessorList
+
     if config.top_k < 1:
         return {"top_p": config.top_p, "top_k": 0}
     return {
