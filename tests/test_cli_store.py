@@ -82,13 +82,51 @@ def test_capture_checks_the_store_before_loading_the_model(tmp_path, tiny_model_
     assert "another config" in refused.output and "keep.trajectories: None -> True" in words(
         refused.output
     )
-    # the same options spelled "off" differently are the same config: it resumes
-    monkeypatch.undo()
+    # the same options spelled "off" differently are the same config: it resumes, and with
+    # every example stored there is nothing to capture and no model to load
     same = capture_args(tmp_path, tiny_model_dir, store, "--attention-keys", "0", "--no-keep-dense")
     resumed = runner.invoke(app, same)
     assert resumed.exit_code == 0, resumed.output
-    # an empty run prints n/a, never nan
-    assert "accuracy of this run n/a" in words(resumed.output)
+    assert "holds every one of the 6 examples asked for" in words(resumed.output)
+    assert "natural accuracy in the store" in resumed.output
+
+
+def test_a_finished_capture_resumes_without_its_model_only_when_nothing_is_left(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """Relaunching a queue walks captures that are done: they need no model load. A store
+    with examples left, or one asked for with another model, loads the model as always."""
+    import actmap.models
+
+    store = tmp_path / "store"
+    args = capture_args(tmp_path, tiny_model_dir, store)
+    assert runner.invoke(app, args).exit_code == 0
+    runs = len(MapStore.open(store).manifest["runs"])
+    loads, real_load = [], actmap.models.load_model
+
+    def counted_load(*a, **kw):
+        loads.append(a[0])
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(actmap.models, "load_model", counted_load)
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0 and "nothing to capture" in again.output and loads == []
+    assert len(MapStore.open(store).manifest["runs"]) == runs  # no empty run logged
+    # two more prompts in the file: the model loads and only they are captured
+    prompts = tmp_path / "prompts.jsonl"
+    extra = "".join(json.dumps({"prompt": f"blue red {i}", "split": "test"}) + "\n" for i in (7, 8))
+    grown = capture_args(tmp_path, tiny_model_dir, store)  # rewrites the six prompts
+    prompts.write_text(prompts.read_text() + extra)
+    more = runner.invoke(app, grown)
+    assert more.exit_code == 0 and "wrote 2 rows (6 already stored" in words(more.output)
+    assert loads == [str(tiny_model_dir)]
+    # the same folder copied elsewhere and named another way: the model loads to be checked
+    alias = tmp_path / "alias"
+    alias.symlink_to(tiny_model_dir)
+    other = [str(alias) if a == str(tiny_model_dir) else a for a in grown]
+    prompts.write_text(prompts.read_text())
+    runner.invoke(app, other)
+    assert loads[-1] == str(alias)
 
 
 @pytest.mark.parametrize(("value", "text"), [(float("nan"), "n/a"), (0.5, "0.500"), (0.0, "0.000")])

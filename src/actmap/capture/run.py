@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import pyarrow as pa
 
@@ -23,7 +24,7 @@ from actmap.capture.records import CaptureConfig, Generation
 from actmap.data.base import Example, Task
 from actmap.maps import MapConfig, build_maps_from_list, map_shape, pool_layers
 from actmap.models import ModelSource
-from actmap.store import MapRecord, MapStore, encode_array
+from actmap.store import MANIFEST, MapRecord, MapStore, encode_array
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,25 @@ class CapturePlan:
     skipped_existing: int  # already committed (or recorded as skipped) by an earlier run
 
 
+def pending(examples: Sequence[Example], store: MapStore) -> list[Example]:
+    """The examples ``store`` has no row for: neither committed nor recorded as skipped."""
+    done = store.ids("maps") | store.ids("skipped")
+    return [e for e in examples if example_id(e) not in done]
+
+
+def finished_store(root: str | Path, examples: Sequence[Example], model: dict) -> MapStore | None:
+    """The store at ``root`` when it already holds every one of ``examples`` and records the
+    generator section ``model`` of `store_config` (name, revision or file digest, GGUF file,
+    dtype) exactly: a resumed capture with nothing left to do, which needs no model load. None
+    otherwise (no store yet, rows to capture, or another generator, which a load must check)."""
+    if not (Path(root) / MANIFEST).is_file():
+        return None
+    store = MapStore.open(root)
+    if (store.manifest.get("config") or {}).get("model") != model:
+        return None
+    return store if not pending(examples, store) else None
+
+
 def plan_capture(
     task: Task,
     examples: Sequence[Example],
@@ -212,8 +232,7 @@ def plan_capture(
 ) -> CapturePlan:
     """The examples not yet in ``store``, rendered and cut into batches (shortest prompts first
     with ``sort_by_length``). Every engine captures exactly these batches."""
-    done = store.ids("maps") | store.ids("skipped")
-    todo = [e for e in examples if example_id(e) not in done]
+    todo = pending(examples, store)
     prompts = [task.prompt(e, tokenizer) for e in todo]
     if sort_by_length and prompts:
         order = order_by_prompt_length(prompts, tokenizer)

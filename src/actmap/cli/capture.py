@@ -220,7 +220,7 @@ def capture(
     """Generate answers with capture on, label them, and store one 12x32x128 map per answer."""
     with user_errors():
         from actmap.capture import CaptureConfig
-        from actmap.capture.run import natural_accuracy, run_capture, store_config
+        from actmap.capture.run import finished_store, run_capture, store_config
         from actmap.maps import MapConfig
         from actmap.models import (
             ModelSource,
@@ -264,7 +264,7 @@ def capture(
         }
         # a missing path, an unreachable hub id or an absent device: refused before any write
         check_dtype(dtype)
-        check_model(model, revision)
+        resolved = check_model(model, revision)
         if engine not in ("local", "ray"):
             raise ActmapUserError(f"--engine must be 'local' or 'ray', got {engine!r}")
         if engine == "ray":
@@ -284,6 +284,15 @@ def capture(
         asked = ModelSource(model, model, None, revision)
         claim = claim_store(out, store_config(the_task, asked, config, MapConfig(), keep, dtype))
         try:
+            generator = store_config(the_task, resolved, config, MapConfig(), keep, dtype)["model"]
+            done = finished_store(out, examples, generator)
+            if done is not None:  # a resumed capture with nothing left: no model load
+                console.print(
+                    f"nothing to capture: {out} holds every one of the {len(examples)} "
+                    "examples asked for (the model was not loaded)"
+                )
+                print_accuracy(done)
+                return
             with console.status(f"loading {model} ..."), quiet_transformers():
                 if engine == "ray":
                     lm, (tokenizer, source) = None, load_tokenizer(model, revision)
@@ -317,11 +326,17 @@ def capture(
             f"{summary.skipped_empty} empty answers) in {summary.wall_time_s:.1f} s; "
             f"accuracy of this run {fraction(summary.accuracy)}"
         )
-        accuracy = natural_accuracy(store)
-        console.print(
-            "natural accuracy in the store: "
-            + ", ".join(f"{k} {fraction(v)}" for k, v in accuracy.items())
-        )
+        print_accuracy(store)
+
+
+def print_accuracy(store) -> None:
+    from actmap.capture.run import natural_accuracy
+
+    accuracy = natural_accuracy(store)
+    console.print(
+        "natural accuracy in the store: "
+        + ", ".join(f"{k} {fraction(v)}" for k, v in accuracy.items())
+    )
 
 
 def capture_settings(
