@@ -2,7 +2,7 @@
 # Everything behind the grid's figures (issue: the grid) on a machine without stores/ and runs/
 # (they are not in git; sessions 9 and 18 found new machines), in one resumable command: rerun
 # it after a session ends and every step continues where it stopped.
-#   setsid nohup experiments/rebuild-all.sh > logs/rebuild-all.log 2>&1 < /dev/null &
+#   mkdir -p logs && setsid nohup experiments/rebuild-all.sh > logs/rebuild-all.log 2>&1 < /dev/null &
 # Two lanes of one thread each, the machine's two cores:
 #   A  experiments/rebuild-queue.sh: every capture of configs/reproduce-full.toml's short-answer
 #      stores (then grid-queue.sh's float32 Qwen-0.5B TriviaQA store, for the dtype check);
