@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The full 24-configuration ACT-ViT sweep (issue: the grid, item 5) on the store whose balanced
 # rows also have Semantic Entropy at 10 samples, resumable per configuration, one thread:
-#   setsid nohup experiments/actvit-sweep.sh > logs/actvit-sweep.log 2>&1 < /dev/null &
+#   mkdir -p logs && setsid nohup experiments/actvit-sweep.sh > logs/actvit-sweep.log 2>&1 < /dev/null &
 # It writes into a hard-linked copy under runs/actvit-sweep/stores (the source store is only
 # read; the report's store copies keep their selected-configuration ACT-ViT), then prints the
 # comparison with 95% intervals. Deviations from the paper's settings, for CPU time: the

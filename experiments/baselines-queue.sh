@@ -3,7 +3,7 @@
 # runs/reproduce-full/stores (issue: the grid, item 5; issue: the report, item 1). Resumable:
 # a method whose results cover a store's balanced rows is skipped, and sampled answers are
 # kept in each store's samples table (shared by EigenScore and Semantic Entropy).
-#   setsid nohup experiments/baselines-queue.sh > logs/baselines-queue.log 2>&1 < /dev/null &
+#   mkdir -p logs && setsid nohup experiments/baselines-queue.sh > logs/baselines-queue.log 2>&1 < /dev/null &
 # Order: EigenScore (10 samples, the paper's setting) and ACT-ViT (the paper's selected
 # configuration: width 128, depth 1, decay 1e-3, 4x2 patches; 3 seeds) on every store,
 # smallest first; then Semantic Entropy (10 samples at T = 1.0, top-p 0.9, reusing

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The grid's capture queue after experiments/capture-queue.sh (session 5; resumable: rerun to
 # continue, finished rows are skipped). One thread, so it can run beside other work.
-#   setsid nohup experiments/grid-queue.sh > logs/grid-queue.log 2>&1 < /dev/null &
+#   mkdir -p logs && setsid nohup experiments/grid-queue.sh > logs/grid-queue.log 2>&1 < /dev/null &
 # Order: SmolLM2 on all 9,313 TriviaQA questions (the train split's remaining rows), the
 # prompt check of Qwen2.5-Coder-1.5B (plain vs chat, 100 validation questions per dataset),
 # then Qwen2.5-Coder-0.5B and -1.5B on the same 1,000 questions per split of each dataset

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CNN/DailyMail for the grid (issue: the grid, item 3), resumable, one thread:
-#   setsid nohup experiments/judge-queue.sh > logs/judge-queue.log 2>&1 < /dev/null &
+#   mkdir -p logs && setsid nohup experiments/judge-queue.sh > logs/judge-queue.log 2>&1 < /dev/null &
 # 1. The judge check: 500 validation pairs (an article's own first highlight sentence vs the
 #    next article's) with Qwen2.5-Coder-1.5B in JUDGE_DTYPE (bfloat16 by default: on one CPU
 #    thread, beside other jobs, 36 s per claim in float32 and 10 s in bfloat16 on the same

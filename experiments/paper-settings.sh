@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The paper's baseline settings on one pair (issue: the grid, item 5), resumable, one thread:
-#   setsid nohup experiments/paper-settings.sh > logs/paper-settings.log 2>&1 < /dev/null &
+#   mkdir -p logs && setsid nohup experiments/paper-settings.sh > logs/paper-settings.log 2>&1 < /dev/null &
 # ACT-ViT's full 24-configuration sweep (widths 128/1024, depths 1/3, decays 1/1e-3, patches
 # 1x1/8x1/4x2, 15 epochs with seed 42, then the selected configuration retrained with 123 and
 # 456) on Gemma-3-270M x built-in, the store with the fewest training rows (118 balanced), on

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every grid store again on a fresh machine (stores/ and runs/ are not in git: session 9 found
 # a new machine without them), most-needed first, resumable, one thread:
-#   setsid nohup experiments/rebuild-queue.sh > logs/rebuild-queue.log 2>&1 < /dev/null &
+#   mkdir -p logs && setsid nohup experiments/rebuild-queue.sh > logs/rebuild-queue.log 2>&1 < /dev/null &
 # 1. Gemma-3-270M x built-in (400 rows): the pair of experiments/paper-settings.sh.
 # 2. Qwen2.5-Coder-1.5B x TriviaQA in bfloat16, validation first (the answers of
 #    experiments/se_judge_check.py: about 20% correct, so 100 correct validation answers), then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The reproduce config's stores in LANES parallel calls of one thread each, then one report.
-#   setsid nohup experiments/reproduce-lanes.sh > logs/reproduce-lanes.log 2>&1 < /dev/null &
+#   mkdir -p logs && setsid nohup experiments/reproduce-lanes.sh > logs/reproduce-lanes.log 2>&1 < /dev/null &
 # Each lane is `actmap reproduce --no-report --store ...` over its share of the stores (dealt
 # round-robin in the config's order, so each lane gets a mix of big and small stores); lanes
 # never share a store (reproduce locks each store for the whole call). When every lane has
