@@ -223,7 +223,6 @@ def capture(
         from actmap.capture.run import finished_store, run_capture, store_config
         from actmap.maps import MapConfig
         from actmap.models import (
-            ModelSource,
             check_dtype,
             check_model,
             load_model,
@@ -281,11 +280,10 @@ def capture(
         else:
             check_device(device)  # a Ray replica checks its own device on its own node
         # refuse a config mismatch or a second writer before the model's load time is spent
-        asked = ModelSource(model, model, None, revision)
-        claim = claim_store(out, store_config(the_task, asked, config, MapConfig(), keep, dtype))
+        wanted = store_config(the_task, resolved, config, MapConfig(), keep, dtype)
+        claim = claim_store(out, wanted)  # its "model" section is checked after the load
         try:
-            generator = store_config(the_task, resolved, config, MapConfig(), keep, dtype)["model"]
-            done = finished_store(out, examples, generator)
+            done = finished_store(out, examples, wanted["model"])
             if done is not None:  # a resumed capture with nothing left: no model load
                 console.print(
                     f"nothing to capture: {out} holds every one of the {len(examples)} "

@@ -237,10 +237,8 @@ def copy_holds_source(source: Path, target: Path) -> bool:
     """``target`` is a copy of ``source`` as it is now: the same config, and every table of the
     source (but the derived ones) listed with the same shards. Such a copy needs no new link
     even when its stage marker is lost, and keeps what later stages wrote into it."""
-    try:
-        ours = json.loads((source / "manifest.json").read_text())
-        theirs = json.loads((target / "manifest.json").read_text())
-    except (OSError, ValueError):
+    ours, theirs = read_json(source / "manifest.json"), read_json(target / "manifest.json")
+    if ours is None or theirs is None:
         return False
     shards = {k: v for k, v in (ours.get("shards") or {}).items() if k not in DERIVED_TABLES}
     copied = theirs.get("shards") or {}
