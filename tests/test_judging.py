@@ -110,6 +110,29 @@ def test_judging_up_to_a_total_stops_a_resumed_pass_there(summary_store, tmp_pat
     assert sorted(judged_labels(again)) == sorted(order[:6])
 
 
+def test_a_lazy_judge_loads_only_when_a_summary_is_left_to_judge(summary_store, tmp_path):
+    """A resumed labelling with nothing left answers without loading its judge; one with
+    work loads it once, and a loaded judge under another name is refused."""
+    from actmap.data.factuality import LazyJudge
+
+    out = tmp_path / "judged"
+    judge_store(summary_store, out, FirstWordJudge(), up_to=6)
+    loads = []
+
+    def load():
+        loads.append(1)
+        return FirstWordJudge()
+
+    lazy = LazyJudge("first-word", load)
+    judge_store(summary_store, out, lazy, up_to=6)
+    assert not lazy.loaded and loads == []
+    judged = judge_store(summary_store, out, lazy)
+    assert lazy.loaded and loads == [1] and len(judged_labels(judged)) == 10
+    other = LazyJudge("another-judge", FirstWordJudge)
+    with pytest.raises(ValueError, match="named 'first-word', not 'another-judge'"):
+        other.support_probability("a document", "a claim")
+
+
 def test_judging_refuses_a_store_that_is_not_summaries(tmp_path):
     store = MapStore.create(tmp_path / "qa", {"task": {"task": "triviaqa"}})
     with pytest.raises(StoreError, match="cnn_dm"):
@@ -221,7 +244,7 @@ def judge_model_dir(tmp_path):
     return folder
 
 
-def test_cli_judge_check_runs_a_real_causal_lm_judge(tmp_path):
+def test_cli_judge_check_runs_a_real_causal_lm_judge(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from actmap.cli import app
@@ -243,6 +266,20 @@ def test_cli_judge_check_runs_a_real_causal_lm_judge(tmp_path):
     written = json.loads((out / "check.json").read_text())
     assert written["pairs"] == 4 and written["claims"] == 8
     assert 0.0 <= written["auroc"]["estimate"] <= 1.0
+    # a finished check answers again from its cache without loading the judge
+    from actmap.data.factuality import LLMFactualityJudge
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a finished check loaded its judge")
+
+    monkeypatch.setattr(LLMFactualityJudge, "from_pretrained", refuse)
+    again = CliRunner().invoke(app, [*args, "--data-dir", str(tmp_path / "data")])
+    assert again.exit_code == 0, again.output
+    assert "loading judge" not in again.output
+    assert json.loads((out / "check.json").read_text()) == written
+    missing = [*args[:3], str(tmp_path / "nowhere.gguf"), *args[4:]]
+    lost = CliRunner().invoke(app, [*missing, "--data-dir", str(tmp_path / "data")])
+    assert lost.exit_code != 0 and "nowhere.gguf" in lost.output
     bare = CliRunner().invoke(app, ["judge", "--store", str(tmp_path)])
     assert bare.exit_code != 0 and "--judge" in bare.output
 
@@ -259,6 +296,9 @@ def test_a_bfloat16_judge_names_its_dtype_and_agrees_with_float32(tmp_path):
     full = load_factuality_judge(str(folder))
     half = load_factuality_judge(str(folder), "bfloat16")
     assert full.name == "llm:judge-model" and half.name == "llm:judge-model@bfloat16"
+    # a lazy judge knows the loaded judge's name before loading it
+    assert load_factuality_judge(str(folder), lazy=True).name == full.name
+    assert load_factuality_judge(str(folder), "bfloat16", lazy=True).name == half.name
     assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
     document, claim = " ".join(JUDGE_WORDS[:8]), " ".join(JUDGE_WORDS[2:5])
     p32, p16 = full.support_probability(document, claim), half.support_probability(document, claim)

@@ -41,19 +41,35 @@ CAPTURE_NEEDS: dict[str, dict] = {
 AUTO_SHARE_PREFIX = 64
 
 
-def load_factuality_judge(spec: str | None, dtype: str = "float32"):
-    """CNN/DM's judge: 'minicheck:<path or hub id>', or any causal LM actmap can load (LLM judge)."""
+def load_factuality_judge(spec: str | None, dtype: str = "float32", lazy: bool = False):
+    """CNN/DM's judge: 'minicheck:<path or hub id>', or any causal LM actmap can load (LLM judge).
+
+    ``lazy``: a `LazyJudge` that loads on its first claim (a finished step skips the load);
+    the spec and dtype are still checked at once."""
     if spec is None:
         return None
-    from actmap.data.factuality import LLMFactualityJudge, MiniCheckJudge
+    from actmap.data.factuality import LazyJudge, LLMFactualityJudge, MiniCheckJudge
+    from actmap.models import resolve_model
 
     if dtype not in DTYPES:
         raise ActmapUserError(f"judge dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    if spec.startswith("minicheck:"):
-        if dtype != "float32":
-            raise ActmapUserError("a MiniCheck judge runs in float32; drop --judge-dtype")
-        return MiniCheckJudge.from_pretrained(spec.split(":", 1)[1])
-    return LLMFactualityJudge.from_pretrained(spec, dtype=dtype)
+    minicheck = spec.startswith("minicheck:")
+    if minicheck and dtype != "float32":
+        raise ActmapUserError("a MiniCheck judge runs in float32; drop --judge-dtype")
+
+    def load():
+        if lazy:
+            console.print(f"loading judge [bold]{spec}[/bold] ...")
+        if minicheck:
+            return MiniCheckJudge.from_pretrained(spec.split(":", 1)[1])
+        return LLMFactualityJudge.from_pretrained(spec, dtype=dtype)
+
+    if not lazy:
+        return load()
+    if minicheck:
+        return LazyJudge(MiniCheckJudge.name_for(spec.split(":", 1)[1]), load)
+    resolve_model(spec)  # a missing path fails now, not at the first claim
+    return LazyJudge(LLMFactualityJudge.name_for(spec, dtype), load)
 
 
 def load_task(
@@ -487,8 +503,7 @@ def judge_command(
                 f"actmap judge needs {', '.join(missing)} (or `actmap judge check` to check a judge)"
             )
         source = MapStore.open(store)
-        console.print(f"loading judge [bold]{judge}[/bold] ...")
-        the_judge = load_factuality_judge(judge, judge_dtype)
+        the_judge = load_factuality_judge(judge, judge_dtype, lazy=True)
         total = len(source.ids("maps"))
         with progress_bar() as bar:
             job = bar.add_task("judge summaries", total=min(total, up_to or total), info="")
@@ -532,8 +547,7 @@ def judge_check_command(
 
         rows = [r for r in load_cnn_dm(data_dir) if r.meta.get("source_split") == "validation"]
         the_pairs = claim_pairs(rows, pairs, seed)
-        console.print(f"loading judge [bold]{judge}[/bold] ...")
-        the_judge = load_factuality_judge(judge, judge_dtype)
+        the_judge = load_factuality_judge(judge, judge_dtype, lazy=True)
         with progress_bar() as bar:
             job = bar.add_task("judge check", total=len(the_pairs), info="")
             result = judge_check(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -245,8 +245,13 @@ class MiniCheckJudge:
         model = AutoModelForSeq2SeqLM.from_pretrained(
             name_or_path, dtype=dtype, trust_remote_code=False
         ).to(device)
-        kw.setdefault("name", f"minicheck:{name_or_path}")
+        kw.setdefault("name", cls.name_for(name_or_path))
         return cls(model, tokenizer, **kw)
+
+    @staticmethod
+    def name_for(name_or_path: str) -> str:
+        """The name `from_pretrained` gives the judge, without loading it."""
+        return f"minicheck:{name_or_path}"
 
     def chunk_probabilities(self, document: str, claim: str) -> list[float]:
         """Support probability of ``claim`` for each chunk of ``document``."""
@@ -324,11 +329,18 @@ class LLMFactualityJudge:
 
         ``dtype`` other than float32 (bfloat16: about 4x the matmul rate of float32 on a CPU
         with AVX512-BF16) is part of the judge's name: its labels and checks are its own."""
-        from actmap.models import dtype_tag, load_model
+        from actmap.models import load_model
 
         model, tokenizer, source = load_model(name_or_path, device=device, dtype=dtype)
-        kw.setdefault("name", f"llm:{Path(source.name).stem}{dtype_tag(dtype)}")
+        kw.setdefault("name", cls.name_for(source.name, dtype))
         return cls(model, tokenizer, **kw)
+
+    @staticmethod
+    def name_for(name_or_path: str, dtype: str = "float32") -> str:
+        """The name `from_pretrained` gives the judge, without loading it."""
+        from actmap.models import dtype_tag
+
+        return f"llm:{Path(name_or_path).stem}{dtype_tag(dtype)}"
 
     def prompt(self, document: str, claim: str) -> str:
         ids = self.tokenizer(document, add_special_tokens=False)["input_ids"]
@@ -353,3 +365,26 @@ class LLMFactualityJudge:
         p_yes = probs[self.yes_ids].sum()
         p_no = probs[self.no_ids].sum()
         return float(p_yes / (p_yes + p_no))
+
+
+class LazyJudge:
+    """A judge whose model loads on its first claim, so that a resumed labelling or check
+    with nothing left to score answers without loading it. ``name`` is the loaded judge's
+    name (its ``name_for``); a loaded judge with another name is an error."""
+
+    def __init__(self, name: str, load: Callable[[], SummaryFactualityJudge]) -> None:
+        self.name = name
+        self._load = load
+        self._judge: SummaryFactualityJudge | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._judge is not None
+
+    def support_probability(self, document: str, claim: str) -> float:
+        if self._judge is None:
+            judge = self._load()
+            if judge.name != self.name:
+                raise ValueError(f"the loaded judge is named {judge.name!r}, not {self.name!r}")
+            self._judge = judge
+        return self._judge.support_probability(document, claim)
