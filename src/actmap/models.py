@@ -5,6 +5,7 @@ Heavy imports stay inside functions so the CLI starts fast.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -33,9 +34,16 @@ class ModelSource:
 
 
 def file_digest(path: Path) -> str:
-    """The first 16 hex digits of a file's SHA-256."""
+    """The first 16 hex digits of a file's SHA-256: read once per process while the file's
+    inode, size and mtime stay the same (a check before a load and the load share it)."""
+    stat = Path(path).stat()
+    return _digest(str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(path: str, inode: int, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
+    with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()[:16]
