@@ -56,18 +56,19 @@ def load_factuality_judge(spec: str | None, dtype: str = "float32", lazy: bool =
     minicheck = spec.startswith("minicheck:")
     if minicheck and dtype != "float32":
         raise ActmapUserError("a MiniCheck judge runs in float32; drop --judge-dtype")
+    checkpoint = spec.split(":", 1)[1] if minicheck else spec
 
     def load():
         if lazy:
             console.print(f"loading judge [bold]{spec}[/bold] ...")
         if minicheck:
-            return MiniCheckJudge.from_pretrained(spec.split(":", 1)[1])
-        return LLMFactualityJudge.from_pretrained(spec, dtype=dtype)
+            return MiniCheckJudge.from_pretrained(checkpoint)
+        return LLMFactualityJudge.from_pretrained(checkpoint, dtype=dtype)
 
     if not lazy:
         return load()
     if minicheck:
-        return LazyJudge(MiniCheckJudge.name_for(spec.split(":", 1)[1]), load)
+        return LazyJudge(MiniCheckJudge.name_for(checkpoint), load)
     resolve_model(spec)  # a missing path fails now, not at the first claim
     return LazyJudge(LLMFactualityJudge.name_for(spec, dtype), load)
 
