@@ -42,11 +42,8 @@ def file_digest(path: Path) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _digest(path: str, inode: int, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()[:16]
+        return hashlib.file_digest(handle, "sha256").hexdigest()[:16]
 
 
 def resolve_model(name: str = DEFAULT_MODEL, revision: str = "main") -> ModelSource:
