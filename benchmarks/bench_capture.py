@@ -1,6 +1,13 @@
 """Capture overhead: map-only and grey-box capture vs plain generation, interleaved repeats.
 
     PYTHONPATH=src python benchmarks/bench_capture.py [--batch 32] [--repeats 5] [--threads 2]
+    PYTHONPATH=src python benchmarks/bench_capture.py --shape llama-8b --tokenizer DIR \
+        --device cuda --dtype bfloat16 --batch 64
+
+`--shape llama-8b` times a randomly initialised model of Llama-3-8B's shape (32 layers,
+hidden 4,096, grouped-query attention 32/8, MLP 14,336, vocabulary 128,256), built on
+the device (no weights are read), with the tokenizer saved in DIR (any local tokenizer
+folder; `--save-tokenizer DIR` writes the embedded default's there and exits).
 
 One batch of the built-in task's prompts, the same settings for every variant:
 `plain` (`generate` without hooks), `map-only` (layer hooks and pooling, nothing
@@ -18,14 +25,39 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from actmap.capture import CaptureConfig
 from actmap.capture.generate import generate_batch, generate_plain
 from actmap.data.builtin import BuiltinArithmeticTask
+from actmap.experiments.cost import synchronize
 from actmap.models import load_model
 
+SHAPES = {  # random-weight shapes: transformers LlamaConfig fields
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "llama-tiny": dict(  # a CPU smoke run of the same code path
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+}
+PAPER = "paper, one L40S, Qwen3-8B, batch 64: hooked and plain both about 7 ms/prompt"
 REFERENCE = {  # quiet 2-core machine, SmolLM2 batch 32, before map-only capture existed
     "map-only": "now +3.8% (all statistics on) -> target <= +1%",
     "greybox": "now +3.8% -> target <= +2%",
@@ -44,9 +76,26 @@ def main() -> None:
         "--attention-keys", type=int, default=0, help="Also keep RAUQ/TAD attention (eager)."
     )
     parser.add_argument("--keep-dense", action="store_true", help="Also keep ACT-ViT's states.")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="Random weights of this shape.")
+    parser.add_argument("--tokenizer", type=Path, help="Local tokenizer folder for --shape.")
+    parser.add_argument(
+        "--save-tokenizer", type=Path, help="Save --model's tokenizer to this folder and exit."
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer, source = load_model(args.model, device=args.device)
+    if args.save_tokenizer:
+        load_model(args.model)[1].save_pretrained(args.save_tokenizer)
+        return
+    if args.shape:
+        if args.tokenizer is None:
+            parser.error("--shape needs --tokenizer (a local folder; see --save-tokenizer)")
+        model, tokenizer = random_model(args.shape, args.tokenizer, args.device, args.dtype)
+        model_name = f"random-weight {args.shape}"
+    else:
+        model, tokenizer, source = load_model(args.model, device=args.device, dtype=args.dtype)
+        model_name = source.name
+    device = next(model.parameters()).device
     task = BuiltinArithmeticTask(n_questions=args.batch)
     prompts = [task.prompt(e, tokenizer) for e in task.load_all()][: args.batch]
     common = dict(
@@ -77,8 +126,10 @@ def main() -> None:
     names = list(runs)
     for repeat in range(args.repeats):
         for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            synchronize(device)
             tick = time.perf_counter()
             result = runs[name]()
+            synchronize(device)
             seconds[name].append(time.perf_counter() - tick)
             if name == "plain":
                 reference = result
@@ -88,7 +139,7 @@ def main() -> None:
                     got = reference[row, start : start + record.n_tokens].tolist()
                     identical &= record.token_ids == got
     print(
-        f"model {source.name} on {args.device} ({platform.processor() or platform.machine()}, "
+        f"model {model_name} ({args.dtype}) on {args.device} ({platform.processor() or platform.machine()}, "
         f"{args.threads} threads), torch {torch.__version__}, load average {os.getloadavg()}"
     )
     print(
@@ -96,17 +147,47 @@ def main() -> None:
         f"repeats, attention keys {args.attention_keys}, dense {args.keep_dense}"
     )
     for name in runs:
-        print(f"{name:>9} s/batch: {' '.join(f'{t:.2f}' for t in seconds[name])}")
+        print(
+            f"{name:>9} s/batch: {' '.join(f'{t:.3f}' for t in seconds[name])}  (median "
+            f"{1000 * statistics.median(seconds[name]) / len(prompts):.2f} ms/prompt)"
+        )
     for name in configs:
         ratios = [h / p for h, p in zip(seconds[name], seconds["plain"], strict=True)]
         ratio = statistics.median(ratios)
         print(
             f"{name:>9}: median hooked/plain = {ratio:.4f} -> overhead {100 * (ratio - 1):+.2f}%"
-            f"  ({REFERENCE[name]})"
+            f"  ({PAPER if device.type == 'cuda' else REFERENCE[name]})"
         )
     print(f"identical tokens: {identical}")
     if not identical:
         raise SystemExit("capture changed the generated tokens")
+
+
+def random_model(shape: str, tokenizer_dir: Path, device: str, dtype: str):
+    """A randomly initialised causal LM of one of SHAPES, built on ``device`` in ``dtype``."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config = LlamaConfig(
+        **SHAPES[shape],
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if len(tokenizer) > config.vocab_size:
+        raise SystemExit(
+            f"the tokenizer has {len(tokenizer)} tokens, {shape} only {config.vocab_size}"
+        )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval(), tokenizer
 
 
 if __name__ == "__main__":
