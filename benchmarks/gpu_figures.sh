@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The cost figures that need a GPU, in one run of about 6 minutes on one H100:
+# The cost figures that need a GPU, in one run of about 7 minutes on one H100:
 #   capture overhead on a random-weight Llama-3-8B-shaped generator (bfloat16, batch 64,
-#   32 new tokens; map-only, grey-box, and with what the baselines keep), ViT / MLP scoring
+#   32 new tokens; map-only, grey-box, and with what the baselines keep, whose tokens are
+#   checked in float32 at batch 16), ViT / MLP scoring
 #   latency and peak memory at batch 256, ACT-ViT's at an 8B's hidden size (4,096), and
 #   training seconds per epoch of the paper's recipe; torch.compile last.
 #
@@ -28,9 +29,12 @@ step() {  # step SECONDS NAME COMMAND...: run it under a time limit, output to $
 nvidia-smi -L
 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 capture=(benchmarks/bench_capture.py --shape llama-8b --tokenizer "$tokenizer" --device cuda
-    --dtype bfloat16 --batch 64 --new-tokens 32)
-step 150 capture-8b "$python" "${capture[@]}" --repeats 5
-step 100 capture-8b-baselines "$python" "${capture[@]}" --repeats 3 --attention-keys 10 --keep-dense
+    --new-tokens 32 --threads 4)
+step 150 capture-8b "$python" "${capture[@]}" --dtype bfloat16 --batch 64 --repeats 12
+step 100 capture-8b-baselines "$python" "${capture[@]}" --dtype bfloat16 --batch 64 --repeats 3 \
+    --attention-keys 10 --keep-dense
+step 150 capture-8b-fp32-baselines "$python" "${capture[@]}" --dtype float32 --batch 16 \
+    --repeats 2 --attention-keys 10 --keep-dense
 step 180 scoring "$python" benchmarks/bench_scoring.py --device cuda --repeats 300 \
     --train-maps 4096 --val-maps 512 --json "$out/scoring.json"
 step 60 actvit-8b "$python" -c "
