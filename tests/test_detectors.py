@@ -272,6 +272,7 @@ def test_init_only_stores_arguments():
         "seed": 3,
         "device": "cpu",
         "precision": "float32",
+        "compile": False,
     }
     with pytest.raises(NotFittedError):
         det.predict_proba(np.zeros((1, 12, 32, 128), np.float32))
@@ -449,6 +450,27 @@ def test_bf16_scoring_from_float16_equals_a_direct_bf16_forward():
             torch.testing.assert_close(float32, model(maps16.float()), rtol=1e-5, atol=1e-5)
 
 
+def test_a_loaded_detector_scores_through_the_compile_mode_it_is_given(
+    fitted, tmp_path, monkeypatch
+):
+    import actmap.training as training
+
+    det, test_maps, _ = fitted
+    modes = []
+
+    def fake_compile(module, mode=None):  # stands in for torch.compile
+        modes.append(mode)
+        return lambda x: module(x)
+
+    monkeypatch.setattr(training, "compiler_available", lambda device: True)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    graphs = CorrectnessDetector.load(det.save(tmp_path / "d"), compile="reduce-overhead")
+    np.testing.assert_allclose(
+        graphs.predict_proba(test_maps), det.predict_proba(test_maps), rtol=0, atol=1e-6
+    )
+    assert modes == ["reduce-overhead"] and graphs.compile == "reduce-overhead"
+
+
 def test_compiled_scoring_pads_to_one_shape_and_falls_back_to_eager(monkeypatch, caplog):
     import actmap.training as training
 
@@ -457,11 +479,13 @@ def test_compiled_scoring_pads_to_one_shape_and_falls_back_to_eager(monkeypatch,
     maps16 = torch.randn(10, 12, 32, 128).half()
     with torch.inference_mode():
         expected = model(maps16.float())
-    shapes = []
+    shapes, modes = [], []
 
-    def fake_compile(module):  # stands in for torch.compile: records what it is called with
+    def fake_compile(module, mode=None):  # stands in for torch.compile: records its calls
+        modes.append(mode)
+
         def forward(x):
-            shapes.append(tuple(x.shape))
+            shapes.append((mode, tuple(x.shape)))
             return module(x)
 
         return forward
@@ -470,12 +494,21 @@ def test_compiled_scoring_pads_to_one_shape_and_falls_back_to_eager(monkeypatch,
     monkeypatch.setattr(torch, "compile", fake_compile)
     got = predict_logits(model, maps16, batch_size=4, compile=True)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert shapes == [(4, 12, 32, 128)] * 3  # the last 2 maps padded to 4 rows
+    assert shapes == [("default", (4, 12, 32, 128))] * 3  # the last 2 maps padded to 4 rows
+    # a named mode is compiled once beside the first and kept; the first is not compiled again
+    for _ in range(2):
+        got = predict_logits(model, maps16, batch_size=4, compile="reduce-overhead")
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    predict_logits(model, maps16, batch_size=4, compile=True)
+    assert modes == ["default", "reduce-overhead"]
+    assert [m for m, _ in shapes] == ["default"] * 3 + ["reduce-overhead"] * 6 + ["default"] * 3
+    with pytest.raises(ValueError, match="compile must be True, False or one of"):
+        predict_logits(model, maps16, compile="fast")
 
     other = create_detector("vit", depth=1, dim=32, heads=2, readout_hidden=8).eval()
     other.load_state_dict(model.state_dict())
 
-    def failing_compile(module):
+    def failing_compile(module, mode=None):
         def forward(x):
             raise RuntimeError("no backend here")
 
@@ -486,5 +519,5 @@ def test_compiled_scoring_pads_to_one_shape_and_falls_back_to_eager(monkeypatch,
         got = predict_logits(other, maps16, batch_size=4, compile=True)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert "torch.compile failed (RuntimeError: no backend here); running eagerly" in caplog.text
-    assert "_compiled_forward" not in dict(other.named_modules())  # not a submodule
+    assert not any("compiled" in name for name in dict(other.named_modules()))  # no submodule
     assert set(other.state_dict()) == set(model.state_dict())

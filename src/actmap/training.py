@@ -40,6 +40,8 @@ ProgressCallback = Callable[[int, dict[str, float]], None]
 CHECKPOINT_EVERY_S = 30.0  # train_detector's default: seconds of training a kill can lose
 
 SCORING_PRECISIONS = ("float32", "bfloat16")  # of predict_logits and TrainConfig.precision
+# torch.compile modes predict_logits takes; "reduce-overhead" replays CUDA graphs on a GPU
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -346,32 +348,47 @@ def compiler_available(device: torch.device) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _compiled(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`torch.compile(model)`, made once per model and kept on it (outside its submodules
-    and state dict); the model itself where nothing can be compiled here."""
-    forward = model.__dict__.get("_compiled_forward")
+def compile_mode(compile: bool | str) -> str | None:
+    """The torch.compile mode of a ``compile`` argument: False -> None, True -> "default"."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return "default"
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be True, False or one of {COMPILE_MODES}, got {compile!r}")
+    return compile
+
+
+def _compiled(
+    model: nn.Module, device: torch.device, mode: str
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`torch.compile(model, mode=mode)`, made once per model and mode and kept on it (outside
+    its submodules and state dict); the model itself where nothing can be compiled here."""
+    forwards = model.__dict__.setdefault("_compiled_forwards", {})
+    forward = forwards.get(mode)
     if forward is None:
         if compiler_available(device):
-            forward = torch.compile(model)
+            forward = torch.compile(model, mode=mode)
         else:
             log.warning(
                 "torch.compile needs a C++ compiler (CPU) or Triton (CUDA); running eagerly"
             )
             forward = model
-        object.__setattr__(model, "_compiled_forward", forward)
+        forwards[mode] = forward
     return forward
 
 
-def _forward(model: nn.Module, x: torch.Tensor, compile_model: bool, device: torch.device):
-    """``model(x)``, through torch.compile when asked; a failed compile falls back to eager."""
-    forward = _compiled(model, device) if compile_model else model
+def _forward(model: nn.Module, x: torch.Tensor, mode: str | None, device: torch.device):
+    """``model(x)``, through torch.compile in ``mode`` when one is given; a failed compile
+    falls back to eager."""
+    forward = model if mode is None else _compiled(model, device, mode)
     if forward is model:
         return model(x)
     try:
         return forward(x)
     except Exception as error:  # a backend that cannot build this graph here: score eagerly
         log.warning("torch.compile failed (%s: %s); running eagerly", type(error).__name__, error)
-        object.__setattr__(model, "_compiled_forward", model)
+        model.__dict__["_compiled_forwards"][mode] = model
         return model(x)
 
 
@@ -382,7 +399,7 @@ def predict_logits(
     batch_size: int = 256,
     device: torch.device | None = None,
     precision: str = "float32",
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> torch.Tensor:
     """Eval-mode logits for (N, C, H, W) maps of any float dtype; returns (N,) float32 on CPU.
 
@@ -395,11 +412,15 @@ def predict_logits(
 
     ``compile=True`` runs the model through `torch.compile` (compiled at the
     first call, minutes on a small CPU, then kept on the model; a short last
-    batch is padded so one shape is compiled). It is optional: where nothing
-    can be compiled, or the compile fails, the model runs eagerly with a warning.
+    batch is padded so one shape is compiled); a string names the mode, and
+    "reduce-overhead" replays the batch as one CUDA graph on a GPU, where the
+    ViT's launches, not its kernels, are the limit in bf16 (docs/performance.md).
+    It is optional: where nothing can be compiled, or the compile fails, the
+    model runs eagerly with a warning.
     """
     if precision not in SCORING_PRECISIONS:
         raise ValueError(f"precision must be one of {SCORING_PRECISIONS}, got {precision!r}")
+    mode = compile_mode(compile)
     device = device or next(model.parameters()).device
     if device.type == "cpu":
         batch_size = min(batch_size, getattr(model, "cpu_scoring_rows", batch_size))
@@ -412,7 +433,7 @@ def predict_logits(
             for start in range(0, len(maps), batch_size):
                 chunk = maps[start : start + batch_size]
                 n = len(chunk)
-                pad = compile and start > 0 and n < batch_size  # one compiled shape
+                pad = mode is not None and start > 0 and n < batch_size  # one compiled shape
                 if chunk.dtype == dtype and chunk.device == device and not pad:
                     x = chunk
                 else:
@@ -424,7 +445,8 @@ def predict_logits(
                         if pad
                         else buffer
                     )
-                logits[start : start + n] = _forward(model, x, compile, device)[:n].float().cpu()
+                # copied out at once: a CUDA graph's output is overwritten by its next replay
+                logits[start : start + n] = _forward(model, x, mode, device)[:n].float().cpu()
     finally:
         model.train(was_training)
     return logits

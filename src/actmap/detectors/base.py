@@ -122,6 +122,7 @@ class CorrectnessDetector:
         seed: int = 42,
         device: str | None = None,
         precision: str = "float32",  # scoring: "bfloat16" = bf16 autocast (see bf16_supported)
+        compile: bool | str = False,  # scoring through torch.compile (a mode: `predict_logits`)
     ) -> None:
         self.detector = detector
         self.detector_kwargs = detector_kwargs
@@ -129,6 +130,7 @@ class CorrectnessDetector:
         self.seed = seed
         self.device = device
         self.precision = precision
+        self.compile = compile
 
     # --- fitting -------------------------------------------------------------
 
@@ -194,7 +196,9 @@ class CorrectnessDetector:
         if tuple(x.shape[1:]) != expected:
             raise ValueError(f"maps have shape {tuple(x.shape[1:])}, detector expects {expected}")
         batch = self.config_.eval_batch_size
-        return predict_logits(self.model_, x, batch, self.device_, self.precision).numpy()
+        return predict_logits(
+            self.model_, x, batch, self.device_, self.precision, self.compile
+        ).numpy()
 
     def predict_proba(self, maps: Any) -> np.ndarray:
         """(N,) float32 p(correct) in [0, 1]."""
@@ -241,10 +245,15 @@ class CorrectnessDetector:
 
     @classmethod
     def load(
-        cls, directory: str | Path, device: str | None = None, precision: str = "float32"
+        cls,
+        directory: str | Path,
+        device: str | None = None,
+        precision: str = "float32",
+        compile: bool | str = False,
     ) -> CorrectnessDetector:
         """Restore a saved detector; it predicts exactly as the one saved (``precision``
-        "bfloat16" scores under bf16 autocast instead).
+        "bfloat16" scores under bf16 autocast instead; ``compile`` through torch.compile, e.g.
+        "reduce-overhead" on a GPU: CUDA graphs).
 
         A damaged folder (missing or garbled file, a field missing from config.json,
         weights of another shape) raises `ActmapUserError` naming the file.
@@ -258,7 +267,7 @@ class CorrectnessDetector:
             k: tuple(v) if isinstance(v, list) else v for k, v in cfg["detector_kwargs"].items()
         }  # JSON turns tuples into lists
         train_config = TrainConfig.from_dict(cfg["train_config"])
-        est = cls(cfg["detector"], kwargs, train_config, cfg["seed"], device, precision)
+        est = cls(cfg["detector"], kwargs, train_config, cfg["seed"], device, precision, compile)
         est.device_ = _scoring_device(device, train_config.device)
         model = create_detector(cfg["detector"], **kwargs)
         model.load_state_dict(_read_weights(src / "model.safetensors", model), strict=True)
