@@ -33,7 +33,7 @@ from actmap.capture import CaptureConfig
 from actmap.capture.generate import generate_batch, generate_plain
 from actmap.data.builtin import BuiltinArithmeticTask
 from actmap.experiments.cost import synchronize
-from actmap.models import load_model
+from actmap.models import load_model, load_tokenizer
 
 SHAPES = {  # random-weight shapes: transformers LlamaConfig fields
     "llama-8b": dict(
@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.save_tokenizer:
-        load_model(args.model)[1].save_pretrained(args.save_tokenizer)
+        load_tokenizer(args.model)[0].save_pretrained(args.save_tokenizer)
         return
     if args.shape:
         if args.tokenizer is None:
@@ -139,8 +139,8 @@ def main() -> None:
                     got = reference[row, start : start + record.n_tokens].tolist()
                     identical &= record.token_ids == got
     print(
-        f"model {model_name} ({args.dtype}) on {args.device} ({platform.processor() or platform.machine()}, "
-        f"{args.threads} threads), torch {torch.__version__}, load average {os.getloadavg()}"
+        f"model {model_name} ({args.dtype}) on {args.device} "
+        f"({platform.processor() or platform.machine()}, {args.threads} threads), torch {torch.__version__}, load average {os.getloadavg()}"
     )
     print(
         f"batch {len(prompts)}, {args.new_tokens} new tokens, {args.repeats} interleaved "
