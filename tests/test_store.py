@@ -156,6 +156,40 @@ def test_latest_rows_keep_the_last_row_per_id_in_write_order(tmp_path):
     assert store.read_latest("generations", ["v"]).to_pydict() == {"id": ["b", "a"], "v": [2, 3]}
 
 
+def test_latest_rows_keeps_a_chunked_binary_column_past_2_gib_chunk_by_chunk():
+    """A long-form store's attention table holds more than 2 GiB of bytes: taking rows from it
+    joined its chunks and failed (int32 offsets). The chunks here share one untouched buffer,
+    so the test allocates almost nothing."""
+    from actmap.store import latest_rows
+
+    big = (1 << 30) + (1 << 26)  # two of these pass 2 GiB
+    data = pa.allocate_buffer(big + 16)
+
+    def batch(ids, sizes):
+        offsets = pa.py_buffer(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+        column = pa.Array.from_buffers(pa.binary(), len(sizes), [None, offsets, data])
+        return pa.record_batch([pa.array(ids), column], names=["id", "blob"])
+
+    # 'a' and 'b' are written big, then rewritten small: the small ones are the latest
+    table = pa.Table.from_batches(
+        [batch(["a"], [big]), batch(["b"], [big]), batch(["a", "b"], [3, 5])]
+    )
+    assert table.column("blob").chunks[0].nbytes + table.column("blob").chunks[1].nbytes > 2**31
+    kept = latest_rows(table)
+    assert kept.column("id").to_pylist() == ["a", "b"]
+    assert [len(b) for b in kept.column("blob").to_pylist()] == [3, 5]
+
+
+def test_read_latest_of_some_ids_matches_filtering_the_whole_table(tmp_path):
+    store = MapStore.create(tmp_path, {})
+    store.write_table("generations", pa.table({"id": ["a", "b", "c"], "v": [1, 2, 3]}))
+    store.write_table("generations", pa.table({"id": ["c", "a"], "v": [4, 5]}))  # reruns
+    whole = store.read_latest("generations").to_pylist()
+    for ids in (["a"], ["c", "b"], ["b", "b", "z"], []):
+        some = store.read_latest("generations", ["v"], ids=ids).to_pylist()
+        assert some == [row for row in whole if row["id"] in ids]
+
+
 def test_shard_names_cannot_collide_and_sort_in_write_order(tmp_path):
     from actmap.store import list_shards
 

@@ -24,7 +24,7 @@ from actmap.baselines.registry import baseline_class
 from actmap.baselines.samples_table import draw_samples, read_samples, sampling_request
 from actmap.data.splits import SPLITS
 from actmap.scoring import row_input
-from actmap.store import MapStore, decode_array, latest_rows
+from actmap.store import MapStore, decode_array
 from actmap.store.generations import read_generations
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class StoreInputs:
 
     @cached_property
     def questions(self) -> dict[str, str]:
-        table = latest_rows(self.store.read_table("generations", ["id", "question"]))
+        table = self.store.read_latest("generations", ["question"])
         ids, questions = table.column("id").to_pylist(), table.column("question").to_pylist()
         return dict(zip(ids, questions, strict=True))
 
@@ -103,9 +103,9 @@ class StoreInputs:
         return [self._generations[key] for key in ids]
 
     def table(self, name: str) -> tuple[pa.Table, dict[str, int]]:
-        """A side table (last row per id) and its id -> row index, read once."""
+        """A side table (last row per id of this run's rows) and its id -> row index, read once."""
         if name not in self._tables:
-            table = latest_rows(self.store.read_table(name))
+            table = self.store.read_latest(name, ids=self.split_of)
             index = {key: i for i, key in enumerate(table.column("id").to_pylist())}
             self._tables[name] = (table, index)
         return self._tables[name]

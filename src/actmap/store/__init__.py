@@ -35,7 +35,7 @@ import os
 import secrets
 import shutil
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
@@ -127,10 +128,16 @@ def write_parquet(table: pa.Table, target: Path) -> None:
 
 
 def latest_rows(table: pa.Table) -> pa.Table:
-    """Keep the last row per id (a rerun of an unfinished batch supersedes its earlier rows)."""
+    """Keep the last row per id (a rerun of an unfinished batch supersedes its earlier rows).
+
+    A filter, not a take: filtering works chunk by chunk, while taking from a chunked binary
+    column joins its chunks first and fails once they hold 2 GiB (a long-form store's
+    attention table does)."""
     ids = table.column("id").to_pylist()
     last = {key: i for i, key in enumerate(ids)}
-    return table.take(pa.array(sorted(last.values()), pa.int64()))
+    keep = np.zeros(len(ids), dtype=bool)
+    keep[list(last.values())] = True
+    return table.filter(pa.array(keep))
 
 
 # -- configs ---------------------------------------------------------------------------------
@@ -485,19 +492,32 @@ class MapStore:
     def has_table(self, table: str) -> bool:
         return bool(self.shards(table))
 
-    def read_table(self, table: str = "maps", columns: Sequence[str] | None = None) -> pa.Table:
+    def read_table(
+        self, table: str = "maps", columns: Sequence[str] | None = None, filter=None
+    ) -> pa.Table:
+        """``table``'s ``columns`` (all by default), the rows that match ``filter`` (a
+        `pyarrow.compute` expression, applied as each shard is read)."""
         try:
-            return self.dataset(table).to_table(columns=list(columns) if columns else None)
+            return self.dataset(table).to_table(
+                columns=list(columns) if columns else None, filter=filter
+            )
         except (pa.ArrowInvalid, OSError) as error:
             raise StoreError(
                 f"cannot read table '{table}' of {self.root}: {error}; "
                 f"run `actmap store verify {self.root}`"
             ) from error
 
-    def read_latest(self, table: str, columns: Sequence[str] | None = None) -> pa.Table:
-        """``table`` with one row per id, the last written (see `latest_rows`)."""
+    def read_latest(
+        self,
+        table: str,
+        columns: Sequence[str] | None = None,
+        ids: Iterable[str] | None = None,
+    ) -> pa.Table:
+        """``table`` with one row per id, the last written (see `latest_rows`); with ``ids``,
+        only those rows, filtered as the shards are read (a big table never sits whole)."""
         wanted = None if columns is None else list(dict.fromkeys(["id", *columns]))
-        return latest_rows(self.read_table(table, wanted))
+        only = None if ids is None else pc.field("id").isin(pa.array(sorted(set(ids)), pa.string()))
+        return latest_rows(self.read_table(table, wanted, only))
 
     def ids(self, table: str = "maps") -> set[str]:
         if not self.has_table(table):

@@ -16,8 +16,8 @@ def read_generations(
 ) -> list[Generation]:
     """Rebuild `Generation` records (attention when stored; trajectories when asked) for scorers."""
     maps_meta = store.metadata().set_index("id")
-    tables = {
-        name: store.read_latest(name)
+    tables = {  # only the rows asked for: a long-form store's attention table holds gigabytes
+        name: store.read_latest(name, ids=ids)
         for name in ("generations", "attention") + (("trajectories",) if with_trajectories else ())
         if store.has_table(name)
     }
