@@ -50,6 +50,15 @@ def test_maps_round_trip_as_float16_with_exact_bytes(tmp_path):
     maps2, meta2 = store.load_maps(["d:4", "d:0"])
     assert meta2["id"].tolist() == ["d:4", "d:0"]
     np.testing.assert_array_equal(maps2[0], maps[4])
+    # a rerun of an id supersedes its earlier row; an unknown id is named
+    again = record(0, rng)
+    store.write_maps([again])
+    maps3, meta3 = store.load_maps(["d:1", "d:0"])
+    np.testing.assert_array_equal(maps3[1], again.map.astype(np.float16))
+    np.testing.assert_array_equal(maps3[0], maps[1])
+    assert meta3["id"].tolist() == ["d:1", "d:0"]
+    with pytest.raises(StoreError, match="d:9"):
+        store.load_maps(["d:0", "d:9"])
 
 
 def test_streaming_matches_full_load(tmp_path):

@@ -539,7 +539,9 @@ class MapStore:
 
     def load_maps(self, ids: Sequence[str] | None = None) -> tuple[np.ndarray, object]:
         """(maps (N, C, H, W) float16, metadata DataFrame) in the order of ``ids`` (or storage order)."""
-        table = self.read_table("maps")
+        # only the rows asked for, filtered as the shards are read (the last row of an id, as
+        # everywhere): a caller reading a big store 512 rows at a time reads 512 maps, not all
+        table = self.read_table("maps") if ids is None else self.read_latest("maps", ids=ids)
         if ids is not None:
             index = {key: i for i, key in enumerate(table.column("id").to_pylist())}
             missing = [key for key in ids if key not in index]
