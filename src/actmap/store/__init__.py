@@ -493,13 +493,13 @@ class MapStore:
         return bool(self.shards(table))
 
     def read_table(
-        self, table: str = "maps", columns: Sequence[str] | None = None, filter=None
+        self, table: str = "maps", columns: Sequence[str] | None = None, where=None
     ) -> pa.Table:
-        """``table``'s ``columns`` (all by default), the rows that match ``filter`` (a
+        """``table``'s ``columns`` (all by default), the rows that match ``where`` (a
         `pyarrow.compute` expression, applied as each shard is read)."""
         try:
             return self.dataset(table).to_table(
-                columns=list(columns) if columns else None, filter=filter
+                columns=list(columns) if columns else None, filter=where
             )
         except (pa.ArrowInvalid, OSError) as error:
             raise StoreError(
