@@ -17,11 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from actmap.data.splits import SPLITS, balanced_ids
 from actmap.errors import ActmapUserError
-from actmap.store import MapStore, latest_rows
+from actmap.store import MapStore
 
 BALANCE_SEED = 0
 
@@ -282,8 +281,8 @@ def balanced_subset(
             f"(it has {', '.join(have) or 'none'})"
         )
     balanced = balanced_splits(source, persist=False)
-    ids = pa.array(sorted(chain.from_iterable(balanced.values())), pa.string())
-    if not len(ids):
+    ids = list(chain.from_iterable(balanced.values()))
+    if not ids:
         raise ActmapUserError(
             f"{source.root} has no balanced rows (no split holds both a correct and a wrong "
             "labelled answer)"
@@ -294,8 +293,7 @@ def balanced_subset(
     written = {}
     try:
         for table in wanted:
-            # filtered as it is read: a big store's maps never sit in memory whole
-            kept = latest_rows(source.dataset(table).to_table(filter=pc.field("id").isin(ids)))
+            kept = source.read_latest(table, ids=ids)  # a big store's maps never sit whole
             subset.write_table(table, kept)
             written[table] = kept.num_rows
         subset.update_manifest(

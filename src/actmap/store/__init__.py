@@ -516,8 +516,10 @@ class MapStore:
         """``table`` with one row per id, the last written (see `latest_rows`); with ``ids``,
         only those rows, filtered as the shards are read (a big table never sits whole)."""
         wanted = None if columns is None else list(dict.fromkeys(["id", *columns]))
-        only = None if ids is None else pc.field("id").isin(pa.array(sorted(set(ids)), pa.string()))
-        return latest_rows(self.read_table(table, wanted, only))
+        where = None
+        if ids is not None:
+            where = pc.field("id").isin(pa.array(sorted(set(ids)), pa.string()))
+        return latest_rows(self.read_table(table, wanted, where))
 
     def ids(self, table: str = "maps") -> set[str]:
         if not self.has_table(table):
