@@ -110,6 +110,33 @@ def test_judging_up_to_a_total_stops_a_resumed_pass_there(summary_store, tmp_pat
     assert sorted(judged_labels(again)) == sorted(order[:6])
 
 
+def test_a_labelling_with_nothing_new_leaves_the_store_as_it_was(
+    summary_store, tmp_path, monkeypatch
+):
+    """A finished labelling called again rewrites no maps, so the store's manifest (what a
+    copy of it is checked against) stays the same; judgments committed by a pass killed
+    before its rewrite still reach the maps on the next call."""
+    out = tmp_path / "judged"
+    judge_store(summary_store, out, FirstWordJudge(), up_to=6)
+    manifest = (out / "manifest.json").read_text()
+    shards = MapStore.open(out).shards("maps")
+    again = judge_store(summary_store, out, FirstWordJudge(), up_to=6)
+    assert (out / "manifest.json").read_text() == manifest
+    assert again.shards("maps") == shards and all(shard.exists() for shard in shards)
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr("actmap.judging.write_labelled_copy", killed)
+        with pytest.raises(KeyboardInterrupt):
+            judge_store(summary_store, out, FirstWordJudge())  # judges the last four
+    assert len(judged_labels(MapStore.open(out))) == 10
+    assert MapStore.open(out).metadata()["label"].isna().sum() == 4  # maps not rewritten
+    resumed = judge_store(summary_store, out, FirstWordJudge())
+    assert resumed.metadata()["label"].notna().all() and resumed.shards("maps") != shards
+
+
 def test_a_lazy_judge_loads_only_when_a_summary_is_left_to_judge(summary_store, tmp_path):
     """A resumed labelling with nothing left answers without loading its judge; one with
     work loads it once, and a loaded judge under another name is refused."""

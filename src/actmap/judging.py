@@ -12,7 +12,8 @@ The judged store shares the source's side tables (links) and holds a ``judgments
 table: per summary the judge's name, threshold, sentences and support
 probabilities, and the label. Judgments are committed a batch at a time, so a
 killed pass continues where it stopped; at the end of every pass the store's
-maps are rewritten with the labels judged so far (rows not judged yet: None).
+maps are rewritten with the labels judged so far (rows not judged yet: None), unless
+they hold those labels already (a finished labelling called again changes nothing).
 Sentences are judged in order and a summary stops at its first unsupported
 sentence (the label is then known), as in ``summary_is_factual``.
 

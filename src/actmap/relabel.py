@@ -45,17 +45,30 @@ def write_labelled_copy(source: MapStore, store: MapStore, labels: dict[str, int
 
     Side tables are linked (or copied) once; ``splits`` and ``results`` are left out since
     they depend on the labels. Maps already in ``store`` are replaced, new shards first, so
-    an interrupted call never leaves the store without maps.
+    an interrupted call never leaves the store without maps. Maps that already hold these
+    rows and labels are left as they are: a repeated call changes nothing in the store.
     """
-    older = store.shards("maps")
-    for shard in source.shards("maps"):
-        table = pq.read_table(shard)
-        new = pa.array([labels.get(key) for key in table.column("id").to_pylist()], pa.int8())
-        store.write_table(
-            "maps", table.set_column(table.schema.get_field_index("label"), "label", new)
-        )
-    store.forget_shards("maps", older, unlink=True)
+    if not _holds_labelled_maps(source, store, labels):
+        older = store.shards("maps")
+        for shard in source.shards("maps"):
+            table = pq.read_table(shard)
+            new = pa.array([labels.get(key) for key in table.column("id").to_pylist()], pa.int8())
+            store.write_table(
+                "maps", table.set_column(table.schema.get_field_index("label"), "label", new)
+            )
+        store.forget_shards("maps", older, unlink=True)
     # labels changed: balanced rows and scores are made anew
     store.link_tables(
         source, skip=lambda name: name in ("maps", "splits") or name.startswith("results")
     )
+
+
+def _holds_labelled_maps(source: MapStore, store: MapStore, labels: dict[str, int | None]) -> bool:
+    """``store``'s maps are ``source``'s rows, in order, with ``labels`` already."""
+    if not store.has_table("maps"):
+        return False
+    ours = store.read_table("maps", ["id", "label"])
+    ids = source.read_table("maps", ["id"]).column("id").to_pylist()
+    return ours.column("id").to_pylist() == ids and ours.column("label").to_pylist() == [
+        labels.get(key) for key in ids
+    ]
