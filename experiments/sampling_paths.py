@@ -42,7 +42,9 @@ def prompt_copies(model, encoded: dict, n: int) -> tuple[dict, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("store", help="a store whose test rows have sampled answers")
-    parser.add_argument("--path", choices=("current", "warpers", "copies-warpers"))
+    parser.add_argument(
+        "--path", choices=("current", "warpers", "copies-warpers"), default="current"
+    )
     args = parser.parse_args()
     if args.path in ("warpers", "copies-warpers"):
         sampling._warpers = transformers_warpers
