@@ -23,7 +23,7 @@ import argparse
 from sklearn.metrics import roc_auc_score
 
 from actmap.baselines import sampling
-from actmap.baselines.eigenscore import eigenscore
+from actmap.baselines.eigenscore import EigenScore
 from actmap.baselines.inputs import StoreInputs
 from actmap.baselines.options import BaselineOptions
 from actmap.baselines.samples_table import read_samples, row_seed, sampling_request
@@ -62,15 +62,17 @@ def main() -> None:
         raise SystemExit(f"{len(missing)} test rows have no stored samples, e.g. {missing[0]}")
     model, tokenizer = inputs.generator()
     kwargs = {k: v for k, v in request.items() if k not in ("model", "seed")}
-    before, after, differ = [], [], 0
+    kept_sets, drawn_sets, differ = [], [], 0
     for key in test:
         prompt = inputs.meta.at[key, "prompt"]
         seed = row_seed(request["seed"], key)
         (drawn,) = sampling.sample_answers(model, tokenizer, [prompt], seed=seed, **kwargs)
         kept = stored[key][0]
         differ += [list(t) for t in drawn.token_ids] != [list(t) for t in kept.token_ids]
-        before.append(-eigenscore(kept.embeddings))
-        after.append(-eigenscore(drawn.embeddings))
+        kept_sets.append(kept)
+        drawn_sets.append(drawn)
+    before = EigenScore().score(kept_sets).confidence
+    after = EigenScore().score(drawn_sets).confidence
     labels = inputs.labels(test)
     print(f"{args.store}: {len(test)} test rows, {differ} drew other answers ({args.path})")
     print(
