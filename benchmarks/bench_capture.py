@@ -33,7 +33,7 @@ from actmap.capture import CaptureConfig
 from actmap.capture.generate import generate_batch, generate_plain
 from actmap.data.builtin import BuiltinArithmeticTask
 from actmap.experiments.cost import synchronize
-from actmap.models import load_model, load_tokenizer
+from actmap.llm.models import load_model, load_tokenizer
 
 SHAPES = {  # random-weight shapes: transformers LlamaConfig fields
     "llama-8b": dict(

@@ -25,7 +25,7 @@ import torch
 from actmap.capture import attention
 from actmap.capture.generate import generate_batch
 from actmap.capture.records import CaptureConfig
-from actmap.models import load_model
+from actmap.llm.models import load_model
 
 WORDS = (
     "the council said on tuesday that the new bridge over the river would open next spring".split()

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from actmap.baselines.judges import load_llm_judge
+from actmap.baselines.entailment import load_llm_judge
 
 QUESTION = "Which planet in our solar system has the most moons?"
 ANSWERS = ["Saturn", "Jupiter", "saturn", "Uranus", "The planet Saturn", "Neptune", "Jupiter's"]

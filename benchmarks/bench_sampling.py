@@ -25,7 +25,7 @@ import time
 import torch
 
 from actmap.baselines import sampling
-from actmap.models import load_model, stored_dtype
+from actmap.llm.models import load_model, stored_dtype
 from actmap.store import MapStore
 
 

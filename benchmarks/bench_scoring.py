@@ -45,7 +45,7 @@ from previous_vit import previous_training
 
 from actmap.detectors import create_detector
 from actmap.experiments.cost import time_calls
-from actmap.training import (
+from actmap.training.recipe import (
     TrainConfig,
     bf16_supported,
     predict_logits,

@@ -159,10 +159,10 @@ def added_latency(args, prompts: list[str], batch: int, repeats: int) -> dict:
     """Plain generation vs generation + capture + maps + detector, same prompts, interleaved."""
     import torch
 
-    from actmap.answer_features import scalars_of_generations
     from actmap.capture import CaptureConfig, generate_batch, generate_plain
-    from actmap.models import load_model
-    from actmap.serve.scoring import answer_maps, load_detector_run
+    from actmap.capture.answer_scalars import scalars_of_generations
+    from actmap.llm.models import load_model
+    from actmap.serve.loaded_run import answer_maps, load_detector_run
 
     model, tokenizer, _ = load_model(args.model)
     detector = load_detector_run(args.detector)

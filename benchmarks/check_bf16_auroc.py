@@ -24,8 +24,8 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from actmap.detectors import create_detector
-from actmap.experiments.runs import load_balanced
-from actmap.training import TrainConfig, predict_logits, train_detector
+from actmap.experiments.seeds import load_balanced
+from actmap.training.recipe import TrainConfig, predict_logits, train_detector
 
 
 def balanced_tensors(store: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

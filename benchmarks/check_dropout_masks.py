@@ -33,7 +33,7 @@ from previous_vit import torch_masks
 from sklearn.metrics import roc_auc_score
 
 from actmap.detectors import create_detector
-from actmap.training import TrainConfig, predict_logits, train_detector
+from actmap.training.recipe import TrainConfig, predict_logits, train_detector
 
 
 def main() -> None:

@@ -154,7 +154,7 @@ def embedded_gguf() -> Path:
     """The embedded default model's GGUF file: from the installed wheel, else fetched by
     ``../shared/models/get-model``; skips only when neither can provide it."""
     pytest.importorskip("gguf")
-    from actmap.models import DEFAULT_MODEL, resolve_model
+    from actmap.llm.models import DEFAULT_MODEL, resolve_model
 
     try:
         source = resolve_model(DEFAULT_MODEL)
@@ -185,7 +185,7 @@ def embedded_tokenizer(embedded_gguf):
 @pytest.fixture(scope="session")
 def smollm2(embedded_gguf):
     """The real embedded default model (a few seconds once de-quantized and cached)."""
-    from actmap.models import load_model
+    from actmap.llm.models import load_model
 
     return load_model(str(embedded_gguf))
 
@@ -219,8 +219,8 @@ class EndingSession:
 def ending_session(monkeypatch) -> EndingSession:
     """Detector fits that checkpoint every epoch and can be killed mid-training (a session
     that ends), counting the seeds and epochs each call trains."""
-    import actmap.experiments.runs as runs
-    from actmap import training
+    import actmap.experiments.seeds as runs
+    from actmap.training import recipe as training
 
     state = EndingSession()
     real_fit, real_epoch = runs.CorrectnessDetector.fit, training.train_one_epoch

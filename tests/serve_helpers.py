@@ -8,11 +8,11 @@ import numpy as np
 from conftest import make_tiny_llama, make_word_tokenizer
 
 from actmap.detectors.base import CorrectnessDetector
-from actmap.models import ModelSource
+from actmap.llm.models import ModelSource
 from actmap.serve.engine import Engine
+from actmap.serve.loaded_run import load_detector_run
 from actmap.serve.policy import Policy
-from actmap.serve.scoring import load_detector_run
-from actmap.training import TrainConfig
+from actmap.training.recipe import TrainConfig
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 TINY_SOURCE = ModelSource("tiny-llama", "memory", None, "test")
@@ -32,7 +32,7 @@ def save_tiny_detector(folder: Path, seed: int = 0) -> Path:
 def save_tiny_plus(folder: Path, seed: int = 0) -> Path:
     """An actmap-plus (4 map components + the six scalars) fitted on random maps whose label
     follows the scalars: a real scorer that reads both inputs."""
-    from actmap.answer_features import SCALAR_NAMES
+    from actmap.capture.answer_scalars import SCALAR_NAMES
     from actmap.detectors.plus import ActMapPlus, PlusConfig
 
     rng = np.random.default_rng(seed)
@@ -86,8 +86,8 @@ def reference(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS, n_token
     """(generation, raw p(correct)) by capture + map (+ the answer's scalars when the served
     detector reads them) + the detector called directly, outside the server; with
     ``n_tokens``, p of the answer's first n tokens."""
-    from actmap.answer_features import answer_scalars
     from actmap.capture import CaptureConfig, generate_with_capture
+    from actmap.capture.answer_scalars import answer_scalars
     from actmap.maps import build_map, to_float16
 
     config = CaptureConfig(max_new_tokens=max_tokens, max_context=engine.max_context)

@@ -32,7 +32,7 @@ from actmap.baselines.actvit import (
 )
 from actmap.baselines.base import BaselineUnavailable
 from actmap.capture.records import Generation
-from actmap.scoring import ScoreResult
+from actmap.scoring.contract import ScoreResult
 
 torch.set_num_threads(1)
 

@@ -172,7 +172,7 @@ def test_teacher_forced_logprobs_and_entropies_match_capture(tiny_model_and_toke
 
 @pytest.mark.parametrize("name", sorted(BASELINES))
 def test_every_registered_class_declares_its_inputs(name):
-    from actmap.scoring import INPUTS, row_input
+    from actmap.scoring.contract import INPUTS, row_input
 
     cls = baseline_class(name)
     if name == "permuted_label":  # reads what its inner scorer reads

@@ -14,17 +14,17 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 
 from actmap.baselines import runner
 from actmap.baselines.actvit import ACTViTConfig
-from actmap.baselines.judges import ENTAILMENT, NEUTRAL
+from actmap.baselines.entailment import ENTAILMENT, NEUTRAL
 from actmap.baselines.runner import BaselineOptions, resolve_methods, run_baselines
 from actmap.baselines.samples_table import SAMPLES_TABLE, decode_embeddings
 from actmap.capture import CaptureConfig
 from actmap.capture.run import run_capture, store_config
 from actmap.data.base import Example
+from actmap.llm.models import ModelSource
 from actmap.maps import MapConfig
-from actmap.models import ModelSource
-from actmap.report.compare import compare_methods, format_table
-from actmap.rows import balanced_splits
+from actmap.report.side_by_side import compare_methods, format_table
 from actmap.store import MapStore, encode_array
+from actmap.store.rows import balanced_splits
 
 WORDS = "what is the capital of the river red blue green one two three four five".split()
 SOURCE = ModelSource("tiny", "tiny", None, "0")
@@ -378,7 +378,7 @@ def test_a_toy_baseline_runs_by_one_registration(captured, tmp_path, monkeypatch
     """A new method needs its class and one registration; the runner provides, fits, scores
     and writes it like the built-in ones."""
     from actmap.baselines import registry
-    from actmap.scoring import ScoreResult
+    from actmap.scoring.contract import ScoreResult
 
     monkeypatch.setattr(registry, "BASELINES", dict(registry.BASELINES))
 

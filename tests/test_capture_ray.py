@@ -80,7 +80,7 @@ def test_two_ray_workers_killed_and_resumed_write_the_rows_and_maps_of_the_local
 ):
     """One Ray run dies after two committed batches, a second finishes it: every id once,
     and the rows and maps are those the local engine writes for the same prompts."""
-    from actmap.models import load_model
+    from actmap.llm.models import load_model
 
     task = WordTask(30)
     distributed = new_store(tmp_path / "ray", task)

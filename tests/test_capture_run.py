@@ -15,8 +15,8 @@ from conftest import ListTask
 from actmap.capture import CaptureConfig, generate_with_capture
 from actmap.capture.run import run_capture, store_config
 from actmap.data.base import Example
+from actmap.llm.models import ModelSource
 from actmap.maps import MapConfig, build_map
-from actmap.models import ModelSource
 from actmap.store import MapStore
 from actmap.store.generations import read_generations
 

@@ -15,10 +15,10 @@ from actmap.capture import CaptureConfig
 from actmap.capture.run import run_capture, store_config
 from actmap.cli import app
 from actmap.data.base import Example
+from actmap.llm.models import ModelSource
 from actmap.maps import MapConfig
-from actmap.models import ModelSource
-from actmap.rows import balanced_splits
 from actmap.store import MapStore
+from actmap.store.rows import balanced_splits
 
 SOURCE = ModelSource("tiny", "tiny", None, "0")
 WORDS = "what is the capital of the river red blue green one two three".split()

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from actmap.cli import app
 from actmap.serve.audit import AuditTrail
+from actmap.serve.loaded_run import load_detector_run
 from actmap.serve.policy import load_policy, threshold_for_risk
-from actmap.serve.scoring import load_detector_run
 from actmap.store import MapRecord, MapStore
 
 runner = CliRunner()
@@ -88,9 +88,9 @@ def test_policy_fit_matches_the_risk_coverage_curve(trained, tmp_path):
     # calibrated (default): the temperature minimises the NLL on the balanced validation rows
     calibrated = runner.invoke(app, [*args, "--target-risk", "0.5"])
     assert calibrated.exit_code == 0, calibrated.output
-    from actmap.metrics import fit_temperature
-    from actmap.prior import logit
-    from actmap.rows import balanced_splits
+    from actmap.scoring.metrics import fit_temperature
+    from actmap.scoring.prior import logit
+    from actmap.store.rows import balanced_splits
 
     balanced = balanced_splits(opened)["validation"]
     bmaps, bmeta = opened.load_maps(balanced)

@@ -70,12 +70,12 @@ def test_verify_and_repair_commands_name_damage_and_what_a_resume_redoes(tmp_pat
 def test_capture_checks_the_store_before_loading_the_model(tmp_path, tiny_model_dir, monkeypatch):
     store = tmp_path / "store"
     assert runner.invoke(app, capture_args(tmp_path, tiny_model_dir, store)).exit_code == 0
-    import actmap.models
+    import actmap.llm.models
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the store's config was checked")
 
-    monkeypatch.setattr(actmap.models, "load_model", no_load)
+    monkeypatch.setattr(actmap.llm.models, "load_model", no_load)
     other = capture_args(tmp_path, tiny_model_dir, store, "--keep-trajectories")
     refused = runner.invoke(app, other)
     assert refused.exit_code == 2, refused.output
@@ -96,19 +96,19 @@ def test_a_finished_capture_resumes_without_its_model_only_when_nothing_is_left(
 ):
     """Relaunching a queue walks captures that are done: they need no model load. A store
     with examples left, or one asked for with another model, loads the model as always."""
-    import actmap.models
+    import actmap.llm.models
 
     store = tmp_path / "store"
     args = capture_args(tmp_path, tiny_model_dir, store)
     assert runner.invoke(app, args).exit_code == 0
     runs = len(MapStore.open(store).manifest["runs"])
-    loads, real_load = [], actmap.models.load_model
+    loads, real_load = [], actmap.llm.models.load_model
 
     def counted_load(*a, **kw):
         loads.append(a[0])
         return real_load(*a, **kw)
 
-    monkeypatch.setattr(actmap.models, "load_model", counted_load)
+    monkeypatch.setattr(actmap.llm.models, "load_model", counted_load)
     again = runner.invoke(app, args)
     assert again.exit_code == 0 and "nothing to capture" in again.output and loads == []
     assert len(MapStore.open(store).manifest["runs"]) == runs  # no empty run logged

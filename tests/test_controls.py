@@ -12,7 +12,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
 from actmap.baselines.controls import AnswerLengthPredictor, PermutedLabelControl, length_features
-from actmap.scoring import ScoreResult
+from actmap.scoring.contract import ScoreResult
 
 
 @dataclass
@@ -121,7 +121,7 @@ def length_rows(rng, n, shape=(2, 4, 8)):
     """Correct answers are short (2-5 tokens), wrong ones long (6-10); nothing else carries it."""
     from test_tad import random_gen  # the TAD tests' random generations
 
-    from actmap.comparison import Rows
+    from actmap.experiments.compare_product import Rows
 
     y = rng.integers(0, 2, n)
     lengths = np.where(y == 1, rng.integers(2, 6, n), rng.integers(6, 11, n))
@@ -177,8 +177,8 @@ def test_permuted_tad_keeps_the_choices_made_on_real_labels(length_store):
 
 
 def test_permuted_actmap_plus_falls_to_chance_where_length_predicts_the_label(length_store):
-    from actmap.comparison import PlusScorer
     from actmap.detectors.plus import PlusConfig
+    from actmap.experiments.compare_product import PlusScorer
 
     (_, tr, ytr), (_, va, yva), (_, te, yte) = length_store
     grid = [PlusConfig(n_components=4, n_strengths=4), PlusConfig(n_components=0, n_strengths=4)]
@@ -197,8 +197,8 @@ def test_permuted_actmap_plus_falls_to_chance_where_length_predicts_the_label(le
 def test_from_fitted_shares_one_real_label_fit_and_scores_as_the_full_control(length_store):
     """Choices taken from a scorer already fit on the real labels: the same control, cheaper."""
     from actmap.baselines.tad import TAD
-    from actmap.comparison import PlusScorer
     from actmap.detectors.plus import PlusConfig
+    from actmap.experiments.compare_product import PlusScorer
 
     (tr, str_, ytr), (va, sva, yva), (te, ste, yte) = length_store
     grid = [PlusConfig(n_components=4, n_strengths=4), PlusConfig(n_components=0, n_strengths=4)]

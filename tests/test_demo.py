@@ -22,7 +22,7 @@ ARGS = ["--questions", "100", "--seeds", "42", "--max-epochs", "3", "--overhead-
 
 @pytest.mark.real_model
 def test_demo_runs_end_to_end_on_the_embedded_model(embedded_gguf, tmp_path):
-    from actmap.models import resolve_model
+    from actmap.llm.models import resolve_model
 
     try:
         resolve_model()  # the demo loads the embedded model from its wheel, by name

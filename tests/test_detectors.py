@@ -20,7 +20,7 @@ from actmap.detectors import (
 )
 from actmap.detectors.mlp import mlp_parameters
 from actmap.detectors.vit import Attention, drop_path, dropout, dropout_mask
-from actmap.training import TrainConfig, predict_logits
+from actmap.training.recipe import TrainConfig, predict_logits
 
 PAPER_TOTAL = 2_401_985
 IN_FEATURES = 12 * 32 * 128  # 49,152
@@ -421,7 +421,7 @@ def test_predict_rejects_wrong_map_shape(fitted):
 
 
 def test_float16_to_bfloat16_staging_equals_the_direct_cast(monkeypatch):
-    import actmap.training as training
+    import actmap.training.recipe as training
 
     monkeypatch.setattr(training, "_STAGING_ELEMENTS", 1000)  # several slices and a short last one
     values = torch.randn(3, 12, 8, 16) * torch.logspace(-9, 4, 16)  # subnormal .. large
@@ -453,7 +453,7 @@ def test_bf16_scoring_from_float16_equals_a_direct_bf16_forward():
 def test_a_loaded_detector_scores_through_the_compile_mode_it_is_given(
     fitted, tmp_path, monkeypatch
 ):
-    import actmap.training as training
+    import actmap.training.recipe as training
 
     det, test_maps, _ = fitted
     modes = []
@@ -472,7 +472,7 @@ def test_a_loaded_detector_scores_through_the_compile_mode_it_is_given(
 
 
 def test_compiled_scoring_pads_to_one_shape_and_falls_back_to_eager(monkeypatch, caplog):
-    import actmap.training as training
+    import actmap.training.recipe as training
 
     torch.manual_seed(0)
     model = create_detector("vit", depth=1, dim=32, heads=2, readout_hidden=8).eval()
@@ -515,7 +515,7 @@ def test_compiled_scoring_pads_to_one_shape_and_falls_back_to_eager(monkeypatch,
         return forward
 
     monkeypatch.setattr(torch, "compile", failing_compile)
-    with caplog.at_level("WARNING", logger="actmap.training"):
+    with caplog.at_level("WARNING", logger="actmap.training.recipe"):
         got = predict_logits(other, maps16, batch_size=4, compile=True)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert "torch.compile failed (RuntimeError: no backend here); running eagerly" in caplog.text

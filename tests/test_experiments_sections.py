@@ -13,7 +13,6 @@ from experiment_helpers import synthetic_store
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
-from actmap import metrics
 from actmap.experiments.ablations import AblationConfig, _Inputs, _map_variant, run_ablations
 from actmap.experiments.calibration import (
     CalibrationConfig,
@@ -37,10 +36,11 @@ from actmap.experiments.localization import (
     integrated_gradients,
     localize,
 )
-from actmap.experiments.runs import LabeledMaps, recipe_config
-from actmap.intervals import auroc_rows, bootstrap, paired_bootstrap, resample_indices
+from actmap.experiments.seeds import LabeledMaps, recipe_config
 from actmap.maps import LAST_TOKEN_CHANNELS, MapConfig, build_map
-from actmap.prior import sigmoid
+from actmap.scoring import metrics
+from actmap.scoring.intervals import auroc_rows, bootstrap, paired_bootstrap, resample_indices
+from actmap.scoring.prior import sigmoid
 from actmap.store.derived import read_arrays
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from actmap.intervals import bootstrap, paired_bootstrap
+from actmap.scoring.intervals import bootstrap, paired_bootstrap
 
 
 def data(n=80, seed=1):
@@ -81,8 +81,8 @@ def test_mismatched_rows_are_refused():
 def test_row_metrics_equal_the_scalar_metric_on_every_row():
     from sklearn.metrics import average_precision_score
 
-    from actmap import metrics
-    from actmap.intervals import auprc_rows, auroc_rows, ece_rows
+    from actmap.scoring import metrics
+    from actmap.scoring.intervals import auprc_rows, auroc_rows, ece_rows
 
     rng = np.random.default_rng(7)
     y = rng.integers(0, 2, (120, 25))
@@ -111,7 +111,7 @@ def test_row_metrics_equal_the_scalar_metric_on_every_row():
 def test_auprc_and_ece_intervals_match_a_direct_loop(name, monkeypatch):
     """The vectorised AUPRC / ECE bootstrap (unpaired, paired, seeds) against a loop calling
     the scalar metric on each resample; a small chunk makes the helper work in pieces."""
-    from actmap import intervals, metrics
+    from actmap.scoring import intervals, metrics
 
     monkeypatch.setattr(intervals, "ROW_CHUNK", 1000)
     metric = getattr(metrics, name)
@@ -137,15 +137,15 @@ def test_auprc_and_ece_intervals_match_a_direct_loop(name, monkeypatch):
 
 
 def test_ece_interval_refuses_scores_that_are_not_probabilities():
-    from actmap import metrics
+    from actmap.scoring import metrics
 
     with pytest.raises(ValueError, match="probs must lie in"):
         bootstrap(np.array([0.2, 1.5, 0.3, 0.9]), np.array([0, 1, 0, 1]), metrics.ece)
 
 
 def test_risk_coverage_rows_and_their_intervals_equal_the_scalar_metric_loop():
-    from actmap import metrics
-    from actmap.intervals import (
+    from actmap.scoring import metrics
+    from actmap.scoring.intervals import (
         coverage_at_risk_metric,
         coverage_at_risk_rows,
         risk_at_coverage_metric,

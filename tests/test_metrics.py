@@ -1,4 +1,4 @@
-"""actmap.metrics against sklearn, naive loops and hand-computed values."""
+"""actmap.scoring.metrics against sklearn, naive loops and hand-computed values."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import average_precision_score, roc_auc_score
 
-from actmap import metrics
+from actmap.scoring import metrics
 
 
 def naive_auroc(scores, labels) -> float:
@@ -162,7 +162,7 @@ def test_ece_rejects_probabilities_outside_unit_interval():
 
 
 def test_natural_ece_raw_and_prior_corrected_by_hand():
-    from actmap.metrics import natural_ece
+    from actmap.scoring.metrics import natural_ece
 
     labels = np.array([1, 0, 0, 0, 0] * 4)  # 20% correct
     probs = np.full(20, 0.5)  # a balanced detector that knows nothing

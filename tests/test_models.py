@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from actmap import models
+from actmap.llm import models
 
 
 def test_a_gguf_digest_is_read_once_until_the_file_changes(tmp_path):

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from actmap.cli import app
 from actmap.errors import ActmapUserError
 from actmap.monitor import MonitorConfig, ShiftMonitor, layer_profiles
-from actmap.monitor.runs import alarm_rates, window_rows
+from actmap.monitor.on_run import alarm_rates, window_rows
 from actmap.store import MapRecord, MapStore
 
 SHAPE = (3, 8, 16)  # (C, H, W): small maps, the monitor reads any shape

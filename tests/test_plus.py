@@ -13,9 +13,9 @@ from sklearn.linear_model import LogisticRegressionCV
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import StratifiedKFold
 
-from actmap.answer_features import SCALAR_NAMES, answer_scalars
+from actmap.capture.answer_scalars import SCALAR_NAMES, answer_scalars
 from actmap.detectors.plus import ActMapPlus, PlusConfig
-from actmap.prior import logit
+from actmap.scoring.prior import logit
 
 SHAPE = (3, 4, 8)  # small maps: 96 values
 
@@ -159,7 +159,7 @@ def test_load_detector_opens_either_kind(tmp_path):
     from dataclasses import replace
 
     from actmap.detectors import CorrectnessDetector, load_detector
-    from actmap.training import TrainConfig
+    from actmap.training.recipe import TrainConfig
 
     maps, y, scalars = synthetic(n=64)
     ActMapPlus(PlusConfig(n_components=3, n_strengths=2)).fit(maps, y, scalars).save(tmp_path / "p")

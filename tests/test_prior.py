@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actmap.metrics import ece
-from actmap.prior import em_prevalence, shift_to_prevalence
+from actmap.scoring.metrics import ece
+from actmap.scoring.prior import em_prevalence, shift_to_prevalence
 
 
 def bayes_shift(p, pi, pi_t):

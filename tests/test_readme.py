@@ -35,7 +35,7 @@ def test_the_sections_have_the_blocks_this_test_runs():
 
 def test_predict_proba_takes_a_list_an_array_or_a_tensor():
     from actmap.detectors import CorrectnessDetector
-    from actmap.training import TrainConfig
+    from actmap.training.recipe import TrainConfig
 
     rng = np.random.default_rng(0)
     maps = rng.standard_normal((12, 12, 32, 128)).astype(np.float32)

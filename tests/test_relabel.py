@@ -11,8 +11,8 @@ from actmap.capture import CaptureConfig
 from actmap.capture.run import run_capture
 from actmap.data.base import Example
 from actmap.data.labels import alias_contained, qa_correct
-from actmap.models import ModelSource
-from actmap.relabel import relabel_store
+from actmap.labelling.relabel import relabel_store
+from actmap.llm.models import ModelSource
 from actmap.store import MapStore, StoreError
 
 SOURCE = ModelSource("tiny", "tiny", None, "0")

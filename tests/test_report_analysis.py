@@ -12,7 +12,7 @@ from experiment_helpers import synthetic_store
 
 from actmap.experiments import common
 from actmap.experiments.ablations import AblationConfig, run_ablations
-from actmap.experiments.runs import recipe_config, train_on_store
+from actmap.experiments.seeds import recipe_config, train_on_store
 from actmap.report.assemble import build_report
 from actmap.report.inputs import store_refs
 from actmap.report.parts import ablations, calibration, learning_curve, localization
@@ -145,7 +145,7 @@ def test_calibration_shows_baselines_not_controls(tmp_path):
     refit, answer length) is left out even with the highest test AUROC."""
     from test_report_in_domain import write_result
 
-    from actmap.rows import rows_to_score
+    from actmap.store.rows import rows_to_score
 
     root = synthetic_store(tmp_path / "s", signal=2.0).root
     store = MapStore.open(root)

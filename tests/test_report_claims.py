@@ -23,7 +23,7 @@ from actmap.experiments.claims import (
 from actmap.experiments.cost import CaptureCost
 from actmap.experiments.in_domain import Cell, InDomainColumn, InDomainMatrix, Paired
 from actmap.experiments.transfer import TransferResult, TransferRow
-from actmap.intervals import Interval
+from actmap.scoring.intervals import Interval
 
 
 def iv(estimate, low, high, n=50):

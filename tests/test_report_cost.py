@@ -24,8 +24,8 @@ from actmap.report.assemble import build_report
 from actmap.report.inputs import store_refs
 from actmap.report.parts import cost, in_domain
 from actmap.report.sections import ReportContext
-from actmap.rows import rows_to_score
 from actmap.store import MapStore
+from actmap.store.rows import rows_to_score
 
 
 class Sleeper(torch.nn.Module):
@@ -66,10 +66,10 @@ def test_storage_and_training_costs_are_the_recorded_ones(tmp_path, monkeypatch)
     history = [{"epoch_time_s": 1.5}, {"epoch_time_s": 2.0}]
     (run / "history.json").write_text(json.dumps(history))
     (run / "config.json").write_text(json.dumps({"detector": "mlp", "train_config": {}}))
-    from actmap.runs import RunFolder
+    from actmap.training.run_folder import RunFolder
 
     folder = RunFolder(tmp_path / "run", "mlp", {}, {1: run})
-    monkeypatch.setattr("actmap.runs.read_run", lambda path: folder)
+    monkeypatch.setattr("actmap.training.run_folder.read_run", lambda path: folder)
     assert training_costs(tmp_path / "run", "s", "mlp").seconds_per_seed == [3.5]
 
 

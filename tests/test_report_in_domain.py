@@ -17,8 +17,8 @@ from actmap.experiments.in_domain import (
     score_cell,
     store_column,
 )
-from actmap.rows import rows_to_score
 from actmap.store import MapStore
+from actmap.store.rows import rows_to_score
 
 
 def loop_interval(statistic, y, n_resamples, seed=0):
@@ -120,7 +120,7 @@ def test_every_method_lands_in_the_paper_family_of_its_table():
 
 def test_a_detector_named_actmap_something_keeps_one_prefix(tmp_path):
     """actmap-plus runs are listed as "actmap-plus", the paper's detectors as "actmap-<name>"."""
-    from actmap.runs import method_name
+    from actmap.training.run_folder import method_name
 
     assert [method_name(d) for d in ("mlp", "vit", "actmap-plus")] == [
         "actmap-mlp",

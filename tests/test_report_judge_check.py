@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 from report_stores import synthetic_store
-from test_judging import OverlapJudge, article_rows
+from test_judge_pass import OverlapJudge, article_rows
 from test_report_in_domain import write_result
 from typer.testing import CliRunner
 
@@ -15,10 +15,10 @@ from actmap.artifacts import write_json
 from actmap.cli import app
 from actmap.errors import ActmapUserError
 from actmap.experiments.reproduce import config_from_dict
-from actmap.judging import CHECK_RESULT, claim_pairs, judge_check, read_judge_check
+from actmap.labelling.judge_pass import CHECK_RESULT, claim_pairs, judge_check, read_judge_check
 from actmap.report.inputs import read_judge_checks
-from actmap.rows import rows_to_score
 from actmap.store import MapStore
+from actmap.store.rows import rows_to_score
 
 
 def checked(folder, judge=None):

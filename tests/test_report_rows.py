@@ -13,9 +13,9 @@ from sklearn.metrics import roc_auc_score
 from typer.testing import CliRunner
 
 from actmap.cli import app
-from actmap.experiments.runs import frozen_scores
-from actmap.rows import balanced_splits, rows_to_score
+from actmap.experiments.seeds import frozen_scores
 from actmap.store import MapStore
+from actmap.store.rows import balanced_splits, rows_to_score
 
 
 def snapshot(root):

@@ -11,10 +11,10 @@ from report_stores import synthetic_store
 from sklearn.metrics import roc_auc_score
 from test_report_rows import snapshot
 
-from actmap.experiments.runs import frozen_scores
+from actmap.experiments.seeds import frozen_scores
 from actmap.experiments.transfer import StoreInfo, detectors_from_runs, pooled_run, transfer_rows
-from actmap.rows import rows_fingerprint
 from actmap.store import MapStore
+from actmap.store.rows import rows_fingerprint
 
 
 def test_transfer_rows_kinds_values_and_read_only_targets(tmp_path):

@@ -97,7 +97,7 @@ def test_lost_stage_markers_keep_the_copy_and_its_finished_work(
     """With the state folder gone (a slip, a bad clean-up) the copy still holds the source's
     rows: it is kept, not linked again, so no baseline is scored again and no seed retrained.
     A copy of other rows is linked again."""
-    import actmap.experiments.runs as runs
+    import actmap.experiments.seeds as runs
     from actmap.baselines import runner
 
     config = tiny_config(
@@ -151,8 +151,8 @@ def test_a_source_that_grew_retrains_its_detectors_even_after_a_killed_call(
     from actmap.baselines import runner
     from actmap.cli.reproduce import run_capture_command
     from actmap.experiments.reproduce import plan
-    from actmap.rows import balanced_splits
     from actmap.store import MapStore
+    from actmap.store.rows import balanced_splits
 
     config = tiny_config(
         tmp_path, tiny_model_dir, seeds=[1], name="tiny", baselines=["answer_length"],

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from actmap.cli import app
 from actmap.errors import ActmapUserError
-from actmap.runs import read_run
+from actmap.training.run_folder import read_run
 
 runner = CliRunner()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from actmap.baselines.base import BaselineUnavailable
-from actmap.baselines.judges import CONTRADICTION, ENTAILMENT, NEUTRAL
+from actmap.baselines.entailment import CONTRADICTION, ENTAILMENT, NEUTRAL
 from actmap.baselines.sampling import SampleSet, SamplingConfig
 from actmap.baselines.semantic_entropy import (
     SemanticEntropy,

@@ -19,7 +19,7 @@ from serve_helpers import (  # noqa: E402
 )
 
 from actmap.maps import build_map, to_float16  # noqa: E402
-from actmap.prior import shift_to_prevalence  # noqa: E402
+from actmap.scoring.prior import shift_to_prevalence  # noqa: E402
 from actmap.serve.policy import Policy, PriorSetting, decide  # noqa: E402
 
 PROMPT = "what is the capital of paris"
@@ -312,7 +312,7 @@ def test_served_answers_land_in_the_audit_store_and_rescore_exactly(run, tmp_pat
     import hashlib
 
     from actmap.serve.audit import AuditTrail, open_audit_store, read_audit, rescore
-    from actmap.serve.scoring import load_detector_run
+    from actmap.serve.loaded_run import load_detector_run
 
     root = tmp_path / "audit"
 
@@ -349,7 +349,7 @@ def test_served_answers_land_in_the_audit_store_and_rescore_exactly(run, tmp_pat
 
 
 def test_em_prior_follows_the_recent_scores(run):
-    from actmap.prior import em_prevalence
+    from actmap.scoring.prior import em_prevalence
     from actmap.serve.engine import PrevalenceTracker
 
     tracker = PrevalenceTracker(PriorSetting("em", em_window=4, em_min_scores=3))

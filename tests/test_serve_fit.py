@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from test_cli_serve import imbalanced_store
 
-from actmap.metrics import ece
-from actmap.prior import em_prevalence, shift_to_prevalence
+from actmap.scoring.metrics import ece
+from actmap.scoring.prior import em_prevalence, shift_to_prevalence
 from actmap.serve.fit import (
     NaturalScores,
     balanced_scores,
@@ -95,7 +95,7 @@ def test_temperature_first_then_shift():
 
 
 def test_balanced_scores_are_the_stored_balanced_rows(tmp_path):
-    from actmap.rows import balanced_splits
+    from actmap.store.rows import balanced_splits
 
     store = imbalanced_store(tmp_path / "s", n=120)
     scores = balanced_scores(store, ChannelDetector(), "validation")

@@ -19,8 +19,8 @@ from serve_helpers import (  # noqa: E402
 )
 
 import actmap.serve.engine as engine_module  # noqa: E402
-from actmap.answer_features import answer_scalars  # noqa: E402
 from actmap.capture import CaptureConfig  # noqa: E402
+from actmap.capture.answer_scalars import answer_scalars  # noqa: E402
 from actmap.detectors.plus import ActMapPlus  # noqa: E402
 from actmap.errors import ActmapUserError  # noqa: E402
 from actmap.maps import build_map, to_float16  # noqa: E402
@@ -98,7 +98,7 @@ def test_capture_is_grey_box_exactly_when_the_detector_reads_scalars(
 
 def test_audit_rescore_reproduces_actmap_plus_scores(plus_run, tmp_path):
     from actmap.serve.audit import AuditTrail, open_audit_store, rescore
-    from actmap.serve.scoring import load_detector_run
+    from actmap.serve.loaded_run import load_detector_run
 
     root = tmp_path / "audit"
     factory = lambda: tiny_engine(plus_run, audit=AuditTrail(root, flush_interval_s=0.05))  # noqa: E731
@@ -129,8 +129,8 @@ def captured(tmp_path_factory, tiny_llama, word_tokenizer):
     from test_baselines_runner import SOURCE, AlternatingTask
 
     from actmap.capture.run import run_capture, store_config
-    from actmap.comparison import store_rows
     from actmap.detectors.plus import PlusConfig
+    from actmap.experiments.compare_product import store_rows
     from actmap.maps import MapConfig
     from actmap.store import MapStore
 
@@ -151,9 +151,9 @@ def captured(tmp_path_factory, tiny_llama, word_tokenizer):
 def test_policy_fit_and_running_auroc_read_the_stores_scalars(captured):
     from sklearn.metrics import roc_auc_score
 
-    from actmap.answer_features import scalars_from_store
+    from actmap.capture.answer_scalars import scalars_from_store
     from actmap.serve.fit import balanced_scores, natural_scores
-    from actmap.serve.scoring import load_detector_run
+    from actmap.serve.loaded_run import load_detector_run
     from actmap.serve.streaming import running_auroc
     from actmap.store import decode_array
     from actmap.store.generations import read_generations

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from actmap.prior import shift_to_prevalence
+from actmap.scoring.prior import shift_to_prevalence
 from actmap.serve.policy import (
     Policy,
     PriorSetting,

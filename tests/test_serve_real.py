@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from actmap.capture import CaptureConfig, generate_with_capture
 from actmap.cli import app
 from actmap.maps import build_map, to_float16
-from actmap.serve.scoring import load_detector_run
+from actmap.serve.loaded_run import load_detector_run
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")

@@ -10,7 +10,7 @@ from serve_helpers import save_tiny_detector
 from sklearn.metrics import roc_auc_score
 
 from actmap.maps import MapConfig, build_map, to_float16
-from actmap.serve.scoring import load_detector_run, prefix_maps
+from actmap.serve.loaded_run import load_detector_run, prefix_maps
 from actmap.serve.streaming import default_positions, running_auroc
 from actmap.store import MapRecord, MapStore, encode_array
 

@@ -227,7 +227,7 @@ def test_manifest_updates_of_one_key_leave_the_rest(tmp_path):
 
 
 def test_split_fingerprint_hashes_ids_and_labels(tmp_path):
-    from actmap.rows import balanced_splits, rows_fingerprint
+    from actmap.store.rows import balanced_splits, rows_fingerprint
 
     rng = np.random.default_rng(7)
     store = MapStore.create(tmp_path, {})
@@ -274,7 +274,7 @@ def test_generations_are_read_through_the_store(tmp_path):
 def test_ablation_maps_become_a_store_that_training_reads(tmp_path):
     import torch
 
-    from actmap.experiments.runs import load_balanced
+    from actmap.experiments.seeds import load_balanced
     from actmap.maps import MapConfig, build_maps_from_list
     from actmap.store.derived import build_map_store
 

@@ -10,8 +10,8 @@ from test_cli import synthetic_store
 from typer.testing import CliRunner
 
 from actmap.cli import app
-from actmap.rows import balanced_splits, store_summary
 from actmap.store import MapRecord, MapStore
+from actmap.store.rows import balanced_splits, store_summary
 
 grid = np.zeros((12, 32, 128), dtype=np.float32)
 

@@ -8,11 +8,18 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from actmap import train_checkpoint, training
 from actmap.detectors import create_detector
-from actmap.experiments.runs import LabeledMaps, run_seeds
-from actmap.runs import checkpoint_path, prepare_run_folder, read_run
-from actmap.training import EarlyStopping, LoopState, TrainConfig, select_epoch, train_detector
+from actmap.experiments.seeds import LabeledMaps, run_seeds
+from actmap.training import checkpoint as train_checkpoint
+from actmap.training import recipe as training
+from actmap.training.recipe import (
+    EarlyStopping,
+    LoopState,
+    TrainConfig,
+    select_epoch,
+    train_detector,
+)
+from actmap.training.run_folder import checkpoint_path, prepare_run_folder, read_run
 
 SHAPE = (4, 8, 16)
 VIT = {"depth": 1, "dim": 16, "heads": 2, "readout_hidden": 8, "patch": (4, 4)}
@@ -120,7 +127,7 @@ def test_a_checkpoint_of_other_data_or_a_damaged_one_is_ignored(tmp_path, splits
         train(x, y, vx, vy, checkpoint=path, kill_after=1)
     other = (x, y, vx, 1 - vy)  # the validation labels differ
     seen = []
-    with caplog.at_level(logging.WARNING, logger="actmap.train_checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="actmap.training.checkpoint"):
         resumed = train(*other, checkpoint=path, seen=seen)
     assert "written for another run (differs in: data)" in caplog.text
     assert seen == list(range(CFG.max_epochs))
@@ -128,7 +135,7 @@ def test_a_checkpoint_of_other_data_or_a_damaged_one_is_ignored(tmp_path, splits
 
     path.write_bytes(b"not a safetensors file")
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="actmap.train_checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="actmap.training.checkpoint"):
         again = train(*other, checkpoint=path)
     assert "is not a readable checkpoint" in caplog.text
     assert_same_training(again, resumed)

@@ -13,10 +13,10 @@ import torch
 from scipy import stats
 from sklearn.metrics import roc_auc_score
 
-from actmap import training
 from actmap.detectors import CorrectnessDetector, create_detector
-from actmap.experiments.runs import LabeledMaps, run_seeds
-from actmap.training import (
+from actmap.experiments.seeds import LabeledMaps, run_seeds
+from actmap.training import recipe as training
+from actmap.training.recipe import (
     EarlyStopping,
     Rngs,
     TrainConfig,

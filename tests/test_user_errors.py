@@ -139,9 +139,9 @@ def test_missing_model_folder_fails_without_asking_the_hub(tmp_path, monkeypatch
 
 
 def test_unknown_hub_id_offline_fails_fast(tmp_path, monkeypatch):
-    import actmap.models
+    import actmap.llm.models
 
-    monkeypatch.setattr(actmap.models, "_hub_answers", lambda endpoint, timeout_s: False)
+    monkeypatch.setattr(actmap.llm.models, "_hub_answers", lambda endpoint, timeout_s: False)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "what is the capital"}\n')
     started = time.perf_counter()
@@ -163,11 +163,11 @@ def test_unknown_hub_id_offline_fails_fast(tmp_path, monkeypatch):
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ActmapUserError, match="offline"):
-        actmap.models.check_hub_reachable("no-org/no-model", "main")
+        actmap.llm.models.check_hub_reachable("no-org/no-model", "main")
 
 
 def test_hub_probe_answers_false_for_a_closed_port():
-    from actmap.models import _hub_answers
+    from actmap.llm.models import _hub_answers
 
     started = time.perf_counter()
     assert _hub_answers("http://127.0.0.1:9", 1.0) is False  # discard port, nothing listens
@@ -276,12 +276,12 @@ def test_debug_shows_the_traceback_of_a_user_error(tmp_path):
 
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
     """A ValueError that is not the user's (here: inside the run reader) is not hidden."""
-    import actmap.runs
+    import actmap.training.run_folder
 
     def broken(run):
         raise ValueError("a genuine bug")
 
-    monkeypatch.setattr(actmap.runs, "read_run", broken)
+    monkeypatch.setattr(actmap.training.run_folder, "read_run", broken)
     result = runner.invoke(app, ["evaluate", "--run", str(tmp_path)])
     assert result.exit_code == 1
     assert isinstance(result.exception, ValueError) and "genuine bug" in str(result.exception)

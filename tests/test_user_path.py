@@ -113,7 +113,7 @@ def test_own_prompts_then_existing_answers_end_to_end(tmp_path, smollm2):
     p = detector.predict_proba(maps_forced)
     assert p.shape == (len(lines),) and ((p >= 0) & (p <= 1)).all()
     transfer = json.loads((tmp_path / "t.json").read_text())
-    from actmap.rows import balanced_splits
+    from actmap.store.rows import balanced_splits
 
     test_ids = balanced_splits(MapStore.open(logged))["test"]
     test_maps, test_meta = MapStore.open(logged).load_maps(test_ids)

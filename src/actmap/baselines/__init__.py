@@ -2,8 +2,8 @@
 
 One module per family (``greybox``, ``ptrue``, ``rauq``, ``tad``, ``semantic_entropy``,
 ``eigenscore``, ``actvit``, ``controls``); `registry` names them all, and
-`actmap.baselines.runner` runs them on a map store; `actmap.report.compare` compares them.
-Every scorer honours `actmap.scoring`'s contract and declares what it reads.
+`actmap.baselines.runner` runs them on a map store; `actmap.report.side_by_side` compares them.
+Every scorer honours `actmap.scoring.contract`'s contract and declares what it reads.
 """
 
 from actmap.baselines.registry import (

@@ -42,8 +42,8 @@ from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
 from actmap.baselines.base import BaselineUnavailable
 from actmap.maps import DENSE_LAYER_GROUPS, PadMode, pool_layers
-from actmap.scoring import ScoreResult
-from actmap.training import (
+from actmap.scoring.contract import ScoreResult
+from actmap.training.recipe import (
     EpochOutcome,
     deterministic_torch,
     resolve_device,
@@ -456,7 +456,7 @@ class EpochStats:
 
 
 @dataclass(frozen=True)
-class SeedRun:
+class ActVitSeedRun:
     """One trained configuration at one seed, at its best-validation epoch."""
 
     seed: int
@@ -482,7 +482,7 @@ def train_config(
     device: str | torch.device | None = None,
     micro_batch: int | None = None,
     on_epoch: Callable[[int], None] | None = None,
-) -> SeedRun:
+) -> ActVitSeedRun:
     """Train one configuration with one seed; evaluate its best-validation checkpoint on test once.
 
     `train`, `val`, `test` are `(x (n, 8, 100, D), y (n,))` with y = 1 for correct.
@@ -561,7 +561,7 @@ def train_config(
             model.load_state_dict(best_state)
             test_scores = predict_proba(model, test.x, micro_batch, device)
             test_auroc = float(roc_auc_score(test.y, test_scores))
-    return SeedRun(
+    return ActVitSeedRun(
         seed, best_epoch, best_auroc, tuple(history), best_state, test_auroc, test_scores
     )
 
@@ -585,7 +585,7 @@ class SweepResult:
     grid: tuple[ConfigResult, ...]
     selected: ACTViTConfig
     n_params: int  # of the selected configuration
-    runs: tuple[SeedRun, ...]  # selection seed first
+    runs: tuple[ActVitSeedRun, ...]  # selection seed first
 
     @property
     def test_auroc_mean(self) -> float | None:
@@ -634,7 +634,7 @@ def _config_results(rows: list[dict]) -> tuple[ConfigResult, ...]:
     return tuple(ConfigResult(**{**g, "config": ACTViTConfig.from_dict(g["config"])}) for g in rows)
 
 
-def _save_run(run: SeedRun, config: ACTViTConfig, path: Path) -> dict:
+def _save_run(run: ActVitSeedRun, config: ACTViTConfig, path: Path) -> dict:
     """One seed's checkpoint (and test scores) as safetensors; returns its JSON record."""
     tensors = {f"state.{k}": v for k, v in run.state.items()}
     if run.test_scores is not None:
@@ -643,7 +643,7 @@ def _save_run(run: SeedRun, config: ACTViTConfig, path: Path) -> dict:
     return {**_save_meta(run), "file": path.name}
 
 
-def _save_meta(run: SeedRun) -> dict:
+def _save_meta(run: ActVitSeedRun) -> dict:
     return {
         "seed": run.seed,
         "best_epoch": run.best_epoch,
@@ -653,11 +653,11 @@ def _save_meta(run: SeedRun) -> dict:
     }
 
 
-def _load_run(record: dict, directory: Path) -> SeedRun:
+def _load_run(record: dict, directory: Path) -> ActVitSeedRun:
     tensors = load_file(str(directory / record["file"]))
     state = {k[len("state.") :]: v for k, v in tensors.items() if k.startswith("state.")}
     scores = tensors.get("test_scores")
-    return SeedRun(
+    return ActVitSeedRun(
         seed=record["seed"],
         best_epoch=record["best_epoch"],
         val_auroc=record["val_auroc"],
@@ -692,7 +692,7 @@ class SweepProgress:
         self.folder = Path(folder) / key
         self.path = self.folder / SWEEP_PROGRESS
 
-    def load(self) -> tuple[list[ConfigResult], SeedRun | None, int]:
+    def load(self) -> tuple[list[ConfigResult], ActVitSeedRun | None, int]:
         if not self.path.exists():
             return [], None, -1
         try:
@@ -707,7 +707,7 @@ class SweepProgress:
                 f"{self.path}: unreadable sweep progress ({err!r}); move it away"
             ) from None
 
-    def save(self, results: list[ConfigResult], best_run: SeedRun, best: int) -> None:
+    def save(self, results: list[ConfigResult], best_run: ActVitSeedRun, best: int) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         file = self.folder / f"best-config-{best}.safetensors"
         if not file.exists():
@@ -810,12 +810,12 @@ def run_sweep(
 
 def _score_test(
     config: ACTViTConfig,
-    run: SeedRun,
+    run: ActVitSeedRun,
     test: Any | None,
     d_model: int,
     device: Any,
     micro_batch: int | None = None,
-) -> SeedRun:
+) -> ActVitSeedRun:
     """The selection seed's checkpoint, scored once on test."""
     if test is None:
         return run

@@ -1,4 +1,4 @@
-"""What baselines share beyond the scoring contract (that lives in `actmap.scoring`)."""
+"""What baselines share beyond the scoring contract (that lives in `actmap.scoring.contract`)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from actmap.scoring import Scorer, ScoreResult
+from actmap.scoring.contract import Scorer, ScoreResult
 
 
 def answer_length(row: Any) -> int:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from actmap.baselines.sampling import check_same_sampling
-from actmap.scoring import ScoreResult, negate
+from actmap.scoring.contract import ScoreResult, negate
 
 COV_SCALES = ("unscaled", "d_minus_1")
 EIGEN_FLOOR = 1e-10  # LM-Polygraph's floor before the log

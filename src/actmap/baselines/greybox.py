@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from actmap.capture.records import Generation
-from actmap.scoring import ScoreResult, negate
+from actmap.scoring.contract import ScoreResult, negate
 
 EOS_LOGPROB = "eos_logprob"  # Generation.extras key: log p(EOS) at the stopping step
 EOS_ENTROPY = "eos_entropy"  # Generation.extras key: entropy at the stopping step

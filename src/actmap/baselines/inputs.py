@@ -23,7 +23,7 @@ from actmap.baselines.base import BaselineUnavailable
 from actmap.baselines.registry import baseline_class
 from actmap.baselines.samples_table import draw_samples, read_samples, sampling_request
 from actmap.data.splits import SPLITS
-from actmap.scoring import row_input
+from actmap.scoring.contract import row_input
 from actmap.store import MapStore, decode_array
 from actmap.store.generations import read_generations
 
@@ -148,7 +148,7 @@ class StoreInputs:
         return self._model, self._tokenizer
 
     def _load_generator(self) -> tuple[Any, Any]:
-        from actmap.models import load_model, stored_dtype
+        from actmap.llm.models import load_model, stored_dtype
 
         config = self.store.manifest.get("config", {})
         stored = config.get("model", {})
@@ -177,7 +177,7 @@ class StoreInputs:
 
     def entailment_judge(self):
         """The entailment judge behind a cache persisted to <store>/judge-cache.json."""
-        from actmap.baselines.judges import CachedJudge, load_llm_judge
+        from actmap.baselines.entailment import CachedJudge, load_llm_judge
 
         if self._judge is None:
             if self.options.judge is None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actmap.defaults import N_SAMPLES, SAMPLE_TEMPERATURE, SAMPLE_TOP_P
 from actmap.errors import ActmapUserError
-from actmap.generation import N_SAMPLES, SAMPLE_TEMPERATURE, SAMPLE_TOP_P
 
 ACTVIT_GRIDS = ("full", "small", "selected")
 
@@ -57,10 +57,10 @@ class BaselineOptions:
             raise ActmapUserError(f"actvit_micro_batch must be >= 1, got {self.actvit_micro_batch}")
         if self.score_chunk < 1 or self.samples_commit_every < 1:
             raise ActmapUserError("score_chunk and samples_commit_every must be >= 1")
-        from actmap.models import check_dtype
+        from actmap.llm.models import check_dtype
 
         check_dtype(self.judge_dtype)
-        from actmap.baselines.judges import JUDGE_PROMPTS
+        from actmap.baselines.entailment import JUDGE_PROMPTS
 
         if self.judge_prompt not in JUDGE_PROMPTS:
             raise ActmapUserError(

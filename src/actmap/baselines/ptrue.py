@@ -24,7 +24,7 @@ import torch
 
 from actmap.capture.generate import left_padded_positions
 from actmap.capture.records import Generation
-from actmap.scoring import ScoreResult
+from actmap.scoring.contract import ScoreResult
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from actmap.baselines.greybox import answer_steps
 from actmap.capture.records import Generation
-from actmap.scoring import ScoreResult, negate
+from actmap.scoring.contract import ScoreResult, negate
 
 
 def rauq_layers(n_layers: int) -> list[int]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from actmap.scoring import Scorer, row_input
+from actmap.scoring.contract import Scorer, row_input
 
 # name -> "module:Class" (imported on first use) or the class itself; the name equals the
 # class's ``name`` attribute. Adding a baseline: its module, and one entry here (or

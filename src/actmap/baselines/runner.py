@@ -2,18 +2,18 @@
 
     run_baselines(store, methods) -> results/<method> tables + manifest["results"][method]
 
-Rows: every method reads the identical balanced rows (`actmap.rows.balanced_splits`).
+Rows: every method reads the identical balanced rows (`actmap.store.rows.balanced_splits`).
 Unsupervised methods score the balanced test rows (``rows="all-balanced"``: every
 balanced row); supervised ones fit on the balanced train rows, select on the
 balanced validation rows and score the balanced test rows.
 
-Each scorer declares what it reads (``requires``, `actmap.scoring.INPUTS`);
+Each scorer declares what it reads (``requires``, `actmap.scoring.contract.INPUTS`);
 `actmap.baselines.inputs.StoreInputs` provides those, each read once per run.
 A result table holds ``id, split, confidence, raw`` (float64) plus any per-row
 details of the method (e.g. ACT-ViT's confidence per seed). A method whose
 results already cover the requested rows is skipped unless ``force``; a method
 that cannot run is reported with its reason and the others still run. Comparing
-methods is the report's job (`actmap.report.compare`).
+methods is the report's job (`actmap.report.side_by_side`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from actmap.baselines.options import BaselineOptions
 from actmap.baselines.registry import baseline_class, list_baselines
 from actmap.data.splits import SPLITS
 from actmap.errors import ActmapUserError
-from actmap.rows import balanced_splits
-from actmap.scoring import ScoreResult
+from actmap.scoring.contract import ScoreResult
 from actmap.store import MapStore
+from actmap.store.rows import balanced_splits
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from actmap.generation import SAMPLE_TOP_K, SHORT_MAX_NEW_TOKENS
+from actmap.defaults import SAMPLE_TOP_K, SHORT_MAX_NEW_TOKENS
 from actmap.store import MapStore, decode_array, encode_array, latest_rows
 
 SAMPLES_TABLE = "samples"

@@ -44,7 +44,7 @@ from actmap.capture.hooks import _first_tensor
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig
 from actmap.capture.stopping import check_stop_strings, cut_at_stop, stop_criteria
-from actmap.generation import (
+from actmap.defaults import (
     CONTEXT_LENGTH,
     N_SAMPLES,
     SAMPLE_TEMPERATURE,
@@ -52,7 +52,7 @@ from actmap.generation import (
     SAMPLE_TOP_P,
     SHORT_MAX_NEW_TOKENS,
 )
-from actmap.prefix_cache import cache_keyword, cache_of
+from actmap.llm.prefix_cache import cache_keyword, cache_of
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Sampled answers are clustered by bidirectional entailment; the entropy of the
 distribution over clusters is the uncertainty. Pure functions below; the
-judge (`actmap.baselines.judges`) is the only model call.
+judge (`actmap.baselines.entailment`) is the only model call.
 
 - Clustering follows the Nature code's loop by default (``mode="nature_code"``):
   each answer without a cluster opens one, and every *later* answer equivalent
@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from actmap.baselines.base import BaselineUnavailable
-from actmap.baselines.judges import CONTRADICTION, ENTAILMENT, NEUTRAL, EntailmentJudge
+from actmap.baselines.entailment import CONTRADICTION, ENTAILMENT, NEUTRAL, EntailmentJudge
 from actmap.baselines.sampling import check_same_sampling
-from actmap.scoring import ScoreResult, negate
+from actmap.scoring.contract import ScoreResult, negate
 
 CLUSTERING_MODES = ("nature_code", "paper")
 
@@ -155,7 +155,7 @@ class SemanticEntropy:
         if self.judge is None:
             raise BaselineUnavailable(
                 "Semantic Entropy needs an entailment judge: pass judge=load_llm_judge() "
-                "or judge=NLIJudge.from_pretrained(...) (actmap.baselines.judges)"
+                "or judge=NLIJudge.from_pretrained(...) (actmap.baselines.entailment)"
             )
         check_same_sampling(rows)
         se, dse, all_ids = [], [], []

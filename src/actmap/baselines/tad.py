@@ -30,8 +30,8 @@ from sklearn.model_selection import KFold
 
 from actmap.baselines.greybox import answer_steps
 from actmap.capture.records import Generation
-from actmap.metrics import auroc
-from actmap.scoring import ScoreResult, negate
+from actmap.scoring.contract import ScoreResult, negate
+from actmap.scoring.metrics import auroc
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from actmap.capture.hooks import StepRecorder, recording
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import cut_at_stop, stop_criteria
-from actmap.prefix_cache import cache_keyword, cache_of
+from actmap.llm.prefix_cache import cache_keyword, cache_of
 
 log = logging.getLogger(__name__)
 

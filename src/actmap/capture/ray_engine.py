@@ -37,8 +37,8 @@ from actmap.capture.run import (
 )
 from actmap.data.base import Example, Task
 from actmap.errors import ActmapUserError
+from actmap.llm.models import ModelSource
 from actmap.maps import MapConfig
-from actmap.models import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class CaptureReplica:
     ) -> None:
         import torch
 
-        from actmap.models import load_model
+        from actmap.llm.models import load_model
 
         if device == "cpu":
             torch.set_num_threads(threads)  # the CPUs Ray gave this replica, no more

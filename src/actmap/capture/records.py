@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actmap.defaults import CONTEXT_LENGTH, SHORT_MAX_NEW_TOKENS
 from actmap.errors import ActmapUserError
-from actmap.generation import CONTEXT_LENGTH, SHORT_MAX_NEW_TOKENS
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from actmap.capture.forced import capture_answers_batch
 from actmap.capture.generate import generate_batch
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.data.base import Example, Task
+from actmap.llm.models import ModelSource
 from actmap.maps import MapConfig, build_maps_from_list, map_shape, pool_layers
-from actmap.models import ModelSource
 from actmap.store import MANIFEST, MapRecord, MapStore, encode_array
 
 log = logging.getLogger(__name__)

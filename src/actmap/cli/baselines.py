@@ -140,7 +140,7 @@ def compare_command(
         from rich.markdown import Markdown
 
         from actmap.artifacts import json_safe
-        from actmap.report.compare import compare_methods, format_table
+        from actmap.report.side_by_side import compare_methods, format_table
         from actmap.store import MapStore
 
         rows = compare_methods(MapStore.open(store), run or [])

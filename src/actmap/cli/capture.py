@@ -1,4 +1,4 @@
-"""``actmap capture`` and ``actmap build-maps``."""
+"""``actmap capture``: generate answers with the hooks on and store their maps."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ import typer
 
 from actmap.cli.app import app
 from actmap.cli.common import (
-    JUDGE_DTYPE_HELP,
     console,
     fraction,
-    parse_resolution,
+    load_factuality_judge,
     progress_bar,
     quiet_transformers,
     user_errors,
 )
 from actmap.errors import ActmapUserError
-from actmap.models import DTYPE_HELP, DTYPES
+from actmap.llm.models import DTYPE_HELP
 
 SPLITS = ("train", "validation", "test")
 # What each method reads from a capture (`--methods`); a method not listed needs only the map
@@ -39,38 +38,6 @@ CAPTURE_NEEDS: dict[str, dict] = {
 # A new store runs the token prefix every prompt of a batch shares once when it is at least
 # this long (a few-shot block; a chat template's system prompt alone is shorter).
 AUTO_SHARE_PREFIX = 64
-
-
-def load_factuality_judge(spec: str | None, dtype: str = "float32", lazy: bool = False):
-    """CNN/DM's judge: 'minicheck:<path or hub id>', or any causal LM actmap can load (LLM judge).
-
-    ``lazy``: a `LazyJudge` that loads on its first claim (a finished step skips the load);
-    the spec and dtype are still checked at once."""
-    if spec is None:
-        return None
-    from actmap.data.factuality import LazyJudge, LLMFactualityJudge, MiniCheckJudge
-    from actmap.models import resolve_model
-
-    if dtype not in DTYPES:
-        raise ActmapUserError(f"judge dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    minicheck = spec.startswith("minicheck:")
-    if minicheck and dtype != "float32":
-        raise ActmapUserError("a MiniCheck judge runs in float32; drop --judge-dtype")
-    checkpoint = spec.split(":", 1)[1] if minicheck else spec
-
-    def load():
-        if lazy:
-            console.print(f"loading judge [bold]{spec}[/bold] ...")
-        if minicheck:
-            return MiniCheckJudge.from_pretrained(checkpoint)
-        return LLMFactualityJudge.from_pretrained(checkpoint, dtype=dtype)
-
-    if not lazy:
-        return load()
-    if minicheck:
-        return LazyJudge(MiniCheckJudge.name_for(checkpoint), load)
-    resolve_model(spec)  # a missing path fails now, not at the first claim
-    return LazyJudge(LLMFactualityJudge.name_for(spec, dtype), load)
 
 
 def load_task(
@@ -238,15 +205,15 @@ def capture(
     with user_errors():
         from actmap.capture import CaptureConfig
         from actmap.capture.run import finished_store, run_capture, store_config
-        from actmap.maps import MapConfig
-        from actmap.models import (
+        from actmap.llm.models import (
             check_dtype,
             check_model,
             load_model,
             load_tokenizer,
         )
+        from actmap.maps import MapConfig
         from actmap.store import MapStore, claim_store
-        from actmap.training import check_device
+        from actmap.training.recipe import check_device
 
         the_task = load_task(
             task,
@@ -401,167 +368,3 @@ def stop_strings(task, stop: list[str] | None, no_stop: bool) -> tuple[str, ...]
     if stop:
         return tuple(codecs.decode(s, "unicode_escape") for s in stop)
     return tuple(getattr(task, "stop_strings", ()))
-
-
-@app.command("build-maps")
-def build_maps_command(
-    store_path: Path = typer.Option(
-        ..., "--store", help="A store captured with --keep-trajectories."
-    ),
-    out: Path = typer.Option(
-        ..., "--out", "-o", help="Folder of the new map store (train and evaluate read it)."
-    ),
-    segments: int = typer.Option(4, min=1, help="Segment means: 1, 4 or 8."),
-    resolution: str = typer.Option(
-        "32x128",
-        callback=parse_resolution,
-        help="Layers x coordinates, e.g. 16x64, 32x128, 64x256.",
-    ),
-    channels: str = typer.Option(None, help="Comma-separated channel names to keep (default all)."),
-    normalization: str = typer.Option("channel", help="channel | global"),
-) -> None:
-    """Rebuild maps from stored trajectories with other operator settings (ablations)."""
-    with user_errors():
-        from actmap.maps import MapConfig
-        from actmap.store import MapStore
-        from actmap.store.derived import build_map_store
-
-        layers_out, coords_out = resolution
-        config = MapConfig(
-            n_segments=segments,
-            layers_out=layers_out,
-            coords_out=coords_out,
-            channels=tuple(c.strip() for c in channels.split(",")) if channels else None,
-            normalization=normalization,
-        )
-        source = MapStore.open(store_path)
-        with progress_bar() as bar:
-            job = bar.add_task("build maps", total=len(source.ids("trajectories")), info="")
-            store = build_map_store(source, out, config, progress=lambda n: bar.advance(job, n))
-        console.print(
-            f"wrote {len(store.ids())} maps of shape {store.map_shape} to the store {out}"
-        )
-
-
-@app.command()
-def relabel(
-    store: Path = typer.Option(..., help="A QA store (TriviaQA, NQ-Open, prompts with answers)."),
-    rule: str = typer.Option(..., help="Label rule: paper | contains."),
-    out: Path = typer.Option(..., "--out", "-o", help="New store folder (shares side tables)."),
-) -> None:
-    """Relabel a store under another named rule, without generating again."""
-    with user_errors():
-        from actmap.capture.run import natural_accuracy
-        from actmap.relabel import relabel_store
-        from actmap.store import MapStore
-
-        new = relabel_store(MapStore.open(store), out, rule)
-        accuracy = natural_accuracy(new)
-        console.print(
-            f"relabelled under rule '{rule}' into {out}; natural accuracy "
-            + ", ".join(f"{k} {fraction(v)}" for k, v in accuracy.items())
-        )
-
-
-judge_app = typer.Typer(
-    help="Label summaries with a factuality judge, or check a judge first (`actmap judge check`).",
-    invoke_without_command=True,
-)
-app.add_typer(judge_app, name="judge")
-
-
-@judge_app.callback()
-def judge_command(
-    ctx: typer.Context,
-    store: Path = typer.Option(None, help="A CNN/DM store captured without a judge."),
-    judge: str = typer.Option(
-        None, help="A causal LM (e.g. a .gguf path of Qwen2.5-Coder-1.5B) or 'minicheck:<path>'."
-    ),
-    out: Path = typer.Option(
-        None, "--out", "-o", help="Judged store folder (created, or resumed when it exists)."
-    ),
-    threshold: float = typer.Option(0.5, help="Support a sentence needs (MiniCheck: 0.5)."),
-    batch_size: int = typer.Option(8, min=1, help="Summaries per committed batch."),
-    limit: int = typer.Option(None, min=1, help="Judge at most this many summaries in this call."),
-    up_to: int = typer.Option(
-        None, min=1, help="Stop once this many summaries are judged in --out, over every call."
-    ),
-    judge_dtype: str = typer.Option("float32", help=JUDGE_DTYPE_HELP),
-) -> None:
-    """Label the summaries of a store with a factuality judge (resumable, separate pass)."""
-    if ctx.invoked_subcommand is not None:
-        return
-    with user_errors():
-        from actmap.capture.run import natural_accuracy
-        from actmap.judging import judge_store, judged_labels
-        from actmap.store import MapStore
-
-        missing = [
-            f"--{n}" for n, v in (("store", store), ("judge", judge), ("out", out)) if v is None
-        ]
-        if missing:
-            raise ActmapUserError(
-                f"actmap judge needs {', '.join(missing)} (or `actmap judge check` to check a judge)"
-            )
-        source = MapStore.open(store)
-        the_judge = load_factuality_judge(judge, judge_dtype, lazy=True)
-        total = len(source.ids("maps"))
-        with progress_bar() as bar:
-            job = bar.add_task("judge summaries", total=min(total, up_to or total), info="")
-            judged = judge_store(
-                source,
-                out,
-                the_judge,
-                threshold=threshold,
-                batch_size=batch_size,
-                limit=limit,
-                progress=lambda n: bar.advance(job, n),
-                resumed=lambda n: bar.resume(job, n),
-                up_to=up_to,
-            )
-        accuracy = natural_accuracy(judged)
-        console.print(
-            f"{len(judged_labels(judged))} of {total} summaries judged into {out}; "
-            "factual fraction " + ", ".join(f"{k} {fraction(v)}" for k, v in accuracy.items())
-        )
-
-
-@judge_app.command("check")
-def judge_check_command(
-    judge: str = typer.Option(
-        ..., help="A causal LM (e.g. a .gguf path of Qwen2.5-Coder-1.5B) or 'minicheck:<path>'."
-    ),
-    pairs: int = typer.Option(500, min=1, help="CNN/DM validation articles, two claims each."),
-    out: Path = typer.Option(
-        ..., "--out", "-o", help="Folder for the resumable cache and check.json."
-    ),
-    threshold: float = typer.Option(0.5, help="Support that counts as 'supported'."),
-    seed: int = typer.Option(0, help="Seed of the article order and the foreign claims."),
-    data_dir: Path = typer.Option(None, help="Folder holding cnn_dm/ (default ../shared/data)."),
-    judge_dtype: str = typer.Option("float32", help=JUDGE_DTYPE_HELP),
-) -> None:
-    """Can the judge tell an article's own highlight from another article's? Accuracy, AUROC, s/claim."""
-    with user_errors():
-        from actmap.artifacts import write_json
-        from actmap.data.datasets import load_cnn_dm
-        from actmap.judging import CHECK_RESULT, claim_pairs, judge_check
-
-        rows = [r for r in load_cnn_dm(data_dir) if r.meta.get("source_split") == "validation"]
-        the_pairs = claim_pairs(rows, pairs, seed)
-        the_judge = load_factuality_judge(judge, judge_dtype, lazy=True)
-        with progress_bar() as bar:
-            job = bar.add_task("judge check", total=len(the_pairs), info="")
-            result = judge_check(
-                the_judge,
-                the_pairs,
-                out,
-                threshold,
-                progress=lambda n: bar.advance(job, n),
-                resumed=lambda n: bar.resume(job, n),
-            )
-        write_json(Path(out) / CHECK_RESULT, result.to_json())
-        console.print(
-            f"judge {result.judge}: {result.pairs} pairs, accuracy {result.accuracy:.3f}, "
-            f"AUROC {result.auroc}, {result.seconds_per_claim:.2f} s per claim; "
-            f"written to {Path(out) / CHECK_RESULT}"
-        )

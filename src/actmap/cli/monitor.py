@@ -37,7 +37,7 @@ def monitor_fit(
     """Fit the shift monitor on the maps a detector was trained on, saved next to the run."""
     with user_errors():
         from actmap.monitor import MonitorConfig
-        from actmap.monitor.runs import fit_on_run
+        from actmap.monitor.on_run import fit_on_run
 
         config = MonitorConfig(
             alpha=alpha, map_alpha=map_alpha, n_components=components, n_reference=n_reference,
@@ -75,7 +75,7 @@ def monitor_check(
         from actmap.artifacts import json_safe
         from actmap.atomic import atomic_write_text
         from actmap.monitor import ShiftMonitor
-        from actmap.monitor.runs import alarm_rates, load_for_run, window_rows
+        from actmap.monitor.on_run import alarm_rates, load_for_run, window_rows
         from actmap.store import MapStore
 
         fitted = ShiftMonitor.load(monitor) if monitor is not None else load_for_run(run)

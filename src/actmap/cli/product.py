@@ -22,8 +22,8 @@ def train_plus_run(store_path: Path, out: Path) -> dict:
     import numpy as np
 
     from actmap.artifacts import write_json
-    from actmap.comparison import plus_scored, store_rows
-    from actmap.experiments.runs import RowScores, scoring_metrics, summarize_runs
+    from actmap.experiments.compare_product import plus_scored, store_rows
+    from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs
     from actmap.store import MapStore
 
     store = MapStore.open(store_path)
@@ -70,8 +70,8 @@ def compare_product_command(
         from rich.markdown import Markdown
 
         from actmap.artifacts import json_safe
-        from actmap.comparison import compare_product
         from actmap.detectors.base import CorrectnessDetector
+        from actmap.experiments.compare_product import compare_product
         from actmap.store import MapStore
 
         vits = None

@@ -144,8 +144,8 @@ def policy_fit(
             fit_policy_on_store,
             natural_scores,
         )
+        from actmap.serve.loaded_run import load_detector_run
         from actmap.serve.policy import save_policy
-        from actmap.serve.scoring import load_detector_run
         from actmap.store import MapStore
 
         detector = load_detector_run(run, seed)
@@ -185,7 +185,7 @@ def audit_rescore(
     """Re-score every stored map with another detector, without the LLM."""
     with user_errors():
         from actmap.serve.audit import open_audit_store, rescore
-        from actmap.serve.scoring import load_detector_run
+        from actmap.serve.loaded_run import load_detector_run
 
         loaded = load_detector_run(detector, seed)
         frame = rescore(open_audit_store(store), loaded)

@@ -38,8 +38,8 @@ def info(
 ) -> None:
     """Rows, labels, natural accuracy and balanced rows per split; capture runs' rows/s."""
     with user_errors():
-        from actmap.rows import rate_text, store_summary
         from actmap.store import MapStore
+        from actmap.store.rows import rate_text, store_summary
 
         summary = store_summary(MapStore.open(store))
     if as_json:
@@ -93,8 +93,8 @@ def subset(
 ) -> None:
     """Write a store holding only STORE's balanced rows, to carry to another machine."""
     with user_errors():
-        from actmap.rows import balanced_subset
         from actmap.store import MapStore
+        from actmap.store.rows import balanced_subset
 
         wanted = [t.strip() for t in tables.split(",") if t.strip()] or None
         written = balanced_subset(MapStore.open(store), target, wanted)

@@ -20,8 +20,8 @@ def train_with_progress(
     max_epochs: int | None,
     device: str | None,
 ):
-    """`actmap.experiments.runs.train_on_store` with a progress bar per seed."""
-    from actmap.experiments.runs import load_balanced, recipe_config, train_on_store
+    """`actmap.experiments.seeds.train_on_store` with a progress bar per seed."""
+    from actmap.experiments.seeds import load_balanced, recipe_config, train_on_store
 
     config = recipe_config(max_epochs)
     splits, store = load_balanced(store_path)  # bad rows fail before any progress bar
@@ -81,9 +81,9 @@ def train(
 ) -> None:
     """Train a detector with the paper's recipe, one run per seed, and test each selected checkpoint once."""
     with user_errors():
-        from actmap.experiments.runs import recipe_config
-        from actmap.runs import extend_run_record, prepare_run_folder
-        from actmap.training import resolve_device
+        from actmap.experiments.seeds import recipe_config
+        from actmap.training.recipe import resolve_device
+        from actmap.training.run_folder import extend_run_record, prepare_run_folder
 
         resolve_device(device)  # a device this machine lacks fails before any work
         if detector == "actmap-plus":
@@ -142,7 +142,7 @@ def evaluate(
 ) -> None:
     """AUROC / AUPRC / ECE per seed and their mean, written as JSON."""
     with user_errors():
-        from actmap.experiments.runs import evaluate_run
+        from actmap.experiments.seeds import evaluate_run
 
         result = evaluate_run(run, store, rows)
         print_summary(result)

@@ -50,7 +50,7 @@ from actmap.data.prompts import (
     uses_chat_template,
 )
 from actmap.data.splits import DEFAULT_FRACTIONS, SPLITS, assign_splits, key_uniform
-from actmap.generation import SHORT_MAX_NEW_TOKENS
+from actmap.defaults import SHORT_MAX_NEW_TOKENS
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from actmap.data.datasets import read_jsonl
 from actmap.data.labels import qa_correct
 from actmap.data.prompts import extract_answer, render_chat, uses_chat_template
 from actmap.data.splits import SPLITS, assign_splits
-from actmap.generation import SHORT_MAX_NEW_TOKENS
+from actmap.defaults import SHORT_MAX_NEW_TOKENS
 
 SPLIT_SEED = 0
 

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from actmap.data.base import DataError
-from actmap.generation import CONTEXT_LENGTH, SUMMARY_MAX_NEW_TOKENS  # noqa: F401 (re-exported)
+from actmap.defaults import CONTEXT_LENGTH, SUMMARY_MAX_NEW_TOKENS  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from actmap.artifacts import package_version, write_json
 from actmap.atomic import atomic_path
 from actmap.detectors.registry import create_detector
 from actmap.errors import ActmapUserError
-from actmap.scoring import ScoreResult
-from actmap.training import (
+from actmap.scoring.contract import ScoreResult
+from actmap.training.recipe import (
     EpochRecord,
     ProgressCallback,
     TrainConfig,
@@ -100,7 +100,7 @@ def as_labels(labels: Any, n_rows: int, name: str = "labels") -> torch.Tensor:
 class CorrectnessDetector:
     """p(correct) from activation maps, with the paper's training recipe.
 
-    Honours the scoring contract of `actmap.scoring` (reads ``maps``; its
+    Honours the scoring contract of `actmap.scoring.contract` (reads ``maps``; its
     confidence is a probability).
 
     Learned state (after `fit` or `load`): `model_`, `detector_kwargs_` (resolved
@@ -154,7 +154,7 @@ class CorrectnessDetector:
         """Train on (maps, labels), select the epoch on validation AUROC; returns self.
 
         ``checkpoint``: a file where training saves its state as it goes and from which a
-        killed fit of the same seed and data resumes (`actmap.training.train_detector`).
+        killed fit of the same seed and data resumes (`actmap.training.recipe.train_detector`).
         """
         x = as_maps(maps)
         y = as_labels(labels, len(x))
@@ -207,7 +207,7 @@ class CorrectnessDetector:
     # --- persistence ---------------------------------------------------------
 
     def score(self, maps: Any) -> ScoreResult:
-        """The scorer contract (`actmap.scoring`): confidence = p(correct), raw = the logit."""
+        """The scorer contract (`actmap.scoring.contract`): confidence = p(correct), raw = the logit."""
         logits = self.decision_function(maps).astype(np.float64)
         return ScoreResult(
             confidence=1.0 / (1.0 + np.exp(-logits)),

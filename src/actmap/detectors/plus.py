@@ -4,19 +4,19 @@ The paper's detectors (`vit`, `mlp`, `mlp4x`, `logreg`) reproduce the paper;
 this one is what an operator runs. It reads only what the one capture pass
 records: the (C, H, W) map, flattened and projected on its first principal
 components, and optionally the six per-answer scalars of
-`actmap.answer_features` (length, log-likelihood, entropy, first-token
+`actmap.capture.answer_scalars` (length, log-likelihood, entropy, first-token
 probability). A logistic regression with cross-validated L2 strength
 (scikit-learn's ``LogisticRegressionCV``, AUROC-scored folds) reads them all
 (early fusion). It may train on every labelled row (with class weights or
 without), not only on the balanced subset; validation rows choose
-(`actmap.comparison.plus_scored`). Why this and not the others tried is in
+(`actmap.experiments.compare_product.plus_scored`). Why this and not the others tried is in
 docs/detectors.md.
 
 Calibration: the fitted probabilities hold at ``calibrated_prevalence_``
 (0.5 under class weights: the weighted loss sees both classes equally; the
 training rows' own fraction correct otherwise). ``predict_proba(maps,
 prevalence=pi)`` shifts the logit to the deployment prevalence
-(`actmap.prior`). The artifact is ``model.safetensors`` (every fitted array)
+(`actmap.scoring.prior`). The artifact is ``model.safetensors`` (every fitted array)
 + ``config.json``; scoring is plain numpy, never pickle.
 """
 
@@ -32,9 +32,9 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 from sklearn.exceptions import NotFittedError
 
-from actmap.answer_features import SCALAR_NAMES
 from actmap.atomic import atomic_path
-from actmap.prior import shift_to_prevalence, sigmoid
+from actmap.capture.answer_scalars import SCALAR_NAMES
+from actmap.scoring.prior import shift_to_prevalence, sigmoid
 
 NAME = "actmap-plus"
 SCHEMA_VERSION = 1  # of config.json next to a saved actmap-plus
@@ -141,7 +141,7 @@ class ActMapPlus:
             if scalars is None:
                 raise ValueError(
                     "this actmap-plus reads the per-answer scalars; pass scalars= "
-                    "(actmap.answer_features.scalars_of_generations)"
+                    "(actmap.capture.answer_scalars.scalars_of_generations)"
                 )
             parts.append(check_scalars(scalars, len(x)))
         return np.hstack(parts).astype(np.float64)

@@ -31,8 +31,7 @@ import numpy as np
 import torch
 
 from actmap.experiments.common import AurocSummary, SeedScores, auroc_summary, train_seeds
-from actmap.experiments.runs import LabeledMaps, recipe_config
-from actmap.intervals import N_RESAMPLES
+from actmap.experiments.seeds import LabeledMaps, recipe_config
 from actmap.maps import (
     GROUP_NAMES,
     LAST_TOKEN_CHANNELS,
@@ -45,6 +44,7 @@ from actmap.maps import (
     pool_hidden,
     without_group,
 )
+from actmap.scoring.intervals import N_RESAMPLES
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class _Inputs:
     def read(
         cls, store, hidden: dict[str, np.ndarray] | None = None, splits: dict | None = None
     ) -> _Inputs:
-        from actmap.rows import balanced_splits
+        from actmap.store.rows import balanced_splits
 
         ids = {s: list(v) for s, v in (splits or balanced_splits(store)).items()}
         empty = [s for s, v in ids.items() if not v]
@@ -443,7 +443,7 @@ def run_ablations(
     for the pooling controls and the 256-coordinate maps; without it they read the dense
     states (or are unavailable). ``on_result`` receives each variant's result as it is done
     (a long run can keep what it finished). ``splits``: the balanced {split: ids} to use
-    (default `actmap.rows.balanced_splits(store)`, which records them in the store).
+    (default `actmap.store.rows.balanced_splits(store)`, which records them in the store).
     ``known``: {variant: test scores} of variants already trained elsewhere on the same
     rows with the same detector, recipe and seeds (the reference and classifier variants
     are `actmap train` runs on the store's maps); they are used instead of training again.

@@ -7,11 +7,11 @@ baselines). For each method whose confidence is a probability:
 
 - reliability: 10 equal-width bins of p(correct), count, mean p and fraction correct;
 - temperature scaling: T fit (NLL) on a random half of the test rows, ECE on the other
-  half before and after (`actmap.metrics.temperature_scaled_ece`), per seed;
+  half before and after (`actmap.scoring.metrics.temperature_scaled_ece`), per seed;
 - prevalence shift: the balanced test rows resampled class-conditionally to the
   generator's natural accuracy ``prevalence``, ``n_replicates`` times, and scored: ECE
   raw, after the label-free prior shift to the known prevalence
-  (`actmap.prior.shift_to_prevalence`), and after a temperature fit on held-out target
+  (`actmap.scoring.prior.shift_to_prevalence`), and after a temperature fit on held-out target
   rows, never the rows scored. Where the method has scores on held-out rows at the natural
   prevalence (``TargetRows``: every labelled validation row of the store, not only the
   balanced ones), each replicate fits T on up to ``target_fit_rows`` distinct of them drawn
@@ -32,16 +32,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from actmap import metrics
 from actmap.experiments.common import SeedScores
-from actmap.intervals import (
+from actmap.scoring import metrics
+from actmap.scoring.intervals import (
     N_RESAMPLES,
     Interval,
     bootstrap,
     coverage_at_risk_metric,
     risk_at_coverage_metric,
 )
-from actmap.prior import logit, shift_to_prevalence, sigmoid
+from actmap.scoring.prior import logit, shift_to_prevalence, sigmoid
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Reliability:
 
 
 def reliability(probs, labels, n_bins: int = 10) -> Reliability:
-    """The bins of `actmap.metrics.ece` ([k/n, (k+1)/n), p = 1 in the last) and their ECE."""
+    """The bins of `actmap.scoring.metrics.ece` ([k/n, (k+1)/n), p = 1 in the last) and their ECE."""
     p, y = np.asarray(probs, dtype=np.float64), np.asarray(labels).astype(np.int64)
     bins = np.minimum(np.floor(p * n_bins).astype(np.int64), n_bins - 1)
     count, mean_p, correct = [], [], []

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from actmap import metrics
 from actmap.errors import ActmapUserError
-from actmap.intervals import N_RESAMPLES, Interval, bootstrap, paired_bootstrap
-from actmap.prior import logit
-from actmap.runs import method_name
+from actmap.scoring import metrics
+from actmap.scoring.intervals import N_RESAMPLES, Interval, bootstrap, paired_bootstrap
+from actmap.scoring.prior import logit
+from actmap.training.run_folder import method_name
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def train_seeds(
 
     ``train`` / ``val`` / ``test`` are `LabeledMaps`; nothing is written to disk.
     """
-    from actmap.experiments.runs import run_seeds
+    from actmap.experiments.seeds import run_seeds
 
     runs = run_seeds(
         train, val, test, None, detector=detector, config=config, seeds=seeds, device=device
@@ -136,7 +136,7 @@ def train_seeds(
 
 
 def scores_of_runs(runs, method: str) -> SeedScores:
-    """The test scores of `actmap.experiments.runs.SeedRuns`, one row per seed."""
+    """The test scores of `actmap.experiments.seeds.SeedRuns`, one row per seed."""
     return SeedScores(
         method,
         runs.runs[0].test_scores.labels,
@@ -164,7 +164,7 @@ def scores_from_run(run_dir: str | Path, ids: Sequence[str], labels: np.ndarray)
     """The stored test scores of an `actmap train` run folder, in the order of ``ids``."""
     import pandas as pd
 
-    from actmap.runs import read_run
+    from actmap.training.run_folder import read_run
 
     checked = read_run(Path(run_dir))
     confidence, logits = [], []

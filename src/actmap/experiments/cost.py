@@ -134,7 +134,7 @@ def detector_scoring_costs(
     generator of that hidden size, untrained weights (latency does not depend on them)."""
     from actmap.baselines.actvit import LAYER_GROUPS, N_MAX, ACTViT, ACTViTConfig
     from actmap.detectors import create_detector
-    from actmap.runs import method_name
+    from actmap.training.run_folder import method_name
 
     torch.manual_seed(0)
     models = {
@@ -198,7 +198,7 @@ class TrainingCost:
 
 def training_costs(run: Path, store: str, detector: str) -> TrainingCost:
     """Training seconds per seed, summed from each seed's recorded epoch times."""
-    from actmap.runs import read_run
+    from actmap.training.run_folder import read_run
 
     seconds, epochs = [], []
     for folder in read_run(run).seed_dirs.values():

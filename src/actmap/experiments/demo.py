@@ -17,7 +17,7 @@ from typing import Any
 
 from actmap.artifacts import json_safe
 from actmap.atomic import atomic_write_text
-from actmap.training import ProgressCallback
+from actmap.training.recipe import ProgressCallback
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,10 @@ def run_demo(
     from actmap.capture.run import natural_accuracy, run_capture, store_config
     from actmap.data.builtin import BuiltinArithmeticTask
     from actmap.detectors.base import CorrectnessDetector
-    from actmap.experiments.runs import recipe_config, train_on_store
+    from actmap.experiments.seeds import recipe_config, train_on_store
+    from actmap.llm.models import load_model
     from actmap.maps import MapConfig
-    from actmap.metrics import compute_metrics
-    from actmap.models import load_model
+    from actmap.scoring.metrics import compute_metrics
     from actmap.store import MAP_BYTES, MapStore
 
     out = Path(out)

@@ -3,7 +3,7 @@
     method_scores(store, runs)        -> {method: MethodScores} on the balanced test rows
     in_domain_column(store, runs)     -> InDomainColumn (one column of the paper's table)
 
-A cell is AUROC / AUPRC / ECE with 95% bootstrap intervals (`actmap.intervals`,
+A cell is AUROC / AUPRC / ECE with 95% bootstrap intervals (`actmap.scoring.intervals`,
 resampling the test rows) and its row count. ActMap detectors (one `actmap train`
 run each, several seeds) score a row with the mean p(correct) of their seeds.
 Each ActMap detector is compared with each baseline on the rows both scored: the
@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from actmap import metrics
-from actmap.intervals import N_RESAMPLES, Interval, bootstrap, paired_bootstrap
-from actmap.runs import method_name
+from actmap.scoring import metrics
+from actmap.scoring.intervals import N_RESAMPLES, Interval, bootstrap, paired_bootstrap
+from actmap.training.run_folder import method_name
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def run_scores(run: Path, name: str, test_ids: Sequence[str], labels: np.ndarray
     import pandas as pd
 
     from actmap.errors import ActmapUserError
-    from actmap.runs import read_run
+    from actmap.training.run_folder import read_run
 
     checked = read_run(run)
     frames = [pd.read_parquet(f / "test_scores.parquet") for f in checked.seed_dirs.values()]
@@ -163,7 +163,7 @@ def run_scores(run: Path, name: str, test_ids: Sequence[str], labels: np.ndarray
 
 def stored_baseline_scores(store, method: str, test_ids: Sequence[str]) -> MethodScores | None:
     """A baseline's stored results on the test rows it scored (mean over its seeds if several)."""
-    from actmap.report.compare import is_probability
+    from actmap.report.side_by_side import is_probability
     from actmap.store import latest_rows
 
     frame = latest_rows(store.read_table(f"results/{method}")).to_pandas()
@@ -294,8 +294,8 @@ def store_column(
     n_resamples: int = N_RESAMPLES,
 ) -> InDomainColumn:
     """One store's column on its balanced test rows (the store is only read)."""
-    from actmap.rows import rows_to_score
     from actmap.store import MapStore
+    from actmap.store.rows import rows_to_score
 
     store = MapStore.open(store_path)
     rows = rows_to_score(store, "balanced")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actmap.experiments.common import AurocSummary, SeedScores, auroc_summary, train_seeds
-from actmap.experiments.runs import LabeledMaps, recipe_config
-from actmap.intervals import N_RESAMPLES
+from actmap.experiments.seeds import LabeledMaps, recipe_config
+from actmap.scoring.intervals import N_RESAMPLES
 
 log = logging.getLogger(__name__)
 
@@ -150,15 +150,15 @@ def run_learning_curve(
     known: Mapping[str, SeedScores] | None = None,
 ) -> LearningCurve:
     """Every (method, fraction) point of ``config`` on ``store``'s balanced rows (``splits``,
-    default `actmap.rows.balanced_splits(store)`, which records them in the store).
+    default `actmap.store.rows.balanced_splits(store)`, which records them in the store).
 
     ``known``: {ActMap detector: test scores} of that detector already trained on all the
     balanced training rows with the same recipe and seeds (an `actmap train` run): the 100%
     point is exactly that fit (the subsample is every row, in order), so it is read, not
     trained again."""
     from actmap.baselines.base import BaselineUnavailable
-    from actmap.rows import balanced_splits
     from actmap.store import StoreError
+    from actmap.store.rows import balanced_splits
 
     splits = splits or balanced_splits(store)
     maps, labels = {}, {}

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actmap import metrics
-from actmap.experiments.runs import LabeledMaps
+from actmap.experiments.seeds import LabeledMaps
+from actmap.scoring import metrics
 
 
 @dataclass(frozen=True)

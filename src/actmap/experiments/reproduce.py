@@ -29,7 +29,7 @@ from typing import Any
 
 from actmap.artifacts import read_json, write_json
 from actmap.errors import ActmapUserError
-from actmap.runs import seed_finished
+from actmap.training.run_folder import seed_finished
 
 log = logging.getLogger(__name__)
 
@@ -405,8 +405,8 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
     out = run_path(config, spec, detector)
 
     def work(progress: Progress) -> None:
-        from actmap.experiments.runs import recipe_config, train_on_store
-        from actmap.runs import extend_run_record, prepare_run_folder
+        from actmap.experiments.seeds import recipe_config, train_on_store
+        from actmap.training.run_folder import extend_run_record, prepare_run_folder
 
         recipe = recipe_config(config.max_epochs)
         # a killed stage keeps the seeds it finished and the epoch checkpoint of the one it

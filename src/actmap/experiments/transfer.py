@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from actmap.artifacts import json_safe, read_json, write_json
-from actmap.intervals import N_RESAMPLES, Interval, bootstrap
-from actmap.runs import seed_finished
+from actmap.scoring.intervals import N_RESAMPLES, Interval, bootstrap
+from actmap.training.run_folder import seed_finished
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,9 @@ DetectorFor = Callable[[Sequence[StoreInfo]], Path | None]
 
 def score_target(run: Path, target: StoreInfo, rows: str, n_resamples: int) -> tuple[Interval, int]:
     """The frozen run's seed-mean p(correct) on the target rows: AUROC interval, empty count."""
-    from actmap.experiments.runs import frozen_scores
-    from actmap.rows import rows_to_score, with_empty_answers
+    from actmap.experiments.seeds import frozen_scores
     from actmap.store import MapStore
+    from actmap.store.rows import rows_to_score, with_empty_answers
 
     store = MapStore.open(target.path)
     chosen = rows_to_score(store, rows)
@@ -117,7 +117,7 @@ def in_domain_auroc(run: Path | None, n_resamples: int) -> Interval | None:
     """A run's own balanced-test AUROC (seed-mean p) with its interval."""
     import pandas as pd
 
-    from actmap.runs import read_run
+    from actmap.training.run_folder import read_run
 
     if run is None:
         return None
@@ -247,10 +247,10 @@ def pooled_run(
     was made from the same rows (each source's ids and labels), seeds and epoch cap: a source
     that grew or was relabelled since gets a new fit, never a stale one. A killed fit of the
     same inputs keeps its finished seeds and the epoch checkpoint of the seed it was training."""
-    from actmap.experiments.runs import recipe_config, run_seeds
-    from actmap.rows import rows_fingerprint
-    from actmap.runs import extend_run_record
+    from actmap.experiments.seeds import recipe_config, run_seeds
     from actmap.store import MapStore
+    from actmap.store.rows import rows_fingerprint
+    from actmap.training.run_folder import extend_run_record
 
     stores = [MapStore.open(source.path) for source in sources]
     metas = [store.metadata() for store in stores]
@@ -286,8 +286,8 @@ def pooled_run(
 
 def _pooled_balanced(sources: Sequence[StoreInfo], stores: Sequence[Any]):
     """(train, validation) `LabeledMaps`: each source's balanced rows of the split, pooled."""
-    from actmap.experiments.runs import LabeledMaps
-    from actmap.rows import balanced_splits
+    from actmap.experiments.seeds import LabeledMaps
+    from actmap.store.rows import balanced_splits
 
     parts: dict[str, list] = {"train": [], "validation": []}
     for store in stores:

@@ -1,7 +1,7 @@
 """The shift monitor: alarms when incoming maps leave the domain a detector was trained on.
 
 `ShiftMonitor` (fit / score_maps / test_window / save / load) works on maps alone
-and knows no server; `actmap.monitor.runs` fits one next to a run folder and
+and knows no server; `actmap.monitor.on_run` fits one next to a run folder and
 measures alarm rates over windows of a store. See docs/monitor.md.
 """
 

@@ -13,14 +13,14 @@ from actmap.errors import ActmapUserError
 from actmap.report.sections import StoreRef
 
 if TYPE_CHECKING:
-    from actmap.judging import JudgeCheck
+    from actmap.labelling.judge_pass import JudgeCheck
 
 T = TypeVar("T")
 
 
 def store_ref(path: str | Path, name: str | None = None) -> StoreRef:
     """A store's name (its folder's name unless given), generator and task, from its manifest."""
-    from actmap.models import stored_dtype
+    from actmap.llm.models import stored_dtype
     from actmap.store import read_manifest
 
     path = Path(path)
@@ -78,7 +78,7 @@ def find_runs(runs_dir: str | Path | None, stores: Iterable[str]) -> dict[str, d
 
 def read_judge_checks(paths: Iterable[str | Path]) -> dict[str, JudgeCheck]:
     """``{judge name: check}`` from `actmap judge check` output folders (one check per judge)."""
-    from actmap.judging import read_judge_check
+    from actmap.labelling.judge_pass import read_judge_check
 
     return _one_each(
         paths,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
-    from actmap.judging import JudgeCheck
+    from actmap.labelling.judge_pass import JudgeCheck
 
 Rows = Literal["balanced", "test", "all"]
 ROWS_HELP = (

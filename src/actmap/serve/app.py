@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actmap.errors import ActmapUserError
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
-from actmap.serve.metrics import ServeMetrics
+from actmap.serve.prometheus import ServeMetrics
 from actmap.serve.protocol import (
     ActmapInfo,
     ChatCompletionChoice,
@@ -120,10 +120,10 @@ class APIError(Exception):
 
 def build_engine(settings: ServeSettings) -> Engine:
     """Load generator, detector, policy and audit trail (the server's lifespan calls this once)."""
-    from actmap.models import load_model
+    from actmap.llm.models import load_model
     from actmap.serve.audit import AuditTrail
+    from actmap.serve.loaded_run import load_detector_run
     from actmap.serve.policy import Policy, load_policy
-    from actmap.serve.scoring import load_detector_run
 
     if settings.detector is None:
         raise ActmapUserError("a detector run folder is required (--detector RUN)")

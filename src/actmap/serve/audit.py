@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from actmap.answer_features import SCALAR_NAMES
+from actmap.capture.answer_scalars import SCALAR_NAMES
 from actmap.errors import ActmapUserError
 from actmap.maps import MapConfig
 from actmap.store import MapRecord, MapStore, StoreError

@@ -4,7 +4,7 @@
 prompts of a batch go through `actmap.capture.generate_batch` together; each
 answer's trajectory becomes a map (`actmap.maps`), rounded to the store's
 float16 form, scored by the detector (with the answer's six per-answer scalars
-when the detector reads them, `actmap.answer_features`: the capture then keeps
+when the detector reads them, `actmap.capture.answer_scalars`: the capture then keeps
 the grey-box statistics, else it is map-only), shifted to the deployment
 prevalence and decided by the policy (`actmap.serve.policy`). While generating, a step watch
 streams text and running scores to requests that asked for them and ends rows
@@ -24,16 +24,16 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from actmap.answer_features import answer_scalars, scalars_of_generations
+from actmap.capture.answer_scalars import answer_scalars, scalars_of_generations
 from actmap.capture.generate import generate_batch, stop_ids
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import stop_position
+from actmap.llm.models import ModelSource
 from actmap.maps import build_maps
-from actmap.models import ModelSource
 from actmap.monitor.stream import MapShift, StreamingMonitor
-from actmap.prior import em_prevalence
+from actmap.scoring.prior import em_prevalence
+from actmap.serve.loaded_run import LoadedDetector, answer_maps, stored_form
 from actmap.serve.policy import Policy, PriorSetting, calibrate, correct_prior, decide
-from actmap.serve.scoring import LoadedDetector, answer_maps, stored_form
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from actmap.answer_features import scalars_from_store
+from actmap.capture.answer_scalars import scalars_from_store
 from actmap.data.splits import balanced_ids
 from actmap.errors import ActmapUserError
-from actmap.metrics import ece, fit_temperature
-from actmap.prior import em_prevalence, logit, shift_to_prevalence, sigmoid
-from actmap.rows import BALANCE_SEED
+from actmap.scoring.metrics import ece, fit_temperature
+from actmap.scoring.prior import em_prevalence, logit, shift_to_prevalence, sigmoid
 from actmap.serve.policy import Policy, PriorSetting, correct_prior, fit_policy
 from actmap.store import MapStore
+from actmap.store.rows import BALANCE_SEED
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def score_rows(store: MapStore, detector, ids: list[str]) -> np.ndarray:
 
 
 def balanced_scores(store: MapStore, detector, split: str = "validation") -> NaturalScores:
-    """The balanced rows of ``split`` (the rows `actmap.rows.balanced_splits` gives), scored.
+    """The balanced rows of ``split`` (the rows `actmap.store.rows.balanced_splits` gives), scored.
 
     Computed from the labels without writing the store's ``splits`` table.
     """

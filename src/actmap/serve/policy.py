@@ -12,7 +12,7 @@ fitted on labelled validation answers for target risks (`fit_policy`): each
 threshold is the lowest score whose accepted set, read from the risk-coverage
 curve, keeps its error rate at or below the band's target. The file also says
 how p(correct) is corrected for the deployment's prevalence (`PriorSetting`,
-see `actmap.prior`). The server adds one more decision, "abstain_early", for a
+see `actmap.scoring.prior`). The server adds one more decision, "abstain_early", for a
 streamed answer stopped because its running score fell below the request's
 ``abort_below``.
 """
@@ -29,8 +29,8 @@ import numpy as np
 
 from actmap.atomic import atomic_write_text
 from actmap.errors import ActmapUserError
-from actmap.metrics import risk_coverage_curve
-from actmap.prior import BALANCED, logit, shift_to_prevalence, sigmoid
+from actmap.scoring.metrics import risk_coverage_curve
+from actmap.scoring.prior import BALANCED, logit, shift_to_prevalence, sigmoid
 
 DECISIONS = ("accept", "review", "route", "abstain", "abstain_early")
 PriorMethod = Literal["none", "known", "em"]

@@ -1,7 +1,7 @@
 """How early does the running p(correct) separate correct from incorrect answers?
 
 While streaming, the server scores the answer so far: the map of the first k
-tokens' trajectory (`actmap.serve.scoring.prefix_maps`), read by the same
+tokens' trajectory (`actmap.serve.loaded_run.prefix_maps`), read by the same
 detector (with the prefix's per-answer scalars when the detector reads them).
 `running_auroc` replays that on a store kept with trajectories
 (``actmap capture --keep-trajectories``): for each answer position k it scores
@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from actmap.answer_features import answer_scalars
+from actmap.capture.answer_scalars import answer_scalars
 from actmap.errors import ActmapUserError
-from actmap.metrics import auroc
+from actmap.scoring.metrics import auroc
 from actmap.store import MapStore, decode_array
 
 
@@ -67,7 +67,7 @@ def running_scores(
     ``statistics``: per answer, its (log-probs, entropies), for a detector that reads the
     per-answer scalars; each position's scalars are those of the prefix.
     """
-    from actmap.serve.scoring import prefix_maps
+    from actmap.serve.loaded_run import prefix_maps
 
     out = []
     for i, t in enumerate(trajectories):

@@ -61,7 +61,7 @@ def unpooled_states(store, splits: dict, device: str | None):
     import logging
 
     from actmap.experiments.ablations import recapture_hidden
-    from actmap.models import load_model, stored_dtype
+    from actmap.llm.models import load_model, stored_dtype
 
     config = store.manifest.get("config", {})
     name = config.get("model", {}).get("name")

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from actmap.report.sections import ReportContext, StoreRef
-from actmap.runs import method_name
+from actmap.training.run_folder import method_name
 
 
 def read_only_splits(store) -> dict[str, list[str]]:
     """The store's balanced {split: ids}, computed without writing into it."""
-    from actmap.rows import balanced_splits
+    from actmap.store.rows import balanced_splits
 
     return balanced_splits(store, persist=False)
 
@@ -63,7 +63,7 @@ class Fitted:
 
     scores: Any  # SeedScores on the balanced test rows, method "actmap-<detector>"
     models: dict[int, Any]  # seed -> fitted CorrectnessDetector
-    recipe: dict[str, Any]  # `actmap.runs.recipe_of` the TrainConfig it was trained with
+    recipe: dict[str, Any]  # `run_folder.recipe_of` the TrainConfig it was trained with
     source: str
 
     def same_fit(self, recipe: dict[str, Any], seeds) -> Any:
@@ -85,8 +85,8 @@ def fitted(context: ReportContext, ref: StoreRef, detector: str) -> Fitted:
 def _fit(context: ReportContext, ref: StoreRef, detector: str) -> Fitted:
     from actmap.detectors import load_detector
     from actmap.experiments.common import scores_from_run, scores_of_runs
-    from actmap.experiments.runs import recipe_config, run_seeds
-    from actmap.runs import read_run, recipe_of
+    from actmap.experiments.seeds import recipe_config, run_seeds
+    from actmap.training.run_folder import read_run, recipe_of
 
     splits = balanced_maps(open_store(ref), context)
     test = splits["test"]
@@ -116,8 +116,8 @@ def same_fit(context: ReportContext, ref: StoreRef, detector: str, config, seeds
     """The test scores that training ``detector`` on ``ref``'s balanced rows with the
     TrainConfig ``config`` and ``seeds`` gives, from `fitted` (a run, or a fit made for this
     report) when it was made that way; None when it was not (the caller trains)."""
-    from actmap.experiments.runs import recipe_config
-    from actmap.runs import recipe_of
+    from actmap.experiments.seeds import recipe_config
+    from actmap.training.run_folder import recipe_of
 
     recipe = recipe_of(config.to_dict())
     has_run = detector in context.runs.get(ref.name, {})
@@ -135,7 +135,7 @@ def frozen_detector(context: ReportContext, ref: StoreRef, detector: str):
 def balanced_maps(store, context: ReportContext | None = None):
     """{split: LabeledMaps} of the store's balanced rows (read once per report when the
     context is given)."""
-    from actmap.experiments.runs import LabeledMaps
+    from actmap.experiments.seeds import LabeledMaps
 
     key = ("balanced_maps", str(store.root))
     if context is not None and key in context.cache:

@@ -21,7 +21,7 @@ CPU_BUDGET_S = 120.0
 def _capture(context: ReportContext, notes: list[str]):
     from actmap.data.builtin import BuiltinArithmeticTask
     from actmap.experiments.cost import capture_overhead
-    from actmap.models import load_model
+    from actmap.llm.models import load_model
 
     model_name = context.option("cost", "capture_model")
     if model_name is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from actmap.judging import JudgeCheck
+from actmap.labelling.judge_pass import JudgeCheck
 from actmap.report.sections import ReportContext, Section, Skipped, skipped_markdown
 
 

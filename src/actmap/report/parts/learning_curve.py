@@ -30,7 +30,7 @@ def compute_learning_curve(context: ReportContext):
         LearningCurveConfig,
         run_learning_curve,
     )
-    from actmap.experiments.runs import recipe_config
+    from actmap.experiments.seeds import recipe_config
 
     refs = largest_stores(context, "learning_curve", count=2)
     if not refs:

@@ -42,8 +42,8 @@ class ExampleMap:
 def example_map(context: ReportContext) -> ExampleMap | Skipped:
     """The first balanced-test row of the first store (a built-in store when there is one)."""
     from actmap.maps import MapConfig, channel_names
-    from actmap.rows import split_labels
     from actmap.store import MapStore
+    from actmap.store.rows import split_labels
 
     if not context.stores:
         return Skipped("no store")

@@ -1,0 +1,1 @@
+"""The language models at the edges: loading generators and judges, and running shared prefixes once."""

@@ -1,0 +1,132 @@
+"""From captured trajectories to p(correct) the way a map store would: one detector, float16 maps.
+
+A served answer is scored from its map rounded to float16, the form the store
+keeps and detectors are trained on, so re-scoring an audit store with the same
+detector reproduces the served raw score. `load_detector_run` opens a run folder
+written by ``actmap train`` (or one of its ``seed-<s>/`` folders): a paper
+detector (`vit`, `mlp`, `mlp4x`, `logreg`, maps only) or ``actmap-plus``, the one
+to deploy, which also reads the six per-answer scalars of the same pass
+(`actmap.capture.answer_scalars`). ``LoadedDetector.requires`` says which: the server
+captures the grey-box statistics exactly when the detector reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from actmap.detectors.plus import ActMapPlus
+from actmap.llm.models import file_digest
+from actmap.maps import MapConfig, build_maps, build_maps_from_list
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedDetector:
+    """A trained detector, the id answers record it under, and the map settings it reads."""
+
+    detector: object  # a fitted CorrectnessDetector or ActMapPlus
+    id: str  # "<name>:<run>/seed-<s>:<weights sha256 prefix>"
+    map_config: MapConfig
+    path: Path
+    dtype: str = "float32"  # the generator's dtype when the detector's training maps were captured
+
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """What the detector reads per answer: ("maps",) or ("maps", "scalars")."""
+        if isinstance(self.detector, ActMapPlus) and self.detector.config_.use_scalars:
+            return ("maps", "scalars")
+        return ("maps",)
+
+    @property
+    def needs_scalars(self) -> bool:
+        return "scalars" in self.requires
+
+    def predict_proba(self, maps: np.ndarray, scalars: np.ndarray | None = None) -> np.ndarray:
+        """(N, C, H, W) float16 maps (+ (N, 6) scalars when required) -> (N,) raw p(correct)."""
+        if isinstance(self.detector, ActMapPlus):
+            return self.detector.predict_proba(maps, scalars).astype(np.float64)
+        return self.detector.predict_proba(maps).astype(np.float64)
+
+
+def _seed_folder(run: Path, seed: int | None) -> Path:
+    if (run / "config.json").is_file() and (run / "model.safetensors").is_file():
+        return run
+    folders = sorted(run.glob("seed-*"))
+    if not folders:
+        raise FileNotFoundError(
+            f"{run} is neither a detector folder (config.json + model.safetensors) nor a run "
+            "folder with seed-*/ folders written by `actmap train`"
+        )
+    if seed is not None:
+        wanted = run / f"seed-{seed}"
+        if wanted not in folders:
+            raise FileNotFoundError(
+                f"{run} has no seed-{seed}/; seeds there: "
+                + ", ".join(f.name.split("-", 1)[1] for f in folders)
+            )
+        return wanted
+
+    def val_auroc(folder: Path) -> float:
+        config = json.loads((folder / "config.json").read_text())
+        value = config.get("best_val_auroc", config.get("metadata", {}).get("validation_auroc"))
+        return float("-inf") if value is None else float(value)
+
+    return max(folders, key=val_auroc)  # the seed selected on validation, never on test
+
+
+def load_detector_run(
+    run: str | Path, seed: int | None = None, device: str | None = "cpu"
+) -> LoadedDetector:
+    """The detector of a run folder: ``seed`` when given, else the best validation AUROC."""
+    from actmap.detectors import load_detector
+    from actmap.llm.models import stored_dtype
+
+    run = Path(run)
+    if not run.exists():
+        raise FileNotFoundError(f"detector run {run} does not exist")
+    folder = _seed_folder(run, seed)
+    detector = load_detector(folder, device=device)
+    kind = detector.name if isinstance(detector, ActMapPlus) else detector.detector
+    store_config = detector.metadata_.get("inputs", {}).get("store_config") or {}
+    map_config = MapConfig(**store_config.get("map", {}))
+    dtype = stored_dtype(store_config)
+    name = f"{run.name}/{folder.name}" if folder != run else folder.name
+    ident = f"{kind}:{name}:{file_digest(folder / 'model.safetensors')[:12]}"
+    log.info("detector %s from %s", ident, folder)
+    return LoadedDetector(detector, ident, map_config, folder, dtype)
+
+
+def stored_form(maps: torch.Tensor) -> np.ndarray:
+    """(N, C, H, W) float32 maps -> float16 numpy, the form a map store keeps."""
+    half = maps.to(torch.float16)
+    if not bool(torch.isfinite(half).all()):
+        raise ValueError("a map does not fit float16 (non-finite after conversion)")
+    return half.cpu().numpy()
+
+
+def answer_maps(trajectories: Sequence[torch.Tensor], config: MapConfig) -> np.ndarray:
+    """Ragged (L, T_i, D') trajectories -> their maps in stored (float16) form."""
+    return stored_form(build_maps_from_list(list(trajectories), config))
+
+
+def prefix_maps(
+    trajectory: torch.Tensor, positions: Sequence[int], config: MapConfig
+) -> np.ndarray:
+    """Maps of the answer's first k tokens for every k in ``positions`` (float16).
+
+    ``trajectory`` is (L, T, D'); positions beyond T are clamped to T (the answer had
+    ended). The map of a prefix is exactly what `build_map` gives on ``trajectory[:, :k]``.
+    """
+    if trajectory.ndim != 3 or trajectory.shape[1] == 0:
+        raise ValueError(f"trajectory must be (L, T>0, D'), got {tuple(trajectory.shape)}")
+    lengths = torch.tensor([min(max(int(k), 1), trajectory.shape[1]) for k in positions])
+    batch = trajectory[None].expand(len(lengths), -1, -1, -1)  # (P, L, T, D'), no copy
+    return stored_form(build_maps(batch, lengths, config))

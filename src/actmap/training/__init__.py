@@ -1,0 +1,1 @@
+"""The paper's training recipe, its epoch checkpoints, and the run folder a detector is trained into."""
