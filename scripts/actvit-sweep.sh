@@ -22,7 +22,7 @@ COPY=runs/actvit-sweep/stores/$STORE-$PRECISION
 run() { echo "=== $(date -Is) start: $*"; "$@"; echo "=== $(date -Is) end rc=$?: $*"; }
 if [ ! -d "$COPY" ]; then
   mkdir -p "$(dirname "$COPY")"
-  run "$PY" -c "import sys; from pathlib import Path; from actmap.experiments.reproduce import \
+  run "$PY" -c "import sys; from pathlib import Path; from actmap.reproduce import \
 link_copy; link_copy(Path(sys.argv[1]), Path(sys.argv[2]))" "stores/$STORE" "$COPY"
 fi
 run $A baselines --store "$COPY" --methods actvit,ppl,answer_length --actvit-grid full \

@@ -27,7 +27,7 @@ SOURCE=${SOURCE:-runs/reproduce-full/stores/gemma3-builtin}
 COPY=${COPY:-runs/paper-settings/stores/gemma3-builtin}
 run() { echo "=== $(date -Is) start: $*"; "$@"; local rc=$?; echo "=== $(date -Is) end rc=$rc: $*"; return $rc; }
 if [ ! -d "$COPY" ]; then  # shards hard-linked, the manifest copied, the writer lock left behind
-  .venv/bin/python -c "import sys; from pathlib import Path; from actmap.experiments.reproduce \
+  .venv/bin/python -c "import sys; from pathlib import Path; from actmap.reproduce \
 import link_copy; link_copy(Path(sys.argv[1]), Path(sys.argv[2]))" "$SOURCE" "$COPY.partial" \
     && mv "$COPY.partial" "$COPY"
 fi

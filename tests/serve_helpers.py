@@ -88,12 +88,12 @@ def reference(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS, n_token
     ``n_tokens``, p of the answer's first n tokens."""
     from actmap.capture import CaptureConfig, generate_with_capture
     from actmap.capture.answer_scalars import answer_scalars
-    from actmap.maps import build_map, to_float16
+    from actmap.maps import build_map, stored_form
 
     config = CaptureConfig(max_new_tokens=max_tokens, max_context=engine.max_context)
     (gen,) = generate_with_capture(engine.model, engine.tokenizer, [prompt], config)
     n = gen.n_tokens if n_tokens is None else n_tokens
-    stored = to_float16(build_map(gen.trajectory[:, :n])).numpy()[None]
+    stored = stored_form(build_map(gen.trajectory[:, :n]))[None]
     detector = engine.detector.detector
     if "scalars" in engine.detector.requires:
         scalars = answer_scalars(gen.logprobs[:n], gen.entropies[:n])[None]

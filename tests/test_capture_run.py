@@ -13,12 +13,12 @@ import torch
 from conftest import ListTask
 
 from actmap.capture import CaptureConfig, generate_with_capture
+from actmap.capture.from_store import read_generations
 from actmap.capture.run import run_capture, store_config
 from actmap.data.base import Example
 from actmap.llm.models import ModelSource
 from actmap.maps import MapConfig, build_map
 from actmap.store import MapStore
-from actmap.store.generations import read_generations
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "what is the capital of the river red blue green one two three four five".split()

@@ -230,3 +230,43 @@ def test_seed_bars_count_each_seeds_epochs_and_show_from_its_first_epoch():
     assert lines[0].startswith("seed 42: 1/5 loss 0.700 val AUROC 0.500 elapsed")
     assert lines[1].startswith("seed 42: 3/5 loss 0.250 val AUROC 0.750 elapsed")
     assert not any(line.startswith("seed 123:") for line in lines)  # hidden until it trains
+
+
+def test_one_seed_prints_its_value_not_plus_minus_nan():
+    from actmap.cli.common import mean_std
+    from actmap.cli.train import print_summary
+
+    assert mean_std(0.78125, float("nan")) == "0.781"
+    assert mean_std(0.78125, None) == "0.781"
+    assert mean_std(0.78125, 0.0123) == "0.781 ± 0.012"
+    metrics = {"auroc": 0.78125, "auprc": 0.7, "ece": 0.05}
+    with console.capture() as captured:
+        print_summary(
+            {
+                "detector": "actmap-plus",
+                "per_seed": {"0": metrics},
+                "mean": metrics,
+                "std": dict.fromkeys(metrics, float("nan")),
+            }
+        )
+    text = captured.get()
+    assert "nan" not in text and "one seed" in text and "0.781" in text
+
+
+def test_capture_overhead_reads_as_noise_when_inside_the_plain_runs_spread():
+    from actmap.capture.overhead import Overhead
+
+    # plain runs 1.0, 1.2, 0.8 s: median 1.0, half-range 0.2 -> spread 20%
+    noisy = Overhead(plain_s=[1.0, 1.2, 0.8], hooked_s=[0.875, 1.05, 0.7], identical_tokens=True)
+    assert noisy.overhead_pct == pytest.approx(-12.5)  # every ratio is 0.875
+    assert noisy.plain_spread_pct == pytest.approx(20.0)
+    assert noisy.within_noise
+    assert noisy.describe() == "-12.5% (median of 3; plain runs spread ±20.0%: within noise)"
+    # plain runs 1.0, 1.02, 0.98: spread 2%; hooked 30% slower is a measured cost
+    costly = Overhead(
+        plain_s=[1.0, 1.02, 0.98], hooked_s=[1.3, 1.326, 1.274], identical_tokens=True
+    )
+    assert costly.overhead_pct == pytest.approx(30.0)
+    assert not costly.within_noise and "beyond the plain runs' spread" in costly.describe()
+    one = Overhead(plain_s=[2.0], hooked_s=[2.1], identical_tokens=True)  # one repeat: no spread
+    assert one.plain_spread_pct == 0.0 and not one.within_noise

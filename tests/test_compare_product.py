@@ -12,6 +12,7 @@ from test_baselines_runner import SOURCE, AlternatingTask
 from typer.testing import CliRunner
 
 from actmap.capture import CaptureConfig
+from actmap.capture.from_store import read_generations
 from actmap.capture.run import run_capture, store_config
 from actmap.cli import app
 from actmap.detectors.plus import ActMapPlus, PlusConfig
@@ -20,7 +21,6 @@ from actmap.maps import MapConfig
 from actmap.scoring.metrics import ece
 from actmap.scoring.prior import shift_to_prevalence
 from actmap.store import MapStore
-from actmap.store.generations import read_generations
 
 GRID = (
     PlusConfig(n_components=3, n_strengths=2, cv_folds=2),

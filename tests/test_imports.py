@@ -133,3 +133,36 @@ def test_the_recipe_does_not_import_its_users(graph):
         if d.startswith(("actmap.detectors", "actmap.experiments"))
     }
     assert not {d for d in graph["actmap.scoring.contract"] if d != "actmap"}
+
+
+def unit(module: str) -> str:
+    """The room a module belongs to: its package under actmap (``actmap.store.rows`` ->
+    ``actmap.store``), or the module itself when it sits at the top (``actmap.maps``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def two_way_pairs(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs of rooms that import each other (in any of their modules)."""
+    rooms: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        rooms.setdefault(unit(module), set()).update(unit(d) for d in deps)
+    return sorted(
+        (a, b) for a in rooms for b in rooms[a] if a < b and a in rooms.get(b, set()) and a != b
+    )
+
+
+def test_two_way_finder_finds_packages_that_import_each_other():
+    graph = {
+        "actmap.capture.run": {"actmap.store"},
+        "actmap.store": {"actmap.maps"},
+        "actmap.store.generations": {"actmap.capture.records"},  # store -> capture: a pair
+        "actmap.capture.records": set(),
+        "actmap.maps": set(),
+    }
+    assert two_way_pairs(graph) == [("actmap.capture", "actmap.store")]
+    del graph["actmap.store.generations"]
+    assert two_way_pairs(graph) == []
+
+
+def test_no_two_packages_import_each_other(graph):
+    assert two_way_pairs(graph) == []

@@ -29,8 +29,8 @@ from actmap.maps import (
     permute_coordinates,
     pool_hidden,
     segment_bounds,
+    stored_form,
     temporal_statistics,
-    to_float16,
     without_group,
 )
 
@@ -396,11 +396,22 @@ def test_last_token_map_is_final_channels():
 
 
 def test_float16_storage_size():
-    stored = to_float16(build_map(random_trajectory(30, 5)))
-    assert stored.dtype == torch.float16 and tuple(stored.shape) == MAP_SHAPE
-    assert stored.numel() * stored.element_size() == MAP_BYTES == 98_304
+    stored = stored_form(build_map(random_trajectory(30, 5)))
+    assert stored.dtype == np.float16 and tuple(stored.shape) == MAP_SHAPE
+    assert stored.nbytes == MAP_BYTES == 98_304
     with pytest.raises(ValueError, match="float16"):
-        to_float16(torch.full((2,), 1e6))
+        stored_form(torch.full((2,), 1e6))
+
+
+@pytest.mark.parametrize("array", [torch.tensor, np.array])
+def test_stored_form_checks_after_the_cast(array):
+    """70000 is finite in float32 but beyond float16's largest value (65504): the cast makes
+    it inf, so a check made before the cast would let it through to disk."""
+    assert np.isfinite(np.float32(70000.0)) and float(np.finfo(np.float16).max) == 65504.0
+    with pytest.raises(ValueError, match="does not fit float16"):
+        stored_form(array([[1.0, 70000.0]]))
+    edge = stored_form(array([65504.0, -65504.0]))  # the largest float16 values still fit
+    np.testing.assert_array_equal(edge, np.array([65504.0, -65504.0], dtype=np.float16))
 
 
 def test_mean_pooled_final_layer():

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from actmap.data.labels import normalize_answer, qa_correct
 from actmap.data.splits import SPLITS, assign_splits
-from actmap.maps import MapConfig, all_channel_names, build_map, map_shape, to_float16
+from actmap.maps import MapConfig, all_channel_names, build_map, map_shape, stored_form
 from actmap.store import MapRecord, MapStore, decode_array, encode_array
 
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -75,13 +75,13 @@ def test_channels_are_standardised_one_by_one(trajectory):
 @given(trajectories())
 def test_float16_round_trip_is_exact_after_the_first_cast(trajectory):
     result = build_map(trajectory)
-    half = to_float16(result)
+    half = stored_form(result)
     stored = decode_array(encode_array(result.numpy()), result.shape)
-    np.testing.assert_array_equal(stored, half.numpy())  # the store keeps exactly these bytes
+    np.testing.assert_array_equal(stored, half)  # the store keeps exactly these bytes
     again = decode_array(encode_array(stored), result.shape)
     np.testing.assert_array_equal(again, stored)  # and a second trip changes nothing
     # float16 keeps 11 significant bits: relative error <= 2^-11 (+ subnormal floor)
-    error = (half.float() - result).abs()
+    error = (torch.from_numpy(half).float() - result).abs()
     assert torch.all(error <= result.abs() * 2.0**-11 + 2.0**-24)
 
 

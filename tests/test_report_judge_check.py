@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from actmap.artifacts import write_json
 from actmap.cli import app
 from actmap.errors import ActmapUserError
-from actmap.experiments.reproduce import config_from_dict
 from actmap.labelling.judge_pass import CHECK_RESULT, claim_pairs, judge_check, read_judge_check
 from actmap.report.inputs import read_judge_checks
+from actmap.reproduce import config_from_dict
 from actmap.store import MapStore
 from actmap.store.rows import rows_to_score
 

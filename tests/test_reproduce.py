@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from actmap.cli import app
 from actmap.cli.reproduce import capture_arguments
 from actmap.errors import ActmapUserError
-from actmap.experiments.reproduce import config_from_dict, load_config
+from actmap.reproduce import config_from_dict, load_config
 
 WORDS = "red blue green one two three four five paris rome".split()
 
@@ -150,7 +150,7 @@ def test_a_source_that_grew_retrains_its_detectors_even_after_a_killed_call(
 
     from actmap.baselines import runner
     from actmap.cli.reproduce import run_capture_command
-    from actmap.experiments.reproduce import plan
+    from actmap.reproduce import plan
     from actmap.store import MapStore
     from actmap.store.rows import balanced_splits
 
@@ -280,7 +280,7 @@ def test_capture_arguments_turn_a_table_into_flags(tmp_path):
 def test_a_store_spelled_two_ways_is_one_store(tmp_path):
     """Configs in two folders that name the same store (``../stores/x`` from each) plan the
     same copy stage: a finished copy is not redone because the path was spelled otherwise."""
-    from actmap.experiments.reproduce import plan
+    from actmap.reproduce import plan
 
     store = tmp_path / "stores" / "s"
     store.mkdir(parents=True)
@@ -300,7 +300,7 @@ def test_copy_is_redone_when_rows_change_not_when_a_no_op_run_is_logged(tmp_path
     """A capture that resumes a finished store logs a run with nothing written, and training
     on the source writes its balanced split: neither may renew the copy (and retrain everything
     after it); a new shard must."""
-    from actmap.experiments.reproduce import plan
+    from actmap.reproduce import plan
 
     store = tmp_path / "stores" / "s"
     store.mkdir(parents=True)
@@ -331,7 +331,7 @@ def test_store_selection_plans_only_the_named_stores(tmp_path):
     """`--store` runs the stores that exist while the others are still being captured: the plan
     holds only their stages (in the config's order) and a report (none with --no-report); an
     unknown name is an error that lists the config's stores."""
-    from actmap.experiments.reproduce import plan, select_stores
+    from actmap.reproduce import plan, select_stores
 
     raw = {"out": "out", "stores": [{"name": n, "path": f"stores/{n}"} for n in ("a", "b", "c")]}
     config = config_from_dict(raw, tmp_path)

@@ -18,7 +18,7 @@ from serve_helpers import (  # noqa: E402
     tiny_engine,
 )
 
-from actmap.maps import build_map, to_float16  # noqa: E402
+from actmap.maps import build_map, stored_form  # noqa: E402
 from actmap.scoring.prior import shift_to_prevalence  # noqa: E402
 from actmap.serve.policy import Policy, PriorSetting, decide  # noqa: E402
 
@@ -270,7 +270,7 @@ def test_stream_scores_are_running_p_correct(client):
     gen, _ = reference(engine, PROMPT)
     assert [r["n_tokens"] for r in running] == list(range(1, gen.n_tokens + 1))
     for r in running:  # each is the detector on the map of the first n tokens
-        prefix = to_float16(build_map(gen.trajectory[:, : r["n_tokens"]])).numpy()[None]
+        prefix = stored_form(build_map(gen.trajectory[:, : r["n_tokens"]]))[None]
         expected = float(engine.detector.detector.predict_proba(prefix)[0])
         assert r["p_correct"] == pytest.approx(expected, abs=1e-5)
     assert running[-1]["p_correct"] == pytest.approx(final["p_correct"], abs=1e-6)

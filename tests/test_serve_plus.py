@@ -23,7 +23,7 @@ from actmap.capture import CaptureConfig  # noqa: E402
 from actmap.capture.answer_scalars import answer_scalars  # noqa: E402
 from actmap.detectors.plus import ActMapPlus  # noqa: E402
 from actmap.errors import ActmapUserError  # noqa: E402
-from actmap.maps import build_map, to_float16  # noqa: E402
+from actmap.maps import build_map, stored_form  # noqa: E402
 
 PROMPT = "what is the capital of paris"
 
@@ -47,7 +47,7 @@ def test_served_p_correct_reads_the_map_and_the_scalars_of_the_same_pass(plus_ru
     assert out["actmap"]["p_correct_raw"] == pytest.approx(p_raw, rel=1e-6)
     # the scalars matter: the same map with another answer's statistics scores differently
     plus = ActMapPlus.from_pretrained(engine.detector.path)
-    stored = to_float16(build_map(gen.trajectory)).numpy()[None]
+    stored = stored_form(build_map(gen.trajectory))[None]
     own = answer_scalars(gen.logprobs, gen.entropies)[None]
     other = answer_scalars(gen.logprobs[:1] - 3.0, gen.entropies[:1])[None]
     assert abs(plus.decision_function(stored, other) - plus.decision_function(stored, own)) > 0.1
@@ -152,11 +152,11 @@ def test_policy_fit_and_running_auroc_read_the_stores_scalars(captured):
     from sklearn.metrics import roc_auc_score
 
     from actmap.capture.answer_scalars import scalars_from_store
+    from actmap.capture.from_store import read_generations
     from actmap.serve.fit import balanced_scores, natural_scores
     from actmap.serve.loaded_run import load_detector_run
     from actmap.serve.streaming import running_auroc
     from actmap.store import decode_array
-    from actmap.store.generations import read_generations
 
     store, run = captured
     detector = load_detector_run(run)
@@ -188,7 +188,7 @@ def test_policy_fit_and_running_auroc_read_the_stores_scalars(captured):
         scores = []
         for g, trajectory in zip(gens, trajectories, strict=True):
             n = min(position.position, g.n_tokens)
-            prefix = to_float16(build_map(trajectory[:, :n])).numpy()[None]
+            prefix = stored_form(build_map(trajectory[:, :n]))[None]
             scalars = answer_scalars(g.logprobs[:n], g.entropies[:n])[None]
             scores.append(plus.predict_proba(prefix, scalars)[0])
         assert position.auroc == pytest.approx(roc_auc_score(labels, scores), abs=1e-9)

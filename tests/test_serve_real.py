@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from actmap.capture import CaptureConfig, generate_with_capture
 from actmap.cli import app
-from actmap.maps import build_map, to_float16
+from actmap.maps import build_map, stored_form
 from actmap.serve.loaded_run import load_detector_run
 
 openai = pytest.importorskip("openai")
@@ -87,7 +87,7 @@ def reference(smollm2, run, prompt: str, max_tokens: int = 12):
     (gen,) = generate_with_capture(
         model, tokenizer, [prompt], CaptureConfig(max_new_tokens=max_tokens)
     )
-    stored = to_float16(build_map(gen.trajectory)).numpy()[None]
+    stored = stored_form(build_map(gen.trajectory))[None]
     return gen, float(load_detector_run(run).predict_proba(stored)[0])
 
 

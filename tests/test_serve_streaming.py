@@ -9,7 +9,7 @@ import torch
 from serve_helpers import save_tiny_detector
 from sklearn.metrics import roc_auc_score
 
-from actmap.maps import MapConfig, build_map, to_float16
+from actmap.maps import MapConfig, build_map, stored_form
 from actmap.serve.loaded_run import load_detector_run, prefix_maps
 from actmap.serve.streaming import default_positions, running_auroc
 from actmap.store import MapRecord, MapStore, encode_array
@@ -25,7 +25,7 @@ def store_with_trajectories(path, n=16, seed=0):
         traj = rng.normal(0.4 * label, 1.0, size=(4, length, 128)).astype(np.float32)
         trajectories.append(traj)
         split = "test" if i < 12 else "train"
-        grid = to_float16(build_map(torch.from_numpy(traj))).numpy()
+        grid = stored_form(build_map(torch.from_numpy(traj)))
         records.append(
             MapRecord(f"r{i}", str(i), "s", split, "m", "r", "", "", length, label, grid)
         )
@@ -47,7 +47,7 @@ def test_prefix_maps_equal_build_map_on_the_prefix():
     traj = torch.randn(5, 6, 128)
     maps = prefix_maps(traj, [1, 3, 6, 10], MapConfig())
     for row, k in zip(maps, [1, 3, 6, 6], strict=True):
-        np.testing.assert_array_equal(row, to_float16(build_map(traj[:, :k])).numpy())
+        np.testing.assert_array_equal(row, stored_form(build_map(traj[:, :k])))
 
 
 def test_running_auroc_matches_a_naive_loop(tmp_path):
@@ -63,7 +63,7 @@ def test_running_auroc_matches_a_naive_loop(tmp_path):
         scores, alive = [], []
         for traj, _ in test:
             cut = torch.from_numpy(traj[:, : min(k, traj.shape[1])])
-            grid = to_float16(build_map(cut)).numpy()[None]
+            grid = stored_form(build_map(cut))[None]
             scores.append(detector.detector.predict_proba(grid)[0])
             alive.append(traj.shape[1] >= k)
         scores, alive = np.array(scores), np.array(alive)

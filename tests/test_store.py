@@ -87,6 +87,10 @@ def test_bad_maps_and_bad_stores_are_refused(tmp_path):
     nan_map[0, 0, 0] = np.nan
     with pytest.raises(StoreError, match="non-finite"):
         store.write_maps([MapRecord(**{**bad.__dict__, "map": nan_map})])
+    big_map = bad.map.astype(np.float32)  # finite in float32, inf once stored as float16
+    big_map[3, 4, 5] = 70000.0
+    with pytest.raises(StoreError, match=f"map of '{bad.id}' has non-finite values.*float16"):
+        store.write_maps([MapRecord(**{**bad.__dict__, "map": big_map})])
     assert not store.has_table("maps")  # nothing half-written
     with pytest.raises(StoreError, match="another config") as refused:
         MapStore.create(tmp_path / "s", {"x": 2})
@@ -245,7 +249,7 @@ def test_split_fingerprint_hashes_ids_and_labels(tmp_path):
 
 
 def test_generations_are_read_through_the_store(tmp_path):
-    from actmap.store.generations import read_generations
+    from actmap.capture.from_store import read_generations
 
     store = MapStore.create(tmp_path, {})
     rng = np.random.default_rng(8)

@@ -203,3 +203,33 @@ def test_empty_answer_gets_its_eos_probability():
         extras={"eos_logprob": float(np.log(0.3)), "eos_entropy": 1.0},
     )
     assert tad.score([empty]).confidence[0] == pytest.approx(0.3, rel=1e-6)
+
+
+def test_ill_conditioned_solves_are_counted_once_not_printed_per_solve(caplog):
+    import logging
+    import warnings
+
+    from scipy.linalg import LinAlgWarning
+
+    from actmap.baselines.tad import ALPHA_GRID, ill_conditioned_solves_logged
+
+    rng = np.random.default_rng(0)
+    labels = np.array([i % 2 for i in range(60)])
+    gens = []
+    for label in labels:
+        gen = random_gen(rng, 20, n_layers=2, n_heads=2, k=3, label=label)
+        gen.attention[:, :, 1] = gen.attention[:, :, 0]  # two heads alike: equal columns
+        gens.append(gen)
+    seqs = [tad_sequence(g, 3) for g in gens]
+    x, y, _ = design_matrix(seqs, oracle_q(seqs, labels.astype(float)), labels.astype(float))
+    with pytest.warns(LinAlgWarning):  # the raw solve at the grid's smallest alpha warns
+        Ridge(alpha=ALPHA_GRID[-1]).fit(x, y)
+    with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        TAD(n_previous=3).fit(gens, labels, gens[:20], labels[:20])
+    assert not [w for w in seen if issubclass(w.category, LinAlgWarning)]
+    counted = [r.message for r in caplog.records if "ill-conditioned Ridge solves" in r.message]
+    assert len(counted) == 1 and counted[0].startswith("TAD fit: ")
+    # any other warning raised inside passes through unchanged
+    with pytest.warns(UserWarning, match="kept"), ill_conditioned_solves_logged("x"):
+        warnings.warn("kept", UserWarning, stacklevel=1)

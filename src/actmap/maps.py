@@ -575,12 +575,25 @@ def build_maps_from_list(
     return build_maps(batch, lengths, config)
 
 
-def to_float16(activation_map: torch.Tensor) -> torch.Tensor:
-    """The stored form of a map: float16 (12 * 32 * 128 * 2 = 98,304 bytes for the default)."""
-    half = activation_map.to(torch.float16).contiguous()
-    if half.numel() and not bool(torch.isfinite(half.abs().amax())):  # NaN propagates
-        raise ValueError("map does not fit float16: non-finite values after conversion")
-    return half
+def stored_form(maps: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Maps of any shape (one map or a batch; torch or numpy) -> the float16 numpy array a
+    map store keeps (12 * 32 * 128 * 2 = 98,304 bytes for the default map).
+
+    The one place maps become float16 (capture, the store, serving). Finiteness is checked
+    *after* the cast: a value beyond float16's range (|x| > 65,504) turns into inf there and
+    is refused like NaN and inf, so no map reaches disk or a detector as inf.
+    """
+    if isinstance(maps, torch.Tensor):
+        half = maps.detach().to(device="cpu", dtype=torch.float16).numpy()
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below
+            half = np.asarray(maps, dtype=np.float16)
+    if not np.isfinite(half).all():
+        raise ValueError(
+            "map does not fit float16: non-finite values after conversion "
+            "(a value beyond +-65504, inf or NaN)"
+        )
+    return np.ascontiguousarray(half)
 
 
 # ---------------------------------------------------------------- ablation helpers

@@ -22,10 +22,10 @@ import pyarrow as pa
 from actmap.baselines.base import BaselineUnavailable
 from actmap.baselines.registry import baseline_class
 from actmap.baselines.samples_table import draw_samples, read_samples, sampling_request
+from actmap.capture.from_store import read_generations
 from actmap.data.splits import SPLITS
 from actmap.scoring.contract import row_input
 from actmap.store import MapStore, decode_array
-from actmap.store.generations import read_generations
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,14 @@ aggregation are chosen by AUROC on the shared balanced validation rows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+from scipy.linalg import LinAlgWarning
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
@@ -138,6 +141,22 @@ def oracle_q(seqs: Sequence[TadSequence], targets: np.ndarray) -> list[np.ndarra
     return [np.full(len(s.p), float(y)) for s, y in zip(seqs, targets, strict=False)]
 
 
+@contextmanager
+def ill_conditioned_solves_logged(what: str) -> Iterator[None]:
+    """Inside: scipy's `LinAlgWarning` (an ill-conditioned Ridge solve, usual at the grid's
+    smallest alphas on few rows) is counted instead of printed once per solve, and logged
+    once at the end; every other warning passes through unchanged."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LinAlgWarning)
+        yield
+    ill = [w for w in caught if issubclass(w.category, LinAlgWarning)]
+    for w in caught:
+        if not issubclass(w.category, LinAlgWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    if ill:
+        log.info("%s: %d ill-conditioned Ridge solves (scipy LinAlgWarning)", what, len(ill))
+
+
 def stacked_q(
     seqs: Sequence[TadSequence], targets: np.ndarray, alpha: float, n_folds: int = 5, seed: int = 1
 ) -> tuple[list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
@@ -225,6 +244,10 @@ class TAD:
             raise ValueError("y_val must hold both classes to select by AUROC")
 
     def fit(self, train: Sequence[Generation], y_train: np.ndarray, val=None, y_val=None) -> TAD:
+        with ill_conditioned_solves_logged("TAD fit"):
+            return self._fit(train, y_train, val, y_val)
+
+    def _fit(self, train: Sequence[Generation], y_train: np.ndarray, val, y_val) -> TAD:
         y_train = np.clip(np.asarray(y_train, dtype=np.float64), 0.0, 1.0)
         if len(train) != len(y_train):
             raise ValueError(f"train has {len(train)} rows but y_train has {len(y_train)}")

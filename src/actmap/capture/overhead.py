@@ -26,6 +26,28 @@ class Overhead:
     def overhead_pct(self) -> float:
         return 100.0 * (self.median_ratio - 1.0)
 
+    @property
+    def plain_spread_pct(self) -> float:
+        """The plain runs' own spread: half their range, in % of their median (0 for one run).
+
+        The same generation timed twice differs by about this much, so an overhead whose
+        size is below it is not a measured cost (a negative one is noise, not a speed-up)."""
+        median = statistics.median(self.plain_s)
+        return 100.0 * (max(self.plain_s) - min(self.plain_s)) / 2.0 / median
+
+    @property
+    def within_noise(self) -> bool:
+        """True when |overhead| is no larger than the plain runs' spread."""
+        return abs(self.overhead_pct) <= self.plain_spread_pct
+
+    def describe(self) -> str:
+        """One line: '+3.2% (median of 3; plain runs spread +-5.0%: within noise)'."""
+        verdict = "within noise" if self.within_noise else "beyond the plain runs' spread"
+        return (
+            f"{self.overhead_pct:+.1f}% (median of {len(self.plain_s)}; plain runs spread "
+            f"±{self.plain_spread_pct:.1f}%: {verdict})"
+        )
+
 
 def measure_overhead(
     model, tokenizer, prompts: Sequence[str], config: CaptureConfig, repeats: int = 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -323,3 +324,10 @@ def load_factuality_judge(spec: str | None, dtype: str = "float32", lazy: bool =
         return LazyJudge(MiniCheckJudge.name_for(checkpoint), load)
     resolve_model(spec)  # a missing path fails now, not at the first claim
     return LazyJudge(LLMFactualityJudge.name_for(spec, dtype), load)
+
+
+def mean_std(mean: float, std: float | None) -> str:
+    """'0.781 ± 0.012'; one seed (std NaN or None) has no spread: '0.781'."""
+    if std is None or not math.isfinite(std):
+        return f"{mean:.3f}"
+    return f"{mean:.3f} ± {std:.3f}"

@@ -7,7 +7,14 @@ from pathlib import Path
 import typer
 
 from actmap.cli.app import app
-from actmap.cli.common import console, parse_ints, progress_bar, quiet_transformers, user_errors
+from actmap.cli.common import (
+    console,
+    mean_std,
+    parse_ints,
+    progress_bar,
+    quiet_transformers,
+    user_errors,
+)
 
 
 @app.command()
@@ -55,11 +62,10 @@ def demo(
             f"{result['natural_accuracy']['all']:.3f}, balanced rows {result['balanced_rows']}\n"
             f"map: {result['bytes_per_map']:,} bytes (float16 12x32x128); store: "
             f"{result['store_bytes_per_row']:,.0f} bytes/row with metadata and side tables\n"
-            f"capture overhead (batch {overhead['batch']}, median of {overhead_repeats}): "
-            f"{overhead['overhead_pct']:+.1f}% (hooked/plain "
-            f"{overhead['median_ratio_hooked_over_plain']:.3f}); "
+            f"capture overhead (batch {overhead['batch']}): {overhead['described']}, "
+            f"hooked/plain {overhead['median_ratio_hooked_over_plain']:.3f}; "
             f"identical tokens: {overhead['identical_tokens']}\n"
-            f"{detector} test AUROC {summary['mean']['auroc']:.3f} ± {summary['std']['auroc']:.3f}, "
+            f"{detector} test AUROC {mean_std(summary['mean']['auroc'], summary['std']['auroc'])}, "
             f"ECE {summary['mean']['ece']:.3f} | answer length only AUROC {length['auroc']:.3f} | "
             f"permuted labels AUROC {permuted['auroc']:.3f}\n"
             f"summary: {out / 'demo-summary.json'} ({result['wall_time_s']:.0f} s)"

@@ -51,7 +51,7 @@ def reproduce(
 ) -> None:
     """Run the paper's evaluation end to end; finished stages are skipped when run again."""
     with user_errors():
-        from actmap.experiments.reproduce import load_config, plan, run_plan, select_stores
+        from actmap.reproduce import load_config, plan, run_plan, select_stores
 
         settings = select_stores(load_config(config), store)
         stages = plan(settings, capture=run_capture_command, report=report)

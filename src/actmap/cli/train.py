@@ -9,7 +9,7 @@ import typer
 
 from actmap.atomic import atomic_write_text
 from actmap.cli.app import app
-from actmap.cli.common import console, parse_ints, progress_bar, user_errors
+from actmap.cli.common import console, mean_std, parse_ints, progress_bar, user_errors
 
 
 def train_with_progress(
@@ -116,8 +116,10 @@ def print_summary(summary: dict) -> None:
     for seed, m in summary["per_seed"].items():
         table.add_row(seed, f"{m['auroc']:.3f}", f"{m['auprc']:.3f}", f"{m['ece']:.3f}")
     mean, std = summary["mean"], summary["std"]
+    one_seed = len(summary["per_seed"]) == 1
     table.add_row(
-        "mean ± std", *(f"{mean[k]:.3f} ± {std[k]:.3f}" for k in ("auroc", "auprc", "ece"))
+        "(one seed: no spread)" if one_seed else "mean ± std",
+        *(mean_std(mean[k], std[k]) for k in ("auroc", "auprc", "ece")),
     )
     console.print(table)
 

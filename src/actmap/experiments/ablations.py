@@ -525,7 +525,7 @@ def recapture_hidden(
     import dataclasses as dc
 
     from actmap.capture import CaptureConfig, capture_answers
-    from actmap.store.generations import read_generations
+    from actmap.capture.from_store import read_generations
 
     generations = read_generations(store, list(ids))
     text_config = getattr(model.config, "text_config", model.config)

@@ -221,7 +221,7 @@ class GenerationReader:
         self._cache: dict[tuple[str, ...], list] = {}
 
     def __call__(self, rows: Rows) -> list:
-        from actmap.store.generations import read_generations
+        from actmap.capture.from_store import read_generations
 
         key = tuple(rows.ids)
         if key not in self._cache:

@@ -79,7 +79,7 @@ def run_demo(
     prompts = [task.prompt(e, tokenizer) for e in examples[: capture.batch_size]]
     stage(f"measuring the capture overhead on a batch of {len(prompts)} ...")
     overhead = measure_overhead(model, tokenizer, prompts, capture, repeats=config.overhead_repeats)
-    stage(f"capture overhead measured: {overhead.overhead_pct:+.1f}%")
+    stage(f"capture overhead measured: {overhead.describe()}")
 
     store = MapStore.create(out / "store", store_config(task, source, capture, MapConfig(), {}))
     stage(f"capturing {len(examples)} answers ...")
@@ -128,6 +128,9 @@ def run_demo(
         "capture_overhead": {
             "median_ratio_hooked_over_plain": overhead.median_ratio,
             "overhead_pct": overhead.overhead_pct,
+            "plain_spread_pct": overhead.plain_spread_pct,
+            "within_noise": overhead.within_noise,
+            "described": overhead.describe(),
             "plain_s": overhead.plain_s,
             "hooked_s": overhead.hooked_s,
             "identical_tokens": overhead.identical_tokens,

@@ -163,7 +163,7 @@ def run_scores(run: Path, name: str, test_ids: Sequence[str], labels: np.ndarray
 
 def stored_baseline_scores(store, method: str, test_ids: Sequence[str]) -> MethodScores | None:
     """A baseline's stored results on the test rows it scored (mean over its seeds if several)."""
-    from actmap.report.side_by_side import is_probability
+    from actmap.scoring.contract import is_probability
     from actmap.store import latest_rows
 
     frame = latest_rows(store.read_table(f"results/{method}")).to_pandas()

@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import numpy as np
 
 from actmap.errors import ActmapUserError
+from actmap.scoring.contract import is_probability
 from actmap.store import MapStore, latest_rows
 from actmap.store.rows import balanced_splits
 from actmap.training.run_folder import method_name, read_run
 
 # raw_name of methods whose confidence estimates p(correct), for results stored before each
 # record carried its scorer's ``probability``
-PROBABILITY_RAW_NAMES = ("neg_log_p_true", "p_correct_from_length", "p_correct")
 CONTROLS = ("answer_length", "permuted_label")
 
 
@@ -47,17 +47,6 @@ def _metrics(confidence: np.ndarray, labels: np.ndarray, probability: bool) -> d
         "auprc": auprc(confidence, labels),
         "ece": ece(confidence, labels) if probability else None,
     }
-
-
-def is_probability(record: dict, confidence: np.ndarray) -> bool:
-    """ECE applies when the method estimates p(correct) and every value lies in [0, 1]."""
-    estimates_p = record.get("probability")
-    if estimates_p is None:  # stored by an earlier actmap
-        raw_name = str(record.get("raw_name", "")).removeprefix("permuted_")
-        estimates_p = raw_name in PROBABILITY_RAW_NAMES or (
-            raw_name == "tad_uncertainty" and record.get("details", {}).get("aggregation") == "mean"
-        )
-    return estimates_p and bool(np.all((confidence >= 0) & (confidence <= 1)))
 
 
 def baseline_row(store: MapStore, method: str, test: list[str], labels: np.ndarray) -> dict:

@@ -78,3 +78,18 @@ def row_input(requires: Sequence[str]) -> str:
 def negate(uncertainty: np.ndarray) -> np.ndarray:
     """The one place an uncertainty becomes a confidence."""
     return -np.asarray(uncertainty, dtype=np.float64)
+
+
+# raw names of stored results that estimate p(correct) (records written before `probability`)
+PROBABILITY_RAW_NAMES = ("neg_log_p_true", "p_correct_from_length", "p_correct")
+
+
+def is_probability(record: dict, confidence: np.ndarray) -> bool:
+    """ECE applies when the method estimates p(correct) and every value lies in [0, 1]."""
+    estimates_p = record.get("probability")
+    if estimates_p is None:  # stored by an earlier actmap
+        raw_name = str(record.get("raw_name", "")).removeprefix("permuted_")
+        estimates_p = raw_name in PROBABILITY_RAW_NAMES or (
+            raw_name == "tad_uncertainty" and record.get("details", {}).get("aggregation") == "mean"
+        )
+    return estimates_p and bool(np.all((confidence >= 0) & (confidence <= 1)))

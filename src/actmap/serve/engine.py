@@ -29,10 +29,10 @@ from actmap.capture.generate import generate_batch, stop_ids
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import stop_position
 from actmap.llm.models import ModelSource
-from actmap.maps import build_maps
+from actmap.maps import build_maps, stored_form
 from actmap.monitor.stream import MapShift, StreamingMonitor
 from actmap.scoring.prior import em_prevalence
-from actmap.serve.loaded_run import LoadedDetector, answer_maps, stored_form
+from actmap.serve.loaded_run import LoadedDetector, answer_maps
 from actmap.serve.policy import Policy, PriorSetting, calibrate, correct_prior, decide
 
 log = logging.getLogger(__name__)

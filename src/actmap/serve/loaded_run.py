@@ -23,7 +23,7 @@ import torch
 
 from actmap.detectors.plus import ActMapPlus
 from actmap.llm.models import file_digest
-from actmap.maps import MapConfig, build_maps, build_maps_from_list
+from actmap.maps import MapConfig, build_maps, build_maps_from_list, stored_form
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +102,6 @@ def load_detector_run(
     ident = f"{kind}:{name}:{file_digest(folder / 'model.safetensors')[:12]}"
     log.info("detector %s from %s", ident, folder)
     return LoadedDetector(detector, ident, map_config, folder, dtype)
-
-
-def stored_form(maps: torch.Tensor) -> np.ndarray:
-    """(N, C, H, W) float32 maps -> float16 numpy, the form a map store keeps."""
-    half = maps.to(torch.float16)
-    if not bool(torch.isfinite(half).all()):
-        raise ValueError("a map does not fit float16 (non-finite after conversion)")
-    return half.cpu().numpy()
 
 
 def answer_maps(trajectories: Sequence[torch.Tensor], config: MapConfig) -> np.ndarray:

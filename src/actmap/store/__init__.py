@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 
 from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
-from actmap.maps import MAP_BYTES, MAP_SHAPE
+from actmap.maps import MAP_BYTES, MAP_SHAPE, stored_form
 from actmap.store.errors import StoreError  # noqa: F401  (raised here and re-exported)
 
 SCHEMA_VERSION = 1
@@ -428,9 +428,11 @@ class MapStore:
                 raise StoreError(
                     f"map of '{record.id}' has shape {array.shape}, expected {self.map_shape}"
                 )
-            if not np.isfinite(array).all():
-                raise StoreError(f"map of '{record.id}' has non-finite values")
-            blobs.append(encode_array(array))
+            try:
+                half = stored_form(array)
+            except ValueError as err:
+                raise StoreError(f"map of '{record.id}' has non-finite values: {err}") from None
+            blobs.append(half.tobytes())
         schema = maps_schema(self.map_bytes)
         columns = {
             name: [getattr(r, name) for r in records]
