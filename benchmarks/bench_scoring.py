@@ -44,12 +44,12 @@ import torch
 from previous_vit import previous_training
 
 from actmap.detectors import create_detector
+from actmap.device import resolve_device
 from actmap.experiments.cost import time_calls
 from actmap.training.recipe import (
     TrainConfig,
     bf16_supported,
     predict_logits,
-    resolve_device,
     train_detector,
 )
 

@@ -28,18 +28,13 @@ import numpy as np
 from sklearn.linear_model import LogisticRegressionCV
 from sklearn.model_selection import StratifiedKFold
 
+from actmap.capture.answer_scalars import with_scalars
 from actmap.detectors.base import CorrectnessDetector
 from actmap.detectors.plus import ActMapPlus, PlusConfig
-from actmap.experiments.compare_product import (
-    PLUS_GRID,
-    Rows,
-    labelled_ids,
-    load_rows,
-    select_plus,
-    store_rows,
-)
+from actmap.experiments.compare_product import PLUS_GRID, select_plus, store_rows
 from actmap.scoring import metrics
 from actmap.store import MapStore
+from actmap.store.rows import Rows, natural_rows
 
 
 def grid(use_scalars: bool | None, class_weight: str | None = "balanced"):
@@ -241,7 +236,7 @@ def main() -> None:
     )
     for other in args.pretrain_store:
         opened = MapStore.open(other)
-        source = load_rows(opened, labelled_ids(opened)["train"])  # its labelled training rows
+        source = with_scalars(opened, natural_rows(opened, ("train",))["train"])  # labelled train rows
         print(f"source {other.name}: {len(source.ids)} rows, {source.prevalence:.3f}", flush=True)
         rows += pretrain_rows(source, other.name, every, sets)
     if args.vit_run is not None:

@@ -23,7 +23,7 @@ $PYTHON - "$OUT" <<'PY'
 import sys
 from pathlib import Path
 
-from actmap.capture.run import natural_accuracy
+from actmap.store.rows import natural_accuracy
 from actmap.store import MapStore
 
 print("| generator | dataset | prompt | rows | natural accuracy |")

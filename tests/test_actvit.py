@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,6 @@ from actmap.baselines.actvit import (
     SweepResult,
     actvit_tensor,
     count_parameters,
-    lr_multiplier,
     pad_tokens,
     patchify,
     pool_layers,
@@ -255,6 +255,18 @@ def test_config_rejects_patch_that_does_not_divide_grid():
 
 
 # ----------------------------------------------------------------------------- protocol
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int) -> float:
+    """Per-step factor: linear warm-up from 0, then half-cosine to 0 at `total_steps`.
+
+    ACT-ViT's recipe as written (the reference): training uses transformers'
+    `get_cosine_schedule_with_warmup`, which the test below checks equals it step by step.
+    """
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def test_lr_multiplier_matches_transformers_cosine_with_warmup():

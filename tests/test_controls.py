@@ -121,7 +121,7 @@ def length_rows(rng, n, shape=(2, 4, 8)):
     """Correct answers are short (2-5 tokens), wrong ones long (6-10); nothing else carries it."""
     from test_tad import random_gen  # the TAD tests' random generations
 
-    from actmap.experiments.compare_product import Rows
+    from actmap.store.rows import Rows
 
     y = rng.integers(0, 2, n)
     lengths = np.where(y == 1, rng.integers(2, 6, n), rng.integers(6, 11, n))

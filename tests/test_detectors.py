@@ -521,3 +521,38 @@ def test_compiled_scoring_pads_to_one_shape_and_falls_back_to_eager(monkeypatch,
     assert "torch.compile failed (RuntimeError: no backend here); running eagerly" in caplog.text
     assert not any("compiled" in name for name in dict(other.named_modules()))  # no submodule
     assert set(other.state_dict()) == set(model.state_dict())
+
+
+@pytest.mark.parametrize("name", ["logreg", "mlp", "vit", "actmap-plus"])
+def test_every_detector_honours_one_protocol(name, tmp_path):
+    """Fit each kind on tiny planted maps; then the same calls score it, whatever it is."""
+    from actmap.detectors import ActMapPlus, Detector, all_detectors, load_detector
+    from actmap.detectors.plus import PlusConfig
+
+    assert name in all_detectors()
+    rng = np.random.default_rng(3)
+    y = np.tile([0, 1], 24)
+    maps = rng.standard_normal((48, 12, 16, 64)).astype(np.float16)
+    maps[:, 0, :4, :4] += 2.0 * y[:, None, None].astype(np.float16)
+    scalars = np.column_stack([rng.random(48) + y, rng.random((48, 5))])
+    if name == "actmap-plus":
+        detector = ActMapPlus(PlusConfig(n_components=4, n_strengths=2)).fit(maps, y, scalars)
+        assert detector.requires == ("maps", "scalars")
+    else:
+        config = TrainConfig(max_epochs=2, batch_size=16, device="cpu")
+        detector = CorrectnessDetector(name, config=config).fit(maps, y, maps, y)
+        assert detector.requires == ("maps",)
+        # a maps-only detector does not read the scalars it is handed
+        np.testing.assert_array_equal(
+            detector.predict_proba(maps, scalars), detector.predict_proba(maps)
+        )
+    assert isinstance(detector, Detector)
+    p = detector.predict_proba(maps, scalars)
+    assert p.shape == (48,) and np.all((p >= 0) & (p <= 1))
+    logits = detector.decision_function(maps, scalars)
+    np.testing.assert_allclose(
+        p, 1 / (1 + np.exp(-logits.astype(np.float64))), rtol=1e-5, atol=1e-6
+    )
+    again = load_detector(detector.save(tmp_path / name))
+    assert again.requires == detector.requires
+    np.testing.assert_allclose(again.predict_proba(maps, scalars), p, rtol=1e-6, atol=1e-7)

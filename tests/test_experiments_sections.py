@@ -18,11 +18,11 @@ from actmap.experiments.calibration import (
     CalibrationConfig,
     class_conditional_resample,
     distinct_at_prevalence,
-    natural_accuracy,
     prevalence_shift,
     reliability,
     run_calibration,
     selective_prediction,
+    split_prevalence,
 )
 from actmap.experiments.common import SeedScores, auroc_summary, train_seeds
 from actmap.experiments.learning_curve import (
@@ -36,12 +36,13 @@ from actmap.experiments.localization import (
     integrated_gradients,
     localize,
 )
-from actmap.experiments.seeds import LabeledMaps, recipe_config
+from actmap.experiments.seeds import recipe_config
 from actmap.maps import LAST_TOKEN_CHANNELS, MapConfig, build_map
 from actmap.scoring import metrics
 from actmap.scoring.intervals import auroc_rows, bootstrap, paired_bootstrap, resample_indices
 from actmap.scoring.prior import sigmoid
 from actmap.store.derived import read_arrays
+from actmap.store.rows import Rows
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +60,11 @@ def logreg(inputs):
     """A logistic-regression detector trained on the store's maps, and its test rows."""
     from actmap.detectors import CorrectnessDetector
 
-    train = LabeledMaps(inputs.maps["train"], inputs.labels["train"])
+    train = Rows(None, inputs.labels["train"], inputs.maps["train"])
     detector = CorrectnessDetector("logreg", config=recipe_config(8), seed=0).fit(
         train.maps, train.labels, inputs.maps["validation"], inputs.labels["validation"]
     )
-    return detector, LabeledMaps(inputs.maps["test"], inputs.labels["test"], inputs.ids["test"])
+    return detector, Rows(inputs.ids["test"], inputs.labels["test"], inputs.maps["test"])
 
 
 # --- intervals over seeds ------------------------------------------------------------------
@@ -437,8 +438,8 @@ def test_prevalence_shift_fits_temperature_on_held_out_target_rows():
         )
 
 
-def test_natural_accuracy_reads_every_labelled_train_row(store):
-    value, source = natural_accuracy(store)
+def test_split_prevalence_reads_every_labelled_train_row(store):
+    value, source = split_prevalence(store)
     meta = store.metadata()
     assert value == pytest.approx(meta.loc[meta["split"] == "train", "label"].mean())
     assert "labelled train rows" in source
@@ -472,7 +473,7 @@ def test_figures_render(store, logreg, tmp_path):
         ),
     )
     scores = train_seeds(
-        LabeledMaps(*(np.asarray(a) for a in (test.maps, test.labels))),
+        Rows(None, np.asarray(test.labels), np.asarray(test.maps)),
         test,
         test,
         "logreg",

@@ -412,3 +412,31 @@ def test_a_missing_or_torn_marker_reads_as_none(tmp_path):
     assert read_json(tmp_path / "whole.json") == {"fingerprint": "abc", "seeds": [1, 2]}
     assert read_json(tmp_path / "torn.json") is None
     assert read_json(tmp_path / "missing.json") is None
+
+
+def test_reproduce_trains_actmap_plus_like_any_registered_detector(tmp_path, tiny_model_dir):
+    """actmap-plus is trained by the chain as the paper's detectors are: one fit into seed-0/
+    of its run folder (the layout `actmap train --detector actmap-plus` writes), skipped
+    when called again."""
+    import pandas as pd
+    from sklearn.metrics import roc_auc_score
+
+    from actmap.detectors import all_detectors
+    from actmap.training.run_folder import read_run
+
+    assert {"vit", "mlp", "mlp4x", "logreg", "actmap-plus"} <= set(all_detectors())
+    config = tiny_config(
+        tmp_path, tiny_model_dir, seeds=[1], name="tiny", baselines=[], sections=["in_domain"]
+    )
+    config.write_text(
+        config.read_text().replace('detectors = ["logreg"]', 'detectors = ["actmap-plus"]')
+    )
+    result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "out" / "runs" / "tiny" / "actmap-plus"
+    assert read_run(run).detector == "actmap-plus" and list(read_run(run).seed_dirs) == [0]
+    metrics = json.loads((run / "seed-0" / "metrics.json").read_text())
+    scores = pd.read_parquet(run / "seed-0" / "test_scores.parquet")
+    assert metrics["auroc"] == pytest.approx(roc_auc_score(scores["label"], scores["p_correct"]))
+    again = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert again.exit_code == 0 and "train/tiny/actmap-plus: skipped" in again.output

@@ -343,3 +343,34 @@ def test_store_files_take_the_umask_modes_of_ordinary_files(tmp_path, umask):
     )
     assert {p.stat().st_mode & 0o777 for p in written} == {file_mode}
     assert (tmp_path / "folder").stat().st_mode & 0o777 == dir_mode
+
+
+def test_rows_come_in_one_form_and_a_non_finite_map_is_refused_by_name(tmp_path):
+    from actmap.errors import ActmapUserError
+    from actmap.store.rows import natural_accuracy, natural_ids, natural_rows, read_rows
+
+    rng = np.random.default_rng(5)
+    store = MapStore.create(tmp_path / "s", {"a": 1})
+    labels = [1, 0, 0, None, 1, 0]  # one unlabelled row; the labelled ones are 2 of 5 correct
+    records = [record(i, rng, label=y) for i, y in enumerate(labels)]
+    store.write_maps(records)
+    assert natural_ids(store)["train"] == ["d:0", "d:1", "d:2", "d:4", "d:5"]
+    assert natural_accuracy(store) == {"train": 0.4, "all": 0.4}
+    rows = natural_rows(store, ("train",))["train"]
+    assert rows.prevalence == 0.4 and len(rows) == 5 and rows.scalars is None
+    picked = read_rows(store, ["d:5", "d:0"])  # in the order asked for
+    assert picked.labels.tolist() == [0, 1]
+    np.testing.assert_array_equal(picked.maps[1], records[0].map.astype(np.float16))
+    # a map that is not finite (a store written before the store checked) is refused once,
+    # here, for every reader of rows
+    real = store.load_maps
+
+    def damaged(ids=None):
+        maps, meta = real(ids)
+        maps = maps.copy()
+        maps[-1, 0, 0, 0] = np.inf
+        return maps, meta
+
+    store.load_maps = damaged
+    with pytest.raises(ActmapUserError, match="the map of id 'd:0' has NaN or infinite values"):
+        read_rows(store, ["d:5", "d:0"], "test rows")

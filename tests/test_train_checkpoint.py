@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from actmap.detectors import create_detector
-from actmap.experiments.seeds import LabeledMaps, run_seeds
+from actmap.experiments.seeds import run_seeds
+from actmap.store.rows import Rows
 from actmap.training import checkpoint as train_checkpoint
 from actmap.training import recipe as training
 from actmap.training.recipe import (
@@ -190,7 +191,7 @@ def test_select_epoch_resumed_after_its_early_stop_trains_nothing():
 def test_run_seeds_removes_a_seeds_checkpoint_once_its_folder_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(training, "CHECKPOINT_EVERY_S", 0.0)
     (x, y), (tx, ty) = data(5, 48), data(6, 16)
-    split = (LabeledMaps(x[:32], y[:32]), LabeledMaps(x[32:], y[32:]), LabeledMaps(tx, ty))
+    split = (Rows(None, y[:32], x[:32]), Rows(None, y[32:], x[32:]), Rows(None, ty, tx))
     cfg = TrainConfig(max_epochs=3, warmup_epochs=1, device="cpu")
 
     def dying(epoch, info):

@@ -14,7 +14,9 @@ from scipy import stats
 from sklearn.metrics import roc_auc_score
 
 from actmap.detectors import CorrectnessDetector, create_detector
-from actmap.experiments.seeds import LabeledMaps, run_seeds
+from actmap.device import resolve_device
+from actmap.experiments.seeds import run_seeds
+from actmap.store.rows import Rows
 from actmap.training import recipe as training
 from actmap.training.recipe import (
     EarlyStopping,
@@ -227,9 +229,9 @@ def test_deterministic_torch_restores_previous_settings():
 
 
 def test_resolve_device():
-    assert training.resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert training.resolve_device("auto").type == expected
+    assert resolve_device("auto").type == expected
 
 
 # --- seeds and artifacts ---------------------------------------------------------
@@ -242,9 +244,9 @@ def test_run_seeds_writes_per_seed_artifacts(tmp_path):
     seen = []
     cfg = TrainConfig(max_epochs=3, warmup_epochs=1, device="cpu")
     result = run_seeds(
-        LabeledMaps(x[:64], y[:64]),
-        LabeledMaps(x[64:], y[64:]),
-        LabeledMaps(tx, ty, ids),
+        Rows(None, y[:64], x[:64]),
+        Rows(None, y[64:], x[64:]),
+        Rows(ids, ty, tx),
         tmp_path,
         detector="logreg",
         config=cfg,
@@ -289,4 +291,4 @@ def test_run_seeds_writes_per_seed_artifacts(tmp_path):
 
 def test_labeled_maps_rejects_mismatched_ids():
     with pytest.raises(ValueError, match="ids has 2 rows but labels has 3"):
-        LabeledMaps(np.zeros((3, 1, 1, 1)), np.array([0, 1, 0]), ["a", "b"]).row_ids()
+        Rows(["a", "b"], np.array([0, 1, 0]), np.zeros((3, 1, 1, 1))).row_ids()

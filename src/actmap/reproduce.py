@@ -115,9 +115,14 @@ def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
     report = dict(raw.get("report", {}))
     sections = report.pop("sections", None)
     detectors = _tuple(raw.get("detectors", list(DETECTORS)), "detectors")
-    bad = [d for d in detectors if d not in ("vit", "mlp", "mlp4x", "logreg")]
+    from actmap.detectors import all_detectors
+
+    known = all_detectors()
+    bad = [d for d in detectors if d not in known]
     if bad:
-        raise ActmapUserError(f"reproduce config: unknown detector(s) {bad}")
+        raise ActmapUserError(
+            f"reproduce config: unknown detector(s) {bad}; known: {', '.join(known)}"
+        )
     from actmap.report.sections import check_rows
 
     return ReproduceConfig(
@@ -404,10 +409,25 @@ TRAIN_KEY = "stage-key.json"  # in a train stage's run folder: what its finished
 def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: Path) -> Stage:
     out = run_path(config, spec, detector)
 
+    plus = detector == "actmap-plus"  # one fit, settings chosen on validation: no seeds, no recipe
+
+    def seeds() -> tuple[int, ...]:
+        from actmap.experiments.seeds import PLUS_SEED
+
+        return (PLUS_SEED,) if plus else config.seeds
+
     def work(progress: Progress) -> None:
-        from actmap.experiments.seeds import recipe_config, train_on_store
+        from actmap.experiments.seeds import recipe_config, train_on_store, train_plus_run
         from actmap.training.run_folder import extend_run_record, prepare_run_folder
 
+        if plus:
+            key = {"settings": settings(), "source": source_content(spec.path)}
+            prepare_run_folder(out, detector, None, overwrite=True)
+            progress(0, 1, "fitting actmap-plus")
+            train_plus_run(copy_path(config, spec), out)
+            write_json(out / TRAIN_KEY, key)
+            progress(1, 1, "")
+            return
         recipe = recipe_config(config.max_epochs)
         # a killed stage keeps the seeds it finished and the epoch checkpoint of the one it
         # was training, if nothing it was trained on has changed since (the source store's
@@ -442,6 +462,8 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
         progress(total, total, "")
 
     def settings() -> dict[str, Any]:
+        if plus:
+            return {"seeds": list(seeds())}
         return {
             "seeds": list(config.seeds),
             "max_epochs": config.max_epochs,
@@ -453,7 +475,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
         # predates the key, and is taken as it is)
         key = read_json(out / TRAIN_KEY)
         current = key is None or key.get("source") == source_content(spec.path)
-        return current and all(seed_finished(out, s) for s in config.seeds)
+        return current and all(seed_finished(out, s) for s in seeds())
 
     return Stage(
         f"train/{spec.name}/{detector}",

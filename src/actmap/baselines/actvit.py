@@ -41,12 +41,12 @@ from torch import nn
 from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
 from actmap.baselines.base import BaselineUnavailable
+from actmap.device import resolve_device
 from actmap.maps import DENSE_LAYER_GROUPS, PadMode, pool_layers
 from actmap.scoring.contract import ScoreResult
 from actmap.training.recipe import (
     EpochOutcome,
     deterministic_torch,
-    resolve_device,
     seed_everything,
     select_epoch,
 )
@@ -235,8 +235,13 @@ SWEEP_GRID: tuple[ACTViTConfig, ...] = tuple(
 )
 
 
-class Attention(nn.Module):
-    """Pre-norm multi-head self-attention (no mask: zero-padded tokens are visible, as upstream)."""
+class ActVitAttention(nn.Module):
+    """Pre-norm multi-head self-attention (no mask: zero-padded tokens are visible, as upstream).
+
+    vit-pytorch's layout, which ACT-ViT's checkpoints and parameter counts follow: the
+    LayerNorm inside, ``dim_head`` apart from ``dim``, no qkv bias. The map ViT's
+    `actmap.detectors.vit.Attention` is timm's (norm in the block, qkv bias, its own dropout
+    masks); the two are kept apart so each matches its paper's parameter count."""
 
     def __init__(self, dim: int, heads: int, dim_head: int, dropout: float):
         super().__init__()
@@ -256,7 +261,7 @@ class Attention(nn.Module):
         return self.to_out(out.transpose(1, 2).reshape(b, n, -1))  # (B, n, dim)
 
 
-class FeedForward(nn.Module):
+class ActVitFeedForward(nn.Module):
     """Pre-norm GELU MLP."""
 
     def __init__(self, dim: int, hidden: int, dropout: float):
@@ -274,11 +279,11 @@ class FeedForward(nn.Module):
         return self.net(x)
 
 
-class Block(nn.Module):
+class ActVitBlock(nn.Module):
     def __init__(self, dim: int, heads: int, dim_head: int, mlp_dim: int, dropout: float):
         super().__init__()
-        self.attn = Attention(dim, heads, dim_head, dropout)
-        self.ff = FeedForward(dim, mlp_dim, dropout)
+        self.attn = ActVitAttention(dim, heads, dim_head, dropout)
+        self.ff = ActVitFeedForward(dim, mlp_dim, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(x)
@@ -334,7 +339,7 @@ class ACTViT(nn.Module):
         self.pos_embedding = nn.Parameter(torch.randn(1, n_patches + 1, dim))
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.blocks = nn.ModuleList(
-            Block(dim, heads, dim_head, mlp_dim, dropout) for _ in range(depth)
+            ActVitBlock(dim, heads, dim_head, mlp_dim, dropout) for _ in range(depth)
         )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, 1)
@@ -407,18 +412,6 @@ def _check_split(split: Any, name: str, need_both_classes: bool) -> LabeledTenso
     if need_both_classes and len(np.unique(y)) < 2:
         raise ValueError(f"{name}: AUROC needs both correct and incorrect rows")
     return LabeledTensors(x, y.astype(np.float32))
-
-
-def lr_multiplier(step: int, total_steps: int, warmup_steps: int) -> float:
-    """Per-step factor: linear warm-up from 0, then half-cosine to 0 at `total_steps`.
-
-    The recipe as written; training uses transformers' `get_cosine_schedule_with_warmup`,
-    which a test checks equals it step by step.
-    """
-    if step < warmup_steps:
-        return step / max(1, warmup_steps)
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 @contextmanager
@@ -513,7 +506,7 @@ def train_config(
 
         model = ACTViT.from_config(config, d_model).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        sched = get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps)  # = lr_multiplier
+        sched = get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps)  # warm-up + cosine
         history = []
 
         def train_epoch(epoch: int) -> float:

@@ -24,6 +24,21 @@ EOS_LOGPROB = "eos_logprob"  # Generation.extras key: log p(EOS) at the stopping
 EOS_ENTROPY = "eos_entropy"  # Generation.extras key: entropy at the stopping step
 
 
+def captured_attention(gen: Generation, method: str, keys: str) -> np.ndarray:
+    """(T, L, H, K) float32 attention entries of one answer (RAUQ, TAD); an error naming
+    ``method`` and the ``attention_keys`` it needs when they were not captured as such."""
+    if gen.attention is None:
+        raise ValueError(
+            f"{method} needs Generation.attention (capture with attention_keys >= {keys})"
+        )
+    att = gen.attention.float().numpy()  # (T, L, H, K)
+    if att.ndim != 4 or att.shape[0] != gen.n_tokens:
+        raise ValueError(
+            f"Generation.attention must be (T={gen.n_tokens}, L, H, K), got {tuple(att.shape)}"
+        )
+    return att
+
+
 def answer_steps(gen: Generation, field: str, include_eos: bool = False) -> np.ndarray:
     """The per-step values of one answer as float64, optionally with the EOS step appended.
 

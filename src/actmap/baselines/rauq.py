@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from actmap.baselines.greybox import answer_steps
+from actmap.baselines.greybox import answer_steps, captured_attention
 from actmap.capture.records import Generation
 from actmap.scoring.contract import ScoreResult, negate
 
@@ -133,13 +133,7 @@ class RAUQ:
         p = self._confidences(gen)  # (T,) or (1,) for an empty answer scored by its EOS step
         if gen.n_tokens == 0:
             return rauq_uncertainty(p, np.zeros((1, 1, 1)), self._alpha(), self.eps)
-        if gen.attention is None:
-            raise ValueError("RAUQ needs Generation.attention (capture with attention_keys >= 1)")
-        att = gen.attention.float().numpy()  # (T, L, H, K)
-        if att.ndim != 4 or att.shape[0] != gen.n_tokens:
-            raise ValueError(
-                f"Generation.attention must be (T={gen.n_tokens}, L, H, K), got {tuple(att.shape)}"
-            )
+        att = captured_attention(gen, "RAUQ", "1")  # (T, L, H, K)
         layers = rauq_layers(att.shape[1])
         prev_attn = att[..., 0][:, layers]  # (T, L', H); k = 1 is the query's own key
         return rauq_uncertainty(p, prev_attn, self._alpha(), self.eps)

@@ -31,7 +31,7 @@ from scipy.linalg import LinAlgWarning
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
-from actmap.baselines.greybox import answer_steps
+from actmap.baselines.greybox import answer_steps, captured_attention
 from actmap.capture.records import Generation
 from actmap.scoring.contract import ScoreResult, negate
 from actmap.scoring.metrics import auroc
@@ -55,13 +55,7 @@ class TadSequence:
 def tad_sequence(gen: Generation, n_previous: int) -> TadSequence:
     """Token probabilities and the first ``n_previous`` attention keys of one Generation."""
     p = np.exp(answer_steps(gen, "logprobs"))  # (T,), or (1,) for an empty answer's EOS step
-    if gen.attention is None:
-        raise ValueError("TAD needs Generation.attention (capture with attention_keys >= K)")
-    att = gen.attention.float().numpy()  # (T, L, H, Kc)
-    if att.ndim != 4 or att.shape[0] != gen.n_tokens:
-        raise ValueError(
-            f"Generation.attention must be (T={gen.n_tokens}, L, H, K), got {tuple(att.shape)}"
-        )
+    att = captured_attention(gen, "TAD", "K")  # (T, L, H, Kc)
     t, n_layers, n_heads, kc = att.shape
     if kc < n_previous:
         raise ValueError(

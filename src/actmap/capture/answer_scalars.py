@@ -14,6 +14,7 @@ them; a detector may read them beside the map at no extra model cost:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -64,3 +65,8 @@ def scalars_from_store(store, ids: Sequence[str]) -> np.ndarray:
     return np.stack(
         [answer_scalars(logprobs[index[k]].as_py(), entropies[index[k]].as_py()) for k in ids]
     )
+
+
+def with_scalars(store, rows):
+    """``rows`` (a `actmap.store.rows.Rows` of ``store``) with their per-answer scalars."""
+    return dataclasses.replace(rows, scalars=scalars_from_store(store, rows.row_ids()))

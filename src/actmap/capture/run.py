@@ -379,12 +379,3 @@ def check_map_config(map_config: MapConfig) -> None:
         raise ValueError(
             "the store keeps the paper's 12x32x128 maps; build ablation maps from trajectories"
         )
-
-
-def natural_accuracy(store: MapStore) -> dict[str, float]:
-    """Fraction correct among labelled rows, per split and overall."""
-    frame = store.metadata()
-    frame = frame[frame["label"].notna()]
-    result = {split: float(group["label"].mean()) for split, group in frame.groupby("split")}
-    result["all"] = float(frame["label"].mean()) if len(frame) else float("nan")
-    return result

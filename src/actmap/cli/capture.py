@@ -205,6 +205,7 @@ def capture(
     with user_errors():
         from actmap.capture import CaptureConfig
         from actmap.capture.run import finished_store, run_capture, store_config
+        from actmap.device import check_device
         from actmap.llm.models import (
             check_dtype,
             check_model,
@@ -213,7 +214,6 @@ def capture(
         )
         from actmap.maps import MapConfig
         from actmap.store import MapStore, claim_store
-        from actmap.training.recipe import check_device
 
         the_task = load_task(
             task,
@@ -312,7 +312,7 @@ def capture(
 
 
 def print_accuracy(store) -> None:
-    from actmap.capture.run import natural_accuracy
+    from actmap.store.rows import natural_accuracy
 
     accuracy = natural_accuracy(store)
     console.print(

@@ -26,9 +26,9 @@ def relabel(
 ) -> None:
     """Relabel a store under another named rule, without generating again."""
     with user_errors():
-        from actmap.capture.run import natural_accuracy
         from actmap.labelling.relabel import relabel_store
         from actmap.store import MapStore
+        from actmap.store.rows import natural_accuracy
 
         new = relabel_store(MapStore.open(store), out, rule)
         accuracy = natural_accuracy(new)
@@ -67,9 +67,9 @@ def judge_command(
     if ctx.invoked_subcommand is not None:
         return
     with user_errors():
-        from actmap.capture.run import natural_accuracy
         from actmap.labelling.judge_pass import judge_store, judged_labels
         from actmap.store import MapStore
+        from actmap.store.rows import natural_accuracy
 
         missing = [
             f"--{n}" for n, v in (("store", store), ("judge", judge), ("out", out)) if v is None

@@ -81,16 +81,21 @@ def train(
 ) -> None:
     """Train a detector with the paper's recipe, one run per seed, and test each selected checkpoint once."""
     with user_errors():
+        from actmap.device import resolve_device
         from actmap.experiments.seeds import recipe_config
-        from actmap.training.recipe import resolve_device
         from actmap.training.run_folder import extend_run_record, prepare_run_folder
 
         resolve_device(device)  # a device this machine lacks fails before any work
         if detector == "actmap-plus":
-            from actmap.cli.product import train_plus_run
+            from actmap.experiments.seeds import train_plus_run
 
             prepare_run_folder(out, detector, None, overwrite)
-            print_summary(train_plus_run(store, out))
+            summary, details = train_plus_run(store, out)
+            console.print(
+                f"actmap-plus: {details['selected']} on {details['train_rows']} rows "
+                f"(validation AUROC {details['validation_auroc']:.3f})"
+            )
+            print_summary(summary)
             console.print(f"run written to {out}")
             return
         prepare_run_folder(out, detector, recipe_config(max_epochs).to_dict(), overwrite)

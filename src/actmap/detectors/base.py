@@ -20,6 +20,7 @@ from sklearn.exceptions import NotFittedError
 from actmap.artifacts import package_version, write_json
 from actmap.atomic import atomic_path
 from actmap.detectors.registry import create_detector
+from actmap.device import resolve_device
 from actmap.errors import ActmapUserError
 from actmap.scoring.contract import ScoreResult
 from actmap.training.recipe import (
@@ -27,7 +28,6 @@ from actmap.training.recipe import (
     ProgressCallback,
     TrainConfig,
     predict_logits,
-    resolve_device,
     seed_everything,
     train_detector,
 )
@@ -188,8 +188,9 @@ class CorrectnessDetector:
         if not hasattr(self, "model_"):
             raise NotFittedError("this CorrectnessDetector is not fitted; call fit() or load()")
 
-    def decision_function(self, maps: Any) -> np.ndarray:
-        """(N,) float32 logits; higher = more likely correct."""
+    def decision_function(self, maps: Any, scalars: Any = None) -> np.ndarray:
+        """(N,) float32 logits; higher = more likely correct. ``scalars`` is not read (the
+        detector requires only maps); it is accepted so every detector scores alike."""
         self._check_fitted()
         x = as_maps(maps)
         expected = tuple(self.detector_kwargs_[k] for k in SHAPE_KWARGS)
@@ -200,8 +201,8 @@ class CorrectnessDetector:
             self.model_, x, batch, self.device_, self.precision, self.compile
         ).numpy()
 
-    def predict_proba(self, maps: Any) -> np.ndarray:
-        """(N,) float32 p(correct) in [0, 1]."""
+    def predict_proba(self, maps: Any, scalars: Any = None) -> np.ndarray:
+        """(N,) float32 p(correct) in [0, 1] (``scalars`` is not read)."""
         return torch.sigmoid(torch.from_numpy(self.decision_function(maps))).numpy()
 
     # --- persistence ---------------------------------------------------------

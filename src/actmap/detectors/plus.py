@@ -122,6 +122,12 @@ class ActMapPlus:
     def __init__(self, config: PlusConfig | None = None) -> None:
         self.config = config
 
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """What it reads per answer: the map, and the scalars when its settings use them."""
+        config = getattr(self, "config_", None) or self.config or PlusConfig()
+        return ("maps", "scalars") if config.use_scalars else ("maps",)
+
     # --- fitting -------------------------------------------------------------
 
     def _features(self, maps: Any, scalars: Any) -> np.ndarray:

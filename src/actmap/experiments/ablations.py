@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from actmap.experiments.common import AurocSummary, SeedScores, auroc_summary, train_seeds
-from actmap.experiments.seeds import LabeledMaps, recipe_config
+from actmap.experiments.seeds import recipe_config
 from actmap.maps import (
     GROUP_NAMES,
     LAST_TOKEN_CHANNELS,
@@ -45,6 +45,7 @@ from actmap.maps import (
     without_group,
 )
 from actmap.scoring.intervals import N_RESAMPLES
+from actmap.store.rows import Rows
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +244,8 @@ class _Inputs:
             inputs.hidden_source = "hidden"
         return inputs
 
-    def split(self, maps: dict[str, np.ndarray], name: str) -> LabeledMaps:
-        return LabeledMaps(maps[name], self.labels[name], self.ids[name])
+    def split(self, maps: dict[str, np.ndarray], name: str) -> Rows:
+        return Rows(self.ids[name], self.labels[name], maps[name])
 
     def arrays(self, table: str) -> dict[str, np.ndarray]:
         """{id: array} of a side table (trajectories, dense) for every balanced row."""

@@ -42,6 +42,7 @@ from actmap.scoring.intervals import (
     risk_at_coverage_metric,
 )
 from actmap.scoring.prior import logit, shift_to_prevalence, sigmoid
+from actmap.store.rows import natural_accuracy, natural_ids
 
 
 @dataclass(frozen=True)
@@ -395,23 +396,13 @@ def run_calibration(
     )
 
 
-def natural_accuracy(store, split: str = "train") -> tuple[float, str]:
+def split_prevalence(store, split: str = "train") -> tuple[float, str]:
     """The generator's fraction correct over every labelled row of ``split`` (not the
-    balanced rows), and a sentence saying so."""
-    meta = store.metadata()
-    labelled = meta[(meta["split"] == split) & meta["label"].notna()]
-    if labelled.empty:
+    balanced rows; `actmap.store.rows.natural_accuracy`), and a sentence saying so."""
+    n = len(natural_ids(store).get(split, []))
+    if not n:
         raise ValueError(f"{store.root} has no labelled {split} rows")
-    value = float(labelled["label"].astype(float).mean())
-    return value, f"fraction correct of the {len(labelled)} labelled {split} rows"
-
-
-def natural_validation_rows(store) -> tuple[list[str], np.ndarray]:
-    """Every labelled validation row of ``store`` (the natural prevalence, not only the
-    balanced rows): ids and labels. Empty answers have no map and are not among them."""
-    meta = store.metadata()
-    rows = meta[(meta["split"] == "validation") & meta["label"].notna()]
-    return rows["id"].astype(str).tolist(), rows["label"].to_numpy(dtype=np.int64)
+    return natural_accuracy(store)[split], f"fraction correct of the {n} labelled {split} rows"
 
 
 def strongest(candidates: Sequence[SeedScores], k: int = 2) -> list[SeedScores]:

@@ -125,7 +125,7 @@ def train_seeds(
 ) -> SeedScores:
     """Train one CorrectnessDetector per seed (the paper's recipe), score test once each.
 
-    ``train`` / ``val`` / ``test`` are `LabeledMaps`; nothing is written to disk.
+    ``train`` / ``val`` / ``test`` are `Rows`; nothing is written to disk.
     """
     from actmap.experiments.seeds import run_seeds
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from actmap.capture.answer_scalars import scalars_from_store
-from actmap.data.splits import SPLITS
+from actmap.capture.answer_scalars import with_scalars
 from actmap.detectors.plus import ActMapPlus, PlusConfig
 from actmap.scoring import metrics
 from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
+from actmap.store.rows import Rows, balanced_rows, natural_rows
 
 log = logging.getLogger(__name__)
 
@@ -41,43 +41,12 @@ PLUS_GRID = tuple(
 )
 
 
-@dataclass(frozen=True)
-class Rows:
-    """One set of store rows: ids, labels (1 = correct), maps (N, C, H, W) float16, scalars (N, 6)."""
-
-    ids: list[str]
-    labels: np.ndarray
-    maps: np.ndarray
-    scalars: np.ndarray
-
-    @property
-    def prevalence(self) -> float:
-        return float(self.labels.mean())
-
-
-def load_rows(store, ids: Sequence[str]) -> Rows:
-    maps, meta = store.load_maps(list(ids))
-    labels = meta["label"].to_numpy(dtype=np.int64)
-    return Rows(list(ids), labels, maps, scalars_from_store(store, ids))
-
-
-def labelled_ids(store) -> dict[str, list[str]]:
-    """{split: every labelled row id} -- the natural prevalence."""
-    meta = store.metadata()
-    meta = meta[meta["label"].notna()]
-    return {s: meta.loc[meta["split"] == s, "id"].tolist() for s in SPLITS}
-
-
 def store_rows(store) -> dict[str, Rows]:
-    """Balanced rows ("train", "validation", "test") and every labelled row ("<split>_all")."""
-    from actmap.store.rows import balanced_splits
-
-    sets = {split: ids for split, ids in balanced_splits(store).items()}
-    sets.update({f"{split}_all": ids for split, ids in labelled_ids(store).items()})
-    for name, ids in sets.items():
-        if not ids:
-            raise ValueError(f"{store.root}: the '{name}' rows are empty (need both labels)")
-    return {name: load_rows(store, ids) for name, ids in sets.items()}
+    """Balanced rows ("train", "validation", "test") and every labelled row ("<split>_all"),
+    each with its per-answer scalars."""
+    sets = dict(balanced_rows(store))
+    sets.update({f"{split}_all": rows for split, rows in natural_rows(store).items()})
+    return {name: with_scalars(store, rows) for name, rows in sets.items()}
 
 
 # --- the methods, each fit on train and selected on validation ----------------------------------

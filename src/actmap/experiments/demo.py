@@ -58,7 +58,7 @@ def run_demo(
     from actmap.baselines.controls import AnswerLengthPredictor, PermutedLabelControl
     from actmap.capture import CaptureConfig
     from actmap.capture.overhead import measure_overhead
-    from actmap.capture.run import natural_accuracy, run_capture, store_config
+    from actmap.capture.run import run_capture, store_config
     from actmap.data.builtin import BuiltinArithmeticTask
     from actmap.detectors.base import CorrectnessDetector
     from actmap.experiments.seeds import recipe_config, train_on_store
@@ -66,6 +66,7 @@ def run_demo(
     from actmap.maps import MapConfig
     from actmap.scoring.metrics import compute_metrics
     from actmap.store import MAP_BYTES, MapStore
+    from actmap.store.rows import natural_accuracy
 
     out = Path(out)
     stage = on_stage or (lambda text: log.info("%s", text))

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actmap.experiments.common import AurocSummary, SeedScores, auroc_summary, train_seeds
-from actmap.experiments.seeds import LabeledMaps, recipe_config
+from actmap.experiments.seeds import recipe_config
 from actmap.scoring.intervals import N_RESAMPLES
+from actmap.store.rows import Rows
 
 log = logging.getLogger(__name__)
 
@@ -158,15 +159,13 @@ def run_learning_curve(
     trained again."""
     from actmap.baselines.base import BaselineUnavailable
     from actmap.store import StoreError
-    from actmap.store.rows import balanced_splits
+    from actmap.store.rows import balanced_splits, read_rows
 
     splits = splits or balanced_splits(store)
-    maps, labels = {}, {}
-    for split, ids in splits.items():
-        maps[split], meta = store.load_maps(ids)
-        labels[split] = meta["label"].to_numpy(dtype=np.int64)
-    val = LabeledMaps(maps["validation"], labels["validation"], splits["validation"])
-    test = LabeledMaps(maps["test"], labels["test"], splits["test"])
+    rows = {s: read_rows(store, ids, f"balanced '{s}' split") for s, ids in splits.items()}
+    maps = {s: r.maps for s, r in rows.items()}
+    labels = {s: r.labels for s, r in rows.items()}
+    val, test = rows["validation"], rows["test"]
     points, unavailable, skipped = [], {}, []
     for method in config.methods:
         baseline = None
@@ -204,9 +203,7 @@ def _actmap_point(method, subsamples, maps, labels, splits, val, test, config) -
     """One seed per subsample: seed s trains on subsample s."""
     per_seed = []
     for seed, rows in zip(config.seeds, subsamples, strict=True):
-        train = LabeledMaps(
-            maps["train"][rows], labels["train"][rows], [splits["train"][i] for i in rows]
-        )
+        train = Rows([splits["train"][i] for i in rows], labels["train"][rows], maps["train"][rows])
         per_seed.append(
             train_seeds(train, val, test, method, (seed,), recipe_config(config.max_epochs))
         )

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actmap.experiments.seeds import LabeledMaps
 from actmap.scoring import metrics
+from actmap.store.rows import Rows
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def _logits(detector, maps: torch.Tensor) -> np.ndarray:
     return np.asarray(detector.decision_function(maps), dtype=np.float64)
 
 
-def occlusion(detector, test: LabeledMaps, config: LocalizationConfig):
+def occlusion(detector, test: Rows, config: LocalizationConfig):
     """(AUROC, whole-map AUROC, (depth, coord) drops, (depth,) band drops, row and column
     edges) of the frozen detector."""
     x = torch.as_tensor(np.asarray(test.maps, dtype=np.float32))  # (N, C, H, W)
@@ -216,7 +216,7 @@ def _block_attention(block, h: torch.Tensor) -> torch.Tensor:
 
 
 def localize(
-    detector, test: LabeledMaps, config: LocalizationConfig = LocalizationConfig()
+    detector, test: Rows, config: LocalizationConfig = LocalizationConfig()
 ) -> Localization:
     """Occlusion, integrated gradients and (ViT) attention rollout of a frozen detector."""
     from actmap.detectors.vit import MapViT

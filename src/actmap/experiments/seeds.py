@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,28 +23,12 @@ import torch
 
 from actmap.artifacts import package_version, write_json
 from actmap.detectors.base import CorrectnessDetector
-from actmap.errors import ActmapUserError
 from actmap.scoring import metrics
+from actmap.store.rows import Rows, balanced_rows
 from actmap.training.recipe import ProgressCallback, TrainConfig
 from actmap.training.run_folder import checkpoint_path
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LabeledMaps:
-    """One split as the CLI loads it: maps (N, C, H, W), labels (N,) 1 = correct, row ids."""
-
-    maps: np.ndarray | torch.Tensor
-    labels: np.ndarray | torch.Tensor
-    ids: Sequence[Any] | None = None  # one id per row (e.g. the store's row id); None = row index
-
-    def row_ids(self) -> list[Any]:
-        if self.ids is None:
-            return list(range(len(self.labels)))
-        if len(self.ids) != len(self.labels):
-            raise ValueError(f"ids has {len(self.ids)} rows but labels has {len(self.labels)}")
-        return [i.item() if hasattr(i, "item") else i for i in self.ids]
 
 
 @dataclass(frozen=True)
@@ -82,7 +67,7 @@ def scoring_metrics(scores: RowScores) -> dict[str, float]:
     }
 
 
-def evaluate_on_test(detector, test: LabeledMaps) -> tuple[RowScores, dict[str, float]]:
+def evaluate_on_test(detector, test: Rows) -> tuple[RowScores, dict[str, float]]:
     """Score a fitted CorrectnessDetector once on test: per-row scores and metrics."""
     logits = detector.decision_function(test.maps)
     labels = np.asarray(test.labels).astype(np.int64)
@@ -144,9 +129,9 @@ def environment_manifest(device: torch.device, inputs: dict[str, Any] | None) ->
 
 
 def run_seeds(
-    train: LabeledMaps,
-    val: LabeledMaps,
-    test: LabeledMaps,
+    train: Rows,
+    val: Rows,
+    test: Rows,
     out_dir: str | Path | None = None,
     detector: str = "vit",
     detector_kwargs: dict[str, Any] | None = None,
@@ -203,27 +188,11 @@ def run_seeds(
 
 
 def load_balanced(store_path: str | Path):
-    """({split: LabeledMaps} on the store's balanced rows, the opened store)."""
+    """({split: Rows} on the store's balanced rows, the opened store)."""
     from actmap.store import MapStore
-    from actmap.store.rows import balanced_splits
 
     store = MapStore.open(store_path)
-    out = {}
-    for split, ids in balanced_splits(store).items():
-        if not ids:
-            raise ActmapUserError(
-                f"the balanced '{split}' split of {store_path} is empty (need both labels)"
-            )
-        maps, meta = store.load_maps(ids)
-        finite = np.isfinite(maps.reshape(len(maps), -1)).all(axis=1)
-        if not finite.all():
-            bad = [key for key, ok in zip(ids, finite, strict=True) if not ok]
-            raise ActmapUserError(
-                f"store {store_path}: the map of id '{bad[0]}' has NaN or infinite values "
-                f"({len(bad)} such maps in its balanced '{split}' split)"
-            )
-        out[split] = LabeledMaps(maps, meta["label"].to_numpy().astype("int64"), ids)
-    return out, store
+    return balanced_rows(store), store
 
 
 def recipe_config(max_epochs: int | None = None) -> TrainConfig:
@@ -239,8 +208,8 @@ def train_on_store(
     config: TrainConfig | None = None,
     device: str | None = None,
     progress: ProgressCallback | None = None,
-    balanced: tuple[dict[str, LabeledMaps], Any] | None = None,
-) -> tuple[SeedRuns, dict[str, LabeledMaps]]:
+    balanced: tuple[dict[str, Rows], Any] | None = None,
+) -> tuple[SeedRuns, dict[str, Rows]]:
     """The paper's recipe on a store's balanced rows, one detector per seed.
 
     ``balanced``: what `load_balanced(store_path)` returned, when already read.
@@ -268,6 +237,47 @@ def train_on_store(
     return runs, splits
 
 
+PLUS_SEED = 0  # actmap-plus has no training seed: its one fit is written as seed-0/
+
+
+def train_plus_run(store_path: str | Path, out: str | Path) -> tuple[dict[str, Any], dict]:
+    """Fit actmap-plus on a store (settings chosen on validation rows), save it, score the
+    balanced test rows once. Returns (the run summary, the fit's details).
+
+    Writes ``<out>/seed-0/{model.safetensors, config.json, test_scores.parquet,
+    metrics.json}`` and ``<out>/summary.json``: the layout of an `actmap train` run folder,
+    which `evaluate`, `compare`, the report and the server read.
+    """
+    from actmap.experiments.compare_product import plus_scored, store_rows
+    from actmap.store import MapStore
+
+    out = Path(out)
+    store = MapStore.open(store_path)
+    sets = store_rows(store)
+    plus = plus_scored(sets)
+    est, test = plus.estimator, sets["test"]
+    folder = out / f"seed-{PLUS_SEED}"
+    inputs = {"store_config": store.manifest.get("config")}  # the map settings serving reads
+    est.save(folder, metadata={"store": str(store_path), "inputs": inputs, **plus.details})
+    logits = est.decision_function(test.maps, test.scalars)
+    scores = RowScores(
+        list(test.ids),
+        test.labels,
+        logits.astype(np.float32),
+        est.predict_proba(test.maps, test.scalars).astype(np.float32),
+    )
+    scores.write_parquet(folder / "test_scores.parquet")
+    test_metrics = scoring_metrics(scores)
+    write_json(folder / "metrics.json", test_metrics)
+    summary = summarize_runs([SimpleNamespace(seed=PLUS_SEED, test_metrics=test_metrics)])
+    write_json(out / "summary.json", {"detector": "actmap-plus", **summary, **plus.details})
+    log.info(
+        "actmap-plus: %s on %s rows (validation AUROC %.3f)",
+        plus.details["selected"], plus.details["train_rows"], plus.validation_auroc,
+    )  # fmt: skip
+    return summary, {**plus.details, "validation_auroc": plus.validation_auroc}
+
+
 FROZEN_CHUNK = 2048  # maps read and scored at once (about 200 MB of float16 maps)
 
 
@@ -279,7 +289,7 @@ def frozen_scores(
     scored ``chunk`` rows at a time (a transfer target's every row would not fit in memory;
     each row's score does not depend on the others)."""
     from actmap.capture.answer_scalars import scalars_from_store
-    from actmap.detectors import ActMapPlus, load_detector
+    from actmap.detectors import load_detector
     from actmap.training.run_folder import read_run
 
     checked = read_run(Path(run))
@@ -291,12 +301,9 @@ def frozen_scores(
         maps, _ = store.load_maps(part)
         scalars = None
         for seed, detector in detectors.items():
-            if isinstance(detector, ActMapPlus):  # it also reads the per-answer scalars
-                if scalars is None:
-                    scalars = scalars_from_store(store, part)
-                parts[seed].append(detector.predict_proba(maps, scalars))
-            else:
-                parts[seed].append(detector.predict_proba(maps))
+            if "scalars" in detector.requires and scalars is None:
+                scalars = scalars_from_store(store, part)  # read once per chunk, when needed
+            parts[seed].append(detector.predict_proba(maps, scalars))
     return {
         seed: np.concatenate(p) if p else np.zeros(0, dtype=np.float32) for seed, p in parts.items()
     }

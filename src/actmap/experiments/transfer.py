@@ -285,23 +285,21 @@ def pooled_run(
 
 
 def _pooled_balanced(sources: Sequence[StoreInfo], stores: Sequence[Any]):
-    """(train, validation) `LabeledMaps`: each source's balanced rows of the split, pooled."""
-    from actmap.experiments.seeds import LabeledMaps
-    from actmap.store.rows import balanced_splits
+    """(train, validation) `Rows`: each source's balanced rows of the split, pooled."""
+    from actmap.store.rows import Rows, balanced_splits, read_rows
 
-    parts: dict[str, list] = {"train": [], "validation": []}
+    parts: dict[str, list[Rows]] = {"train": [], "validation": []}
     for store in stores:
         splits = balanced_splits(store, persist=False)
         for split in parts:
-            maps, meta = store.load_maps(splits[split])
-            parts[split].append((maps, meta["label"].to_numpy(dtype=np.int64), splits[split]))
+            parts[split].append(read_rows(store, splits[split], f"balanced '{split}' split"))
 
-    def pooled(split: str) -> LabeledMaps:
+    def pooled(split: str) -> Rows:
         chunks = parts[split]
-        return LabeledMaps(
-            np.concatenate([c[0] for c in chunks]),
-            np.concatenate([c[1] for c in chunks]),
-            [f"{s.name}/{k}" for s, c in zip(sources, chunks, strict=True) for k in c[2]],
+        return Rows(
+            [f"{s.name}/{k}" for s, c in zip(sources, chunks, strict=True) for k in c.ids],
+            np.concatenate([c.labels for c in chunks]),
+            np.concatenate([c.maps for c in chunks]),
         )
 
     return pooled("train"), pooled("validation")

@@ -176,7 +176,7 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actmap.training.recipe import check_device
+    from actmap.device import check_device
 
     check_device(device)
     check_dtype(dtype)

@@ -24,6 +24,7 @@ import torch
 from actmap.detectors.plus import ActMapPlus
 from actmap.llm.models import file_digest
 from actmap.maps import MapConfig, build_maps, build_maps_from_list, stored_form
+from actmap.training.run_folder import seed_folders
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,7 @@ class LoadedDetector:
     @property
     def requires(self) -> tuple[str, ...]:
         """What the detector reads per answer: ("maps",) or ("maps", "scalars")."""
-        if isinstance(self.detector, ActMapPlus) and self.detector.config_.use_scalars:
-            return ("maps", "scalars")
-        return ("maps",)
+        return tuple(self.detector.requires)
 
     @property
     def needs_scalars(self) -> bool:
@@ -51,28 +50,25 @@ class LoadedDetector:
 
     def predict_proba(self, maps: np.ndarray, scalars: np.ndarray | None = None) -> np.ndarray:
         """(N, C, H, W) float16 maps (+ (N, 6) scalars when required) -> (N,) raw p(correct)."""
-        if isinstance(self.detector, ActMapPlus):
-            return self.detector.predict_proba(maps, scalars).astype(np.float64)
-        return self.detector.predict_proba(maps).astype(np.float64)
+        return self.detector.predict_proba(maps, scalars).astype(np.float64)
 
 
 def _seed_folder(run: Path, seed: int | None) -> Path:
     if (run / "config.json").is_file() and (run / "model.safetensors").is_file():
         return run
-    folders = sorted(run.glob("seed-*"))
+    seeds = seed_folders(run)
+    folders = list(seeds.values())
     if not folders:
         raise FileNotFoundError(
             f"{run} is neither a detector folder (config.json + model.safetensors) nor a run "
             "folder with seed-*/ folders written by `actmap train`"
         )
     if seed is not None:
-        wanted = run / f"seed-{seed}"
-        if wanted not in folders:
+        if seed not in seeds:
             raise FileNotFoundError(
-                f"{run} has no seed-{seed}/; seeds there: "
-                + ", ".join(f.name.split("-", 1)[1] for f in folders)
+                f"{run} has no seed-{seed}/; seeds there: " + ", ".join(map(str, seeds))
             )
-        return wanted
+        return seeds[seed]
 
     def val_auroc(folder: Path) -> float:
         config = json.loads((folder / "config.json").read_text())

@@ -1,9 +1,17 @@
-"""Which rows every method uses: the balanced splits of a store, computed once and stored.
+"""Which rows every method uses, and the one form they are read in: `Rows`.
 
 The ``splits`` table of a store lists, per split, the balanced row ids (equal
 correct and incorrect). It is derived deterministically from the stored labels
 and a seed, written next to the maps, and rewritten only when the committed
 rows change, so ActMap detectors and every baseline read identical rows.
+
+    balanced_rows(store)   {split: Rows} on the balanced rows (what training and the paper use)
+    natural_rows(store)    {split: Rows} on every labelled row (the generator's own prevalence)
+    read_rows(store, ids)  any rows; a map with NaN or inf is refused here, once, for everyone
+    natural_accuracy(store)  fraction correct among labelled rows, per split and overall
+
+The per-answer scalars a detector may read beside the map are added by
+`actmap.capture.answer_scalars.with_scalars` (they come from the generations table).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +32,87 @@ from actmap.errors import ActmapUserError
 from actmap.store import MapStore
 
 BALANCE_SEED = 0
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One set of labelled rows: ids, labels (1 = correct), maps (N, C, H, W) and, when read,
+    the per-answer scalars (N, 6). Training, evaluation, comparison, calibration and the
+    report all take their rows in this form."""
+
+    ids: Sequence[Any] | None  # one id per row (the store's row id); None = the row index
+    labels: Any  # (N,) int64 numpy (or a tensor), 1 = correct
+    maps: Any  # (N, C, H, W) float16 numpy as stored (or a tensor)
+    scalars: np.ndarray | None = None  # (N, 6) float64; None until read
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def prevalence(self) -> float:
+        """Fraction correct among these rows."""
+        return float(np.asarray(self.labels, dtype=np.float64).mean())
+
+    def row_ids(self) -> list[Any]:
+        if self.ids is None:
+            return list(range(len(self.labels)))
+        if len(self.ids) != len(self.labels):
+            raise ValueError(f"ids has {len(self.ids)} rows but labels has {len(self.labels)}")
+        return [i.item() if hasattr(i, "item") else i for i in self.ids]
+
+
+def read_rows(store: MapStore, ids: Sequence[str], what: str = "rows") -> Rows:
+    """The maps and labels of the store rows ``ids`` (in that order). A map with NaN or
+    infinite values is refused here, naming its id (``what`` names the rows in the message)."""
+    ids = list(ids)
+    maps, meta = store.load_maps(ids)
+    finite = np.isfinite(maps.reshape(len(maps), -1)).all(axis=1)
+    if not finite.all():
+        bad = [key for key, ok in zip(ids, finite, strict=True) if not ok]
+        raise ActmapUserError(
+            f"store {store.root}: the map of id '{bad[0]}' has NaN or infinite values "
+            f"({len(bad)} such maps in its {what})"
+        )
+    return Rows(ids, meta["label"].to_numpy(dtype=np.int64), maps)
+
+
+def balanced_rows(store: MapStore, persist: bool = True) -> dict[str, Rows]:
+    """{split: Rows} on the store's balanced rows (`balanced_splits`); an empty split fails."""
+    out = {}
+    for split, ids in balanced_splits(store, persist=persist).items():
+        if not ids:
+            raise ActmapUserError(
+                f"the balanced '{split}' split of {store.root} is empty (need both labels)"
+            )
+        out[split] = read_rows(store, ids, f"balanced '{split}' split")
+    return out
+
+
+def natural_ids(store: MapStore) -> dict[str, list[str]]:
+    """{split: every labelled row id}: the natural prevalence (empty answers have no map)."""
+    meta = store.metadata()
+    meta = meta[meta["label"].notna()]
+    return {s: meta.loc[meta["split"] == s, "id"].astype(str).tolist() for s in SPLITS}
+
+
+def natural_rows(store: MapStore, splits: Sequence[str] = SPLITS) -> dict[str, Rows]:
+    """{split: Rows} on every labelled row of each of ``splits``; an empty split fails."""
+    ids = natural_ids(store)
+    out = {}
+    for split in splits:
+        if not ids[split]:
+            raise ActmapUserError(f"{store.root} has no labelled rows in split '{split}'")
+        out[split] = read_rows(store, ids[split], f"labelled '{split}' rows")
+    return out
+
+
+def natural_accuracy(store: MapStore) -> dict[str, float]:
+    """Fraction correct among labelled rows, per split and overall ("all")."""
+    frame = store.metadata()
+    frame = frame[frame["label"].notna()]
+    result = {split: float(group["label"].mean()) for split, group in frame.groupby("split")}
+    result["all"] = float(frame["label"].mean()) if len(frame) else float("nan")
+    return result
 
 
 def balanced_splits(

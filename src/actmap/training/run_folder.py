@@ -41,7 +41,9 @@ class RunFolder:
     seed_dirs: dict[int, Path]
 
 
-def _seed_dirs(run: Path) -> dict[int, Path]:
+def seed_folders(run: str | Path) -> dict[int, Path]:
+    """{seed: its ``seed-<s>/`` folder} of a run folder, in seed order (none: empty)."""
+    run = Path(run)
     found = {}
     for folder in sorted(run.glob("seed-*")):
         try:
@@ -71,7 +73,7 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> str:
 def read_run(run: str | Path) -> RunFolder:
     """The run folder's seeds, refusing a folder whose seeds differ in detector or recipe."""
     path = Path(run)
-    seeds = _seed_dirs(path)
+    seeds = seed_folders(path)
     if not seeds:
         raise ActmapUserError(
             f"{path} has no seed-*/ folders; is it a run written by `actmap train`?"
@@ -111,7 +113,7 @@ def prepare_run_folder(
         return
     if not any(not p.name.startswith(".") for p in path.iterdir()):
         return  # empty, or only a killed run's checkpoint or temporary files
-    if not _seed_dirs(path):
+    if not seed_folders(path):
         raise ActmapUserError(
             f"{path} is not empty and holds no run; choose another --out or pass --overwrite"
         )

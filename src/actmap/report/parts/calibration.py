@@ -22,8 +22,8 @@ TARGET_POOL = 1024  # validation rows scored for the prevalence-shift temperatur
 def compute_calibration(context: ReportContext):
     from actmap.experiments.calibration import (
         CalibrationConfig,
-        natural_accuracy,
         run_calibration,
+        split_prevalence,
         strongest,
     )
     from actmap.experiments.common import scores_from_results
@@ -49,7 +49,7 @@ def compute_calibration(context: ReportContext):
         except Exception:  # noqa: BLE001 -- a result on other rows is left out, not fatal
             continue
     k = int(context.option("calibration", "baselines", CALIBRATION_BASELINES))
-    prevalence, source = natural_accuracy(store)
+    prevalence, source = split_prevalence(store)
     config = CalibrationConfig(
         n_replicates=int(context.option("calibration", "replicates", 100)),
         n_resamples=context.n_resamples,
@@ -66,9 +66,11 @@ def validation_target(store, fit, pool: int = TARGET_POOL, seed: int = 0):
     single class."""
     import numpy as np
 
-    from actmap.experiments.calibration import TargetRows, natural_validation_rows
+    from actmap.experiments.calibration import TargetRows
+    from actmap.store.rows import natural_ids, split_labels
 
-    ids, labels = natural_validation_rows(store)
+    ids = natural_ids(store)["validation"]  # empty answers have no map and are not among them
+    labels = split_labels(store, ids)
     total = len(ids)
     if total > pool:
         keep = np.sort(np.random.default_rng(seed).choice(total, pool, replace=False))

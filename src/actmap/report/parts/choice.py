@@ -133,17 +133,16 @@ def frozen_detector(context: ReportContext, ref: StoreRef, detector: str):
 
 
 def balanced_maps(store, context: ReportContext | None = None):
-    """{split: LabeledMaps} of the store's balanced rows (read once per report when the
-    context is given)."""
-    from actmap.experiments.seeds import LabeledMaps
+    """{split: Rows} of the store's balanced rows (read once per report when the context is
+    given; the store is only read)."""
+    from actmap.store.rows import read_rows
 
     key = ("balanced_maps", str(store.root))
     if context is not None and key in context.cache:
         return context.cache[key]
     out = {}
     for split, ids in read_only_splits(store).items():
-        maps, meta = store.load_maps(ids)
-        out[split] = LabeledMaps(maps, meta["label"].to_numpy(dtype="int64"), ids)
+        out[split] = read_rows(store, ids, f"balanced '{split}' split")
     if context is not None:
         context.cache[key] = out
     return out
