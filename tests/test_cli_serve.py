@@ -56,7 +56,7 @@ def trained(tmp_path_factory):
     return root / "store", run
 
 
-def test_policy_fit_matches_the_risk_coverage_curve(trained, tmp_path):
+def test_policy_fit_matches_the_risk_coverage_curve(trained, tmp_path, caplog):
     store, run = trained
     out = tmp_path / "policy.toml"
     args = ["policy", "fit", "--run", str(run), "--store", str(store), "--out", str(out)]
@@ -85,18 +85,29 @@ def test_policy_fit_matches_the_risk_coverage_curve(trained, tmp_path):
     assert shifted.prior.deployment_accuracy == pytest.approx(rows["label"].mean())
     assert shifted.fitted["accept"]["coverage"] == pytest.approx(coverage)
     assert shifted.accept < policy.accept  # 30% accuracy shifts p(correct) down
-    # calibrated (default): the temperature minimises the NLL on the balanced validation rows
-    calibrated = runner.invoke(app, [*args, "--target-risk", "0.5"])
+    # calibrated (default): the MAP temperature on every labelled validation row, with
+    # bootstrap intervals printed and written, and a warning: 50 rows are fewer than 100
+    calibrated = runner.invoke(app, [*args, "--target-risk", "0.5", "--resamples", "300"])
     assert calibrated.exit_code == 0, calibrated.output
-    from actmap.scoring.metrics import fit_temperature
-    from actmap.scoring.prior import logit
-    from actmap.store.rows import balanced_splits
+    from test_serve_fit import map_temperature_by_grid
 
-    balanced = balanced_splits(opened)["validation"]
-    bmaps, bmeta = opened.load_maps(balanced)
-    expected = fit_temperature(logit(load_detector_run(run).predict_proba(bmaps)), bmeta["label"])
-    assert load_policy(out).prior.temperature == pytest.approx(expected, rel=1e-6)
-    assert load_policy(out).fitted["accept"]["coverage"] == pytest.approx(coverage)
+    fitted = load_policy(out)
+    expected = map_temperature_by_grid(p, rows["label"].to_numpy())
+    assert fitted.prior.temperature == pytest.approx(expected, rel=2e-4)
+    assert fitted.prior.train_prevalence == 0.5  # a paper detector, trained on balanced rows
+    assert fitted.fitted["accept"]["coverage"] == pytest.approx(coverage)
+    low, high = fitted.fitted["temperature"]["low"], fitted.fitted["temperature"]["high"]
+    assert low <= fitted.prior.temperature <= high
+    f = fitted.fitted["accept"]
+    assert f["coverage_low"] <= f["coverage"] <= f["coverage_high"]
+    text = flat(calibrated)
+    assert "fitted on 50 labelled rows (fewer than 100)" in fitted.fitted["warning"]
+    assert fitted.fitted["warning"] in caplog.text  # logged (stderr, through the CLI's logging)
+    assert f"temperature {fitted.prior.temperature:.3f} [{low:.3f}, {high:.3f}]" in text
+    assert (
+        f"coverage {f['coverage']:.3f} [{f['coverage_low']:.3f}, {f['coverage_high']:.3f}]" in text
+    )
+    assert f"risk {f['risk']:.3f} [{f['risk_low']:.3f}, {f['risk_high']:.3f}]" in text
 
 
 def test_policy_fit_and_serve_errors(trained, tmp_path):

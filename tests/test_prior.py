@@ -70,3 +70,34 @@ def test_em_input_errors():
         em_prevalence([])
     with pytest.raises(ValueError, match="1-D"):
         em_prevalence(np.zeros((2, 2)))
+
+
+def test_em_with_training_prior_03_recovers_a_hand_worked_prevalence():
+    """Two kinds of answers, likelihood ratios f1/f0 of 4 (A: f1 .8, f0 .2) and 1/4 (B).
+
+    At a true prevalence of .6, A is .6*.8 + .4*.2 = 56% of the rows and B 44%. A detector
+    whose posteriors hold at a training prior of .3 scores A at .3*4 / (.3*4 + .7) = 12/19 and
+    B at .3*.25 / (.3*.25 + .7) = 3/31. Shifted to .6, A is 2.4 / 2.8 = 6/7 and B .15 / .55 =
+    3/11, whose mean .56*6/7 + .44*3/11 = .48 + .12 = .6: .6 is EM's fixed point (and the
+    maximum of the concave likelihood of the mixture). Read as a balanced detector's scores
+    (the division by the training prior dropped), the same rows give another estimate.
+    """
+    p = np.r_[np.full(56, 12 / 19), np.full(44, 3 / 31)]
+    result = em_prevalence(p, train_prevalence=0.3, tol=1e-12)
+    assert result.converged
+    assert result.prevalence == pytest.approx(0.6, abs=1e-9)
+    np.testing.assert_allclose(result.probs[[0, -1]], [6 / 7, 3 / 11], rtol=1e-9)
+    assert abs(em_prevalence(p, tol=1e-12).prevalence - 0.6) > 0.05
+
+
+def test_em_with_training_prior_03_on_a_simulated_mixture():
+    """x | y ~ N(+-1.5, 1); a detector calibrated at a training prior of .3 scores
+    sigmoid(3x + logit .3); deployed where 70% of answers are right."""
+    rng = np.random.default_rng(4)
+    labels = (rng.uniform(size=20_000) < 0.7).astype(int)
+    x = rng.normal(np.where(labels == 1, 1.5, -1.5), 1.0)
+    p = 1.0 / (1.0 + np.exp(-(3.0 * x + np.log(0.3 / 0.7))))
+    result = em_prevalence(p, train_prevalence=0.3)
+    assert result.prevalence == pytest.approx(labels.mean(), abs=0.015)
+    np.testing.assert_allclose(result.probs, shift_to_prevalence(p, result.prevalence, 0.3))
+    assert ece(result.probs, labels) < 0.02 < ece(p, labels)

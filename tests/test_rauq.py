@@ -59,6 +59,32 @@ def test_recurrence_three_tokens_by_hand():
     assert heads.tolist() == [0]
 
 
+# the same three tokens at lm-polygraph's base-model defaults (alpha .2; .8 for entropy), where
+# alpha and 1 - alpha give different numbers (at .5 a swap would not show):
+#   alpha .2: c1 = .2*.5 + .8*.6*.9 = .532   c2 = .2*.8 + .8*.3*.532 = .28768
+#   alpha .8: c1 = .8*.5 + .2*.6*.9 = .508   c2 = .8*.8 + .2*.3*.508 = .67048
+@pytest.mark.parametrize(
+    "alpha, c1, c2, u",
+    [(0.2, 0.532, 0.28768, 0.6607929443), (0.8, 0.508, 0.67048, 0.3941319174)],
+)
+def test_recurrence_by_hand_at_non_neutral_alpha(alpha, c1, c2, u):
+    p = np.array([0.9, 0.5, 0.8])
+    a = np.array([0.0, 0.6, 0.3])
+    np.testing.assert_allclose(rauq_recurrence(p, a, alpha), [0.9, c1, c2], rtol=1e-12)
+    expected = -(math.log(0.9) + math.log(c1) + math.log(c2)) / 3
+    assert expected == pytest.approx(u, abs=1e-9)
+    assert rauq_uncertainty(p, a.reshape(3, 1, 1), alpha)[0] == pytest.approx(expected, rel=1e-12)
+    # through the scorer at a base model's defaults: alpha .2 on token probabilities, and
+    # .8 for the entropy variant (entropies log V - p, so that log V - H_t is p again)
+    att = np.zeros((3, 1, 1, 1))
+    att[:, 0, 0, 0] = a
+    entropic = alpha == 0.8
+    gen = make_gen(p.tolist(), att, entropies=(math.log(100) - p).tolist())
+    result = RAUQ(instruct=False, use_entropy=entropic, vocab_size=100).score([gen])
+    assert result.details["alpha"] == alpha
+    assert result.confidence[0] == pytest.approx(-expected, rel=1e-6)
+
+
 def test_single_token_answer_is_minus_log_p():
     u, _per_layer, heads = rauq_uncertainty(np.array([0.25]), np.zeros((1, 3, 2)), alpha=0.5)
     assert u == pytest.approx(math.log(4))

@@ -132,46 +132,77 @@ def policy_fit(
     ),
     split: str = typer.Option("validation", help="Store split to fit on (all its labelled rows)."),
     calibrate: bool = typer.Option(
-        True, help="Fit a temperature on the split's balanced rows before the prior shift."
+        True,
+        help="Fit a temperature (MAP, log-normal prior on T) on the split's labelled rows "
+        "at their natural prevalence before the prior shift.",
+    ),
+    train_prevalence: float = typer.Option(
+        None,
+        help="Prior the detector's p(correct) holds at (default: read from the detector; "
+        "0.5 for detectors trained on balanced rows).",
+    ),
+    resamples: int = typer.Option(
+        2000, min=0, help="Bootstrap resamples for the intervals (0: none)."
     ),
     seed: int = typer.Option(None, help="Seed of the run (default: best validation AUROC)."),
 ) -> None:
-    """Fit accept / review / route thresholds for target risks on a validation risk-coverage curve."""
+    """Fit accept / review / route thresholds for target risks on a validation risk-coverage curve.
+
+    The temperature and each band's coverage and risk come with 95% bootstrap intervals
+    (printed and written to the policy file); fewer than 100 labelled rows is warned about.
+    """
     with user_errors():
         from actmap.serve.fit import (
-            balanced_scores,
-            fit_balanced_temperature,
+            MIN_POLICY_ROWS,
+            detector_train_prevalence,
             fit_policy_on_store,
+            fit_policy_temperature,
             natural_scores,
+            temperature_interval,
         )
         from actmap.serve.loaded_run import load_detector_run
         from actmap.serve.policy import save_policy
         from actmap.store import MapStore
 
         detector = load_detector_run(run, seed)
-        opened = MapStore.open(store)
-        scores = natural_scores(opened, detector, split)
+        scores = natural_scores(MapStore.open(store), detector, split)
+        if train_prevalence is None:
+            train_prevalence = detector_train_prevalence(detector)
         temperature = 1.0
-        if calibrate:
-            temperature = fit_balanced_temperature(balanced_scores(opened, detector, split))
+        if calibrate and resamples:
+            temperature = temperature_interval(
+                scores.p_raw, scores.labels, train_prevalence, n_resamples=resamples
+            )
+        elif calibrate:
+            temperature = fit_policy_temperature(scores.p_raw, scores.labels, train_prevalence)
         about = {"run": str(run), "detector": detector.id, "store": str(store)}
         policy = fit_policy_on_store(
             scores, target_risk, review_risk, route_risk, prior, deployment_accuracy, about,
-            temperature,
+            temperature, train_prevalence, resamples,
         )  # fmt: skip
         save_policy(policy, out)
     console.print(
         f"{len(scores.labels)} {split} rows, accuracy {scores.accuracy:.3f}, "
-        f"temperature {temperature:.3f}; "
-        f"accept p >= {policy.accept:.4f}, review >= {policy.review:.4f}, route >= {policy.route:.4f}"
+        f"detector's prior {train_prevalence:.3f}, temperature "
+        + (f"{temperature:.3f}" if isinstance(temperature, float) else str(temperature))
+        + f"; accept p >= {policy.accept:.4f}, review >= {policy.review:.4f}, "
+        f"route >= {policy.route:.4f}"
     )
     for band in ("accept", "review", "route"):
         if band in policy.fitted:
             f = policy.fitted[band]
-            console.print(
-                f"  {band}: target risk {f['target_risk']:.3f} -> coverage {f['coverage']:.3f}, "
-                f"risk {f['risk']:.3f}"
-            )
+            line = f"  {band}: target risk {f['target_risk']:.3f} -> coverage {f['coverage']:.3f}"
+            if "coverage_low" in f:
+                line += f" [{f['coverage_low']:.3f}, {f['coverage_high']:.3f}]"
+            line += f", risk {f['risk']:.3f}"
+            if "risk_low" in f:
+                line += f" [{f['risk_low']:.3f}, {f['risk_high']:.3f}]"
+            console.print(line)
+    if resamples:
+        console.print(
+            f"  [...]: 95% bootstrap intervals ({resamples} resamples of the rows; the "
+            f"thresholds held fixed); below {MIN_POLICY_ROWS} rows expect them wide"
+        )
     console.print(f"policy written to {out}")
 
 

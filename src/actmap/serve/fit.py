@@ -10,23 +10,55 @@ first fitted on the balanced validation rows (`fit_balanced_temperature`):
 calibration before the shift is what makes EM work in practice (Alexandari,
 Kundaje and Shrikumar 2020, "Maximum likelihood with bias-corrected calibration
 is hard-to-beat at label shift adaptation").
+
+A policy is often fitted on few rows (the demo's validation split holds 28), so
+`fit_policy_on_store` fits with its uncertainty: the temperature is a MAP
+estimate (`fit_policy_temperature`: Platt's smoothed targets and a log-normal
+prior on T, fitted on every labelled row of the split at its natural prevalence),
+so a handful of separable rows cannot send T to 0 and scores to 0 or 1; the
+temperature and each band's coverage and risk carry bootstrap intervals
+(`policy_intervals`), written to the policy file; and fewer than
+``MIN_POLICY_ROWS`` labelled rows is warned about. The scores are shifted from
+the prior the detector's probabilities hold at (``train_prevalence``: 0.5 for
+the paper's detectors, actmap-plus's ``calibrated_prevalence``), the same way
+the server shifts them (`actmap.serve.engine`).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from scipy.optimize import minimize_scalar
 
 from actmap.capture.answer_scalars import scalars_from_store
 from actmap.data.splits import balanced_ids
 from actmap.errors import ActmapUserError
+from actmap.scoring.intervals import N_RESAMPLES, Interval, resample_indices
 from actmap.scoring.metrics import ece, fit_temperature
-from actmap.scoring.prior import em_prevalence, logit, shift_to_prevalence, sigmoid
-from actmap.serve.policy import Policy, PriorSetting, correct_prior, fit_policy
+from actmap.scoring.prior import BALANCED, em_prevalence, logit, shift_to_prevalence, sigmoid
+from actmap.serve.policy import (
+    Policy,
+    PriorSetting,
+    calibrate,
+    correct_prior,
+    fit_policy,
+    policy_intervals,
+)
 from actmap.store import MapStore
 from actmap.store.rows import BALANCE_SEED
+
+log = logging.getLogger(__name__)
+
+# below this many labelled rows a fitted policy is warned about: at a target risk of .05 the
+# accepted rows' error rate is then known to no better than about +-.05 (binomial, 95%)
+MIN_POLICY_ROWS = 100
+# log T ~ N(0, sigma^2) a priori (T within [0.37, 2.7] at 95%): a few rows cannot move T far
+TEMPERATURE_PRIOR_SIGMA = 0.5
+_LOG_T_BOUND = 7.0  # search log T in [-7, 7], as `actmap.scoring.metrics.fit_temperature`
 
 
 @dataclass(frozen=True)
@@ -84,6 +116,104 @@ def fit_balanced_temperature(scores: NaturalScores) -> float:
     return fit_temperature(logit(scores.p_raw), scores.labels)
 
 
+def detector_train_prevalence(detector) -> float:
+    """The prior a detector's p(correct) holds at: actmap-plus's ``calibrated_prevalence_``
+    (0.5 under class weights, its training rows' accuracy without), else 0.5 (the paper's
+    detectors are trained on balanced rows)."""
+    inner = getattr(detector, "detector", detector)  # a LoadedDetector or the estimator
+    return float(getattr(inner, "calibrated_prevalence_", BALANCED))
+
+
+def _temperature_objective(z, y, train_prevalence: float, sigma: float):
+    """-log posterior of log T for logits ``z`` (n,) and 0/1 labels ``y`` (n,).
+
+    The model is the server's: ``p = sigmoid(z / T + logit(pi) - logit(train_prevalence))``
+    with ``pi`` the rows' own fraction correct (their natural prevalence). The labels are
+    Platt's (1999) smoothed targets, (N+ + 1) / (N+ + 2) and 1 / (N- + 2), so separable rows
+    keep a finite optimum, and log T has a N(0, sigma^2) prior. The returned function takes
+    log T as a number or as a (G,) array (then it returns (G,) values).
+    """
+    n_pos = int(y.sum())
+    n_neg = len(y) - n_pos
+    target = np.where(y == 1, (n_pos + 1) / (n_pos + 2), 1 / (n_neg + 2))
+    offset = math.log(n_pos / n_neg) - math.log(train_prevalence / (1 - train_prevalence))
+
+    def objective(log_t):
+        u = np.asarray(log_t, dtype=np.float64)
+        q = np.multiply.outer(np.exp(-u), z) + offset  # (..., n)
+        nll = (np.logaddexp(0.0, q) - target * q).sum(axis=-1)
+        return nll + u**2 / (2 * sigma**2)
+
+    return objective
+
+
+def fit_policy_temperature(
+    p_raw,
+    labels,
+    train_prevalence: float = BALANCED,
+    sigma: float = TEMPERATURE_PRIOR_SIGMA,
+    tol: float = 1e-8,
+    near: float | None = None,
+) -> float:
+    """MAP temperature of raw p(correct) on labelled rows at their natural prevalence.
+
+    See `_temperature_objective`. With thousands of rows it is the maximum-likelihood
+    temperature; on a handful of rows it stays near 1 (``sigma`` sets how near), where the
+    unregularised fit of separable rows runs to the bound (T = e^-7) and sends every score
+    to 0 or 1. Needs both labels. ``tol`` is the search's tolerance on log T; ``near`` (a
+    temperature) starts a downhill search there instead of scanning log T in [-7, 7] (the
+    bootstrap starts each resample at the estimate on all rows).
+    """
+    z = logit(np.asarray(p_raw, dtype=np.float64))
+    y = np.asarray(labels).astype(np.int64)
+    if len(z) != len(y):
+        raise ActmapUserError(f"{len(z)} scores but {len(y)} labels")
+    if y.min(initial=1) == y.max(initial=0):
+        raise ActmapUserError("a temperature needs labelled rows of both kinds (right and wrong)")
+    if not sigma > 0:
+        raise ActmapUserError(f"the prior's sigma must be > 0, got {sigma}")
+    objective = _temperature_objective(z, y, train_prevalence, sigma)
+    if near is not None:
+        start = math.log(near)
+        result = minimize_scalar(
+            lambda u: float(objective(u)), bracket=(start - 0.05, start + 0.05), tol=tol
+        )
+        return float(math.exp(np.clip(result.x, -_LOG_T_BOUND, _LOG_T_BOUND)))
+    # a coarse grid finds the basin, a bounded Brent search the optimum within it
+    grid = np.linspace(-_LOG_T_BOUND, _LOG_T_BOUND, 57)  # step 0.25
+    best = int(np.argmin(objective(grid)))
+    low, high = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+    result = minimize_scalar(
+        lambda u: float(objective(u)), bounds=(low, high), method="bounded",
+        options={"xatol": tol},
+    )  # fmt: skip
+    return float(math.exp(result.x))
+
+
+def temperature_interval(
+    p_raw,
+    labels,
+    train_prevalence: float = BALANCED,
+    sigma: float = TEMPERATURE_PRIOR_SIGMA,
+    n_resamples: int = N_RESAMPLES,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Interval:
+    """`fit_policy_temperature` on all rows and its bootstrap percentile interval: the rows
+    are resampled with replacement (resamples holding one label drawn again, as in
+    `actmap.scoring.intervals`) and T refitted on each, by a downhill search from the estimate."""
+    p, y = np.asarray(p_raw, dtype=np.float64), np.asarray(labels).astype(np.int64)
+    estimate = fit_policy_temperature(p, y, train_prevalence, sigma)
+    rng = np.random.default_rng(seed)
+    idx, redrawn = resample_indices(y, n_resamples, rng, need_both=True)
+    values = [
+        fit_policy_temperature(p[i], y[i], train_prevalence, sigma, near=estimate) for i in idx
+    ]
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return Interval(estimate, float(low), float(high), len(y), n_resamples, level, redrawn)
+
+
 def fit_policy_on_store(
     scores: NaturalScores,
     target_risk: float,
@@ -92,30 +222,59 @@ def fit_policy_on_store(
     prior: str = "known",
     deployment_accuracy: float | None = None,
     about: dict[str, Any] | None = None,
-    temperature: float = 1.0,
+    temperature: float | Interval = 1.0,
+    train_prevalence: float = BALANCED,
+    n_resamples: int = N_RESAMPLES,
+    seed: int = 0,
 ) -> Policy:
     """Fit thresholds on the corrected p(correct) of a split at natural prevalence.
 
-    Scores are first calibrated with ``temperature``. ``prior="known"`` then shifts to
-    ``deployment_accuracy`` (default: the split's own accuracy); ``"em"`` lets the server
-    estimate it online, and the thresholds are fitted on the scores shifted to the split's
-    EM estimate; ``"none"`` keeps the calibrated scores.
+    Scores are first calibrated with ``temperature`` (an `Interval` from
+    `temperature_interval` is written to the file with its interval). ``prior="known"`` then
+    shifts from ``train_prevalence`` to ``deployment_accuracy`` (default: the split's own
+    accuracy); ``"em"`` lets the server estimate it online, and the thresholds are fitted on
+    the scores shifted to the split's EM estimate, computed as the server does; ``"none"``
+    keeps the calibrated scores. Each band's coverage and risk get bootstrap intervals
+    (`policy_intervals`, ``n_resamples`` resamples; 0: none), and fewer than
+    ``MIN_POLICY_ROWS`` rows a warning (logged, and kept in ``fitted["warning"]``).
     """
+    t = temperature.estimate if isinstance(temperature, Interval) else float(temperature)
     if prior == "known":
         setting = PriorSetting(
-            "known", deployment_accuracy or scores.accuracy, temperature=temperature
+            "known", deployment_accuracy or scores.accuracy, train_prevalence, temperature=t
         )
         fitted_on = correct_prior(scores.p_raw, setting)
     elif prior == "em":
-        setting = PriorSetting("em", temperature=temperature)
-        fitted_on = em_prevalence(correct_prior(scores.p_raw, setting)).probs
+        setting = PriorSetting("em", train_prevalence=train_prevalence, temperature=t)
+        # the server's PrevalenceTracker: EM over the calibrated scores from the training prior
+        fitted_on = em_prevalence(calibrate(scores.p_raw, setting), train_prevalence).probs
     elif prior == "none":
-        setting = PriorSetting(temperature=temperature)
+        setting = PriorSetting(train_prevalence=train_prevalence, temperature=t)
         fitted_on = correct_prior(scores.p_raw, setting)
     else:
         raise ActmapUserError(f"prior must be none, known or em, got {prior!r}")
-    info = {"split": scores.split, **(about or {})}
-    return fit_policy(fitted_on, scores.labels, target_risk, review_risk, route_risk, setting, info)
+    info: dict[str, Any] = {"split": scores.split, **(about or {})}
+    n = len(scores.labels)
+    if n < MIN_POLICY_ROWS:
+        info["warning"] = (
+            f"fitted on {n} labelled rows (fewer than {MIN_POLICY_ROWS}): the thresholds' "
+            "risk and coverage are uncertain; read their intervals"
+        )
+        log.warning("policy %s", info["warning"])
+    if isinstance(temperature, Interval):
+        info["temperature"] = {
+            "estimate": temperature.estimate, "low": temperature.low, "high": temperature.high,
+            "n": temperature.n, "prior_sigma": TEMPERATURE_PRIOR_SIGMA,
+        }  # fmt: skip
+    policy = fit_policy(
+        fitted_on, scores.labels, target_risk, review_risk, route_risk, setting, info
+    )
+    if n_resamples:
+        bands = policy_intervals(policy, fitted_on, scores.labels, n_resamples, seed=seed)
+        fitted = {k: ({**v, **bands[k]} if k in bands else v) for k, v in policy.fitted.items()}
+        fitted["bootstrap"] = {"n_resamples": n_resamples, "level": 0.95, "seed": seed}
+        policy = Policy(policy.accept, policy.review, policy.route, setting, fitted)
+    return policy
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ A policy is four bands of the (prior-corrected) p(correct)::
 (`decide`, a pure function). The thresholds are set by hand in a TOML file or
 fitted on labelled validation answers for target risks (`fit_policy`): each
 threshold is the lowest score whose accepted set, read from the risk-coverage
-curve, keeps its error rate at or below the band's target. The file also says
+curve, keeps its error rate at or below the band's target; `policy_intervals` gives
+each band's coverage and risk a bootstrap interval. The file also says
 how p(correct) is corrected for the deployment's prevalence (`PriorSetting`,
 see `actmap.scoring.prior`). The server adds one more decision, "abstain_early", for a
 streamed answer stopped because its running score fell below the request's
@@ -29,6 +30,7 @@ import numpy as np
 
 from actmap.atomic import atomic_write_text
 from actmap.errors import ActmapUserError
+from actmap.scoring.intervals import N_RESAMPLES, ROW_CHUNK, resample_indices
 from actmap.scoring.metrics import risk_coverage_curve
 from actmap.scoring.prior import BALANCED, logit, shift_to_prevalence, sigmoid
 
@@ -179,6 +181,58 @@ def fit_policy(
         previous = band
     fitted.update(about or {})
     return Policy(**thresholds, prior=prior, fitted=fitted)
+
+
+def policy_intervals(
+    policy: Policy,
+    scores,
+    labels,
+    n_resamples: int = N_RESAMPLES,
+    level: float = 0.95,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
+    """Bootstrap percentile intervals of each fitted band's coverage and risk.
+
+    The rows are resampled with replacement (``seed``; resamples holding one label drawn
+    again, as in `actmap.scoring.intervals`), and on each the band's *fixed* threshold accepts
+    ``p >= threshold``: coverage is the accepted fraction, risk the error rate among the
+    accepted. The interval says how well those rows pin down what the deployed threshold
+    delivers; it does not undo the optimism of having chosen the threshold on the same rows.
+    Resamples that accept nothing have no risk: they are left out of the risk's interval and
+    counted (``empty_resamples``); a band that accepts nothing on any has no risk interval.
+    Returns ``{band: {coverage_low, coverage_high, risk_low, risk_high, empty_resamples}}``
+    for the bands in ``policy.fitted``.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    y = np.asarray(labels).astype(np.int64)
+    if len(s) != len(y) or not len(y):
+        raise ActmapUserError(f"need as many scores as labels (> 0), got {len(s)} and {len(y)}")
+    if not 0.0 < level < 1.0:
+        raise ActmapUserError(f"level must lie in (0, 1), got {level}")
+    idx, _ = resample_indices(y, n_resamples, np.random.default_rng(seed), need_both=True)
+    tail = 100 * (1 - level) / 2
+    out: dict[str, dict[str, float]] = {}
+    for band in ("accept", "review", "route"):
+        if band not in policy.fitted:
+            continue
+        threshold = getattr(policy, band)
+        accepted, errors = [], []
+        for start in range(0, len(idx), max(1, ROW_CHUNK // len(y))):
+            block = idx[start : start + max(1, ROW_CHUNK // len(y))]  # (k, n) row indices
+            taken = s[block] >= threshold  # (k, n)
+            accepted.append(taken.sum(axis=1))
+            errors.append((taken & (y[block] == 0)).sum(axis=1))
+        n_accepted, n_errors = np.concatenate(accepted), np.concatenate(errors)
+        coverage = n_accepted / len(y)
+        some = n_accepted > 0
+        low, high = np.percentile(coverage, [tail, 100 - tail])
+        result = {"coverage_low": float(low), "coverage_high": float(high)}
+        if some.any():
+            low, high = np.percentile(n_errors[some] / n_accepted[some], [tail, 100 - tail])
+            result.update(risk_low=float(low), risk_high=float(high))
+        result["empty_resamples"] = int((~some).sum())
+        out[band] = result
+    return out
 
 
 # -- files --------------------------------------------------------------------------------
