@@ -69,7 +69,7 @@ def test_storage_and_training_costs_are_the_recorded_ones(tmp_path, monkeypatch)
     from actmap.training.run_folder import RunFolder
 
     folder = RunFolder(tmp_path / "run", "mlp", {}, {1: run})
-    monkeypatch.setattr("actmap.training.run_folder.read_run", lambda path: folder)
+    monkeypatch.setattr("actmap.experiments.cost.read_run", lambda path: folder)
     assert training_costs(tmp_path / "run", "s", "mlp").seconds_per_seed == [3.5]
 
 

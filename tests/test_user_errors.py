@@ -276,12 +276,12 @@ def test_debug_shows_the_traceback_of_a_user_error(tmp_path):
 
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
     """A ValueError that is not the user's (here: inside the run reader) is not hidden."""
-    import actmap.training.run_folder
+    import actmap.experiments.seeds
 
     def broken(run):
         raise ValueError("a genuine bug")
 
-    monkeypatch.setattr(actmap.training.run_folder, "read_run", broken)
+    monkeypatch.setattr(actmap.experiments.seeds, "read_run", broken)  # evaluate's run reader
     result = runner.invoke(app, ["evaluate", "--run", str(tmp_path)])
     assert result.exit_code == 1
     assert isinstance(result.exception, ValueError) and "genuine bug" in str(result.exception)

@@ -28,8 +28,18 @@ from pathlib import Path
 from typing import Any
 
 from actmap.artifacts import read_json, write_json
+from actmap.baselines.options import BaselineOptions
+from actmap.baselines.runner import run_baselines
+from actmap.detectors import all_detectors
 from actmap.errors import ActmapUserError
-from actmap.training.run_folder import seed_finished
+from actmap.experiments.seeds import PLUS_SEED, recipe_config, train_on_store, train_plus_run
+from actmap.report.assemble import build_report
+from actmap.report.inputs import find_runs, read_judge_checks, store_refs
+from actmap.report.registry import select_sections
+from actmap.report.sections import ReportContext, check_rows
+from actmap.store import MapStore
+from actmap.store.lock import StoreLocked, acquire
+from actmap.training.run_folder import extend_run_record, prepare_run_folder, seed_finished
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +125,6 @@ def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
     report = dict(raw.get("report", {}))
     sections = report.pop("sections", None)
     detectors = _tuple(raw.get("detectors", list(DETECTORS)), "detectors")
-    from actmap.detectors import all_detectors
 
     known = all_detectors()
     bad = [d for d in detectors if d not in known]
@@ -123,7 +132,6 @@ def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
         raise ActmapUserError(
             f"reproduce config: unknown detector(s) {bad}; known: {', '.join(known)}"
         )
-    from actmap.report.sections import check_rows
 
     return ReproduceConfig(
         out=(base / raw["out"]).resolve(),
@@ -256,7 +264,6 @@ def copy_holds_source(source: Path, target: Path) -> bool:
 
 def store_is_complete(path: Path) -> bool:
     """A store exists and no writer holds it (a capture in progress holds ``writer.lock``)."""
-    from actmap.store import MapStore
 
     if not (path / "manifest.json").is_file():
         return False
@@ -360,9 +367,6 @@ def copy_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> Stage:
 
 def baselines_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> Stage:
     def work(progress: Progress) -> None:
-        from actmap.baselines.options import BaselineOptions
-        from actmap.baselines.runner import run_baselines
-        from actmap.store import MapStore
 
         options = BaselineOptions(**{"device": config.device, **config.baseline_options})
         store = MapStore.open(copy_path(config, spec))
@@ -385,7 +389,6 @@ def baselines_stage(config: ReproduceConfig, spec: StoreSpec, state: Path) -> St
     def ready() -> bool:
         """Every method has results in the copy (a call killed mid-stage, or an older copy's
         marker, leaves one without)."""
-        from actmap.store import MapStore
 
         target = copy_path(config, spec)
         if not (target / "manifest.json").is_file():
@@ -412,13 +415,10 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
     plus = detector == "actmap-plus"  # one fit, settings chosen on validation: no seeds, no recipe
 
     def seeds() -> tuple[int, ...]:
-        from actmap.experiments.seeds import PLUS_SEED
 
         return (PLUS_SEED,) if plus else config.seeds
 
     def work(progress: Progress) -> None:
-        from actmap.experiments.seeds import recipe_config, train_on_store, train_plus_run
-        from actmap.training.run_folder import extend_run_record, prepare_run_folder
 
         if plus:
             key = {"settings": settings(), "source": source_content(spec.path)}
@@ -488,8 +488,6 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
 
 
 def report_context(config: ReproduceConfig):
-    from actmap.report.inputs import find_runs, read_judge_checks, store_refs
-    from actmap.report.sections import ReportContext
 
     refs = store_refs([copy_path(config, s) for s in config.stores])
     return ReportContext(
@@ -509,8 +507,6 @@ def report_context(config: ReproduceConfig):
 
 def report_stage(config: ReproduceConfig, state: Path) -> Stage:
     def work(progress: Progress):
-        from actmap.report.assemble import build_report
-        from actmap.report.registry import select_sections
 
         sections = select_sections(config.sections)
         finished = []
@@ -531,7 +527,6 @@ def lock_stores(stages: Sequence[Stage], held: ExitStack) -> None:
     reproduce calls never run one store's stages at once (calls on other stores run side by
     side). Another live call's lock is an error that names it; a killed call's lock is free
     (see `actmap.store.lock`)."""
-    from actmap.store.lock import StoreLocked, acquire
 
     folders = {s.store: s.state_dir / "locks" / s.store for s in stages if s.store is not None}
     for store, folder in folders.items():

@@ -15,6 +15,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from actmap.baselines.registry import baseline_class
 from actmap.scoring.contract import Scorer, ScoreResult
 
 
@@ -136,7 +137,6 @@ class PermutedLabelControl:
     @classmethod
     def from_inputs(cls, inputs) -> PermutedLabelControl:
         """Refits the supervised scorer ``options.permuted_inner`` on shuffled labels."""
-        from actmap.baselines.registry import baseline_class
 
         inner = inputs.options.permuted_inner
         if inner == cls.name or not baseline_class(inner).supervised:

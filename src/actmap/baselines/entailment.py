@@ -30,6 +30,7 @@ import torch
 
 from actmap.atomic import atomic_write_text
 from actmap.baselines.base import BaselineUnavailable
+from actmap.llm.models import dtype_tag, load_model
 from actmap.llm.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
@@ -330,7 +331,6 @@ def load_llm_judge(
     other than float32 is part of its name (its cached verdicts are its own). ``prompt``:
     "entailment" (the Nature prompt, `LLMEntailmentJudge`) or "same_answer"
     (`SameAnswerJudge`)."""
-    from actmap.llm.models import dtype_tag, load_model
 
     if prompt not in JUDGE_PROMPTS:
         raise ValueError(f"judge prompt must be one of {JUDGE_PROMPTS}, got {prompt!r}")

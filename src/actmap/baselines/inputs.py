@@ -19,11 +19,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from actmap.baselines.actvit import actvit_tensor
 from actmap.baselines.base import BaselineUnavailable
+from actmap.baselines.entailment import CachedJudge, load_llm_judge
+from actmap.baselines.ptrue import PTrueInput
 from actmap.baselines.registry import baseline_class
 from actmap.baselines.samples_table import draw_samples, read_samples, sampling_request
 from actmap.capture.from_store import read_generations
 from actmap.data.splits import SPLITS
+from actmap.llm.models import load_model, stored_dtype
 from actmap.scoring.contract import row_input
 from actmap.store import MapStore, decode_array
 
@@ -148,7 +152,6 @@ class StoreInputs:
         return self._model, self._tokenizer
 
     def _load_generator(self) -> tuple[Any, Any]:
-        from actmap.llm.models import load_model, stored_dtype
 
         config = self.store.manifest.get("config", {})
         stored = config.get("model", {})
@@ -177,7 +180,6 @@ class StoreInputs:
 
     def entailment_judge(self):
         """The entailment judge behind a cache persisted to <store>/judge-cache.json."""
-        from actmap.baselines.entailment import CachedJudge, load_llm_judge
 
         if self._judge is None:
             if self.options.judge is None:
@@ -222,7 +224,6 @@ class StoreInputs:
 
     # -- the other row inputs --------------------------------------------------------------
     def verification(self, ids: Sequence[str], method: str = "") -> list:
-        from actmap.baselines.ptrue import PTrueInput
 
         questions, meta = self.questions, self.meta
         return [PTrueInput(question=questions[k], answer=meta.at[k, "answer"]) for k in ids]
@@ -230,8 +231,6 @@ class StoreInputs:
     def dense(self, ids: Sequence[str], method: str = ""):
         """(n, 8, 100, D) float16 ACT-ViT inputs from the ``dense`` table."""
         import torch
-
-        from actmap.baselines.actvit import actvit_tensor
 
         self.require_table("dense", method)
         table, index = self.table("dense")

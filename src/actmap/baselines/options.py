@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actmap.baselines.actvit import PRECISIONS
+from actmap.baselines.entailment import JUDGE_PROMPTS
 from actmap.defaults import N_SAMPLES, SAMPLE_TEMPERATURE, SAMPLE_TOP_P
 from actmap.errors import ActmapUserError
+from actmap.llm.models import check_dtype
 
 ACTVIT_GRIDS = ("full", "small", "selected")
 
@@ -46,7 +49,6 @@ class BaselineOptions:
             raise ActmapUserError(
                 f"n_samples must be >= 2 (SE and EigenScore), got {self.n_samples}"
             )
-        from actmap.baselines.actvit import PRECISIONS
 
         if self.actvit_precision not in PRECISIONS:
             raise ActmapUserError(
@@ -57,10 +59,8 @@ class BaselineOptions:
             raise ActmapUserError(f"actvit_micro_batch must be >= 1, got {self.actvit_micro_batch}")
         if self.score_chunk < 1 or self.samples_commit_every < 1:
             raise ActmapUserError("score_chunk and samples_commit_every must be >= 1")
-        from actmap.llm.models import check_dtype
 
         check_dtype(self.judge_dtype)
-        from actmap.baselines.entailment import JUDGE_PROMPTS
 
         if self.judge_prompt not in JUDGE_PROMPTS:
             raise ActmapUserError(

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from actmap.baselines.sampling import NATURE_STOP_STRINGS, SampleSet, SamplingConfig, sample_answers
 from actmap.defaults import SAMPLE_TOP_K, SHORT_MAX_NEW_TOKENS
 from actmap.store import MapStore, decode_array, encode_array, latest_rows
 
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 
 def sampling_request(generator: str, options, capture: dict) -> dict:
     """What decides a row's samples; rows sampled under another request are drawn again."""
-    from actmap.baselines.sampling import NATURE_STOP_STRINGS
 
     return {
         "model": generator,
@@ -64,7 +64,6 @@ def draw_samples(
 ) -> None:
     """Sample (id, prompt, question) rows one prompt at a time; commit a shard every
     ``commit_every`` rows. After each row ``done(committed now, rows so far)`` is called."""
-    from actmap.baselines.sampling import sample_answers
 
     key = json.dumps(request, sort_keys=True)
     kwargs = {k: v for k, v in request.items() if k not in ("model", "seed")}
@@ -129,8 +128,6 @@ def read_samples(store: MapStore, request: dict, prompts) -> dict[str, tuple[Any
     """{id: (SampleSet, sampling seconds)} of the rows sampled under ``request``; a row whose
     stored embeddings are not finite (float16 overflow) is left out, to be drawn again."""
     import torch
-
-    from actmap.baselines.sampling import SampleSet, SamplingConfig
 
     if not store.has_table(SAMPLES_TABLE):
         return {}

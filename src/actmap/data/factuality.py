@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from actmap.data.prompts import has_chat_template, render_chat
+from actmap.llm.models import dtype_tag, load_model
 from actmap.llm.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
@@ -329,7 +330,6 @@ class LLMFactualityJudge:
 
         ``dtype`` other than float32 (bfloat16: about 4x the matmul rate of float32 on a CPU
         with AVX512-BF16) is part of the judge's name: its labels and checks are its own."""
-        from actmap.llm.models import load_model
 
         model, tokenizer, source = load_model(name_or_path, device=device, dtype=dtype)
         kw.setdefault("name", cls.name_for(source.name, dtype))
@@ -338,7 +338,6 @@ class LLMFactualityJudge:
     @staticmethod
     def name_for(name_or_path: str, dtype: str = "float32") -> str:
         """The name `from_pretrained` gives the judge, without loading it."""
-        from actmap.llm.models import dtype_tag
 
         return f"llm:{Path(name_or_path).stem}{dtype_tag(dtype)}"
 

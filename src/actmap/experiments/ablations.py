@@ -30,6 +30,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from actmap.baselines.controls import AnswerLengthPredictor, PermutedLabelControl
+from actmap.capture import CaptureConfig, capture_answers
+from actmap.capture.from_store import read_generations
+from actmap.detectors import CorrectnessDetector
 from actmap.experiments.common import AurocSummary, SeedScores, auroc_summary, train_seeds
 from actmap.experiments.seeds import recipe_config
 from actmap.maps import (
@@ -45,7 +49,8 @@ from actmap.maps import (
     without_group,
 )
 from actmap.scoring.intervals import N_RESAMPLES
-from actmap.store.rows import Rows
+from actmap.store.derived import read_arrays
+from actmap.store.rows import Rows, balanced_splits
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +229,6 @@ class _Inputs:
     def read(
         cls, store, hidden: dict[str, np.ndarray] | None = None, splits: dict | None = None
     ) -> _Inputs:
-        from actmap.store.rows import balanced_splits
 
         ids = {s: list(v) for s, v in (splits or balanced_splits(store)).items()}
         empty = [s for s, v in ids.items() if not v]
@@ -249,7 +253,6 @@ class _Inputs:
 
     def arrays(self, table: str) -> dict[str, np.ndarray]:
         """{id: array} of a side table (trajectories, dense) for every balanced row."""
-        from actmap.store.derived import read_arrays
 
         if table not in self._arrays:
             if table == "hidden":
@@ -334,8 +337,6 @@ def _pooling_variant(inputs: _Inputs, name: str, seed: int) -> dict[str, np.ndar
 
 
 def _permuted_labels(inputs: _Inputs, config: AblationConfig) -> SeedScores:
-    from actmap.baselines.controls import PermutedLabelControl
-    from actmap.detectors import CorrectnessDetector
 
     maps = inputs.maps
     confidence, logits = [], []
@@ -360,7 +361,6 @@ def _permuted_labels(inputs: _Inputs, config: AblationConfig) -> SeedScores:
 
 
 def _answer_length(inputs: _Inputs) -> SeedScores:
-    from actmap.baselines.controls import AnswerLengthPredictor
 
     def rows(split):
         return [SimpleNamespace(n_tokens=int(n)) for n in inputs.n_tokens[split]]
@@ -524,9 +524,6 @@ def recapture_hidden(
     gives the store's trajectories again (to float rounding).
     """
     import dataclasses as dc
-
-    from actmap.capture import CaptureConfig, capture_answers
-    from actmap.capture.from_store import read_generations
 
     generations = read_generations(store, list(ids))
     text_config = getattr(model.config, "text_config", model.config)

@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from actmap.errors import ActmapUserError
+from actmap.experiments.seeds import run_seeds
 from actmap.scoring import metrics
 from actmap.scoring.intervals import N_RESAMPLES, Interval, bootstrap, paired_bootstrap
 from actmap.scoring.prior import logit
-from actmap.training.run_folder import method_name
+from actmap.store import latest_rows
+from actmap.training.run_folder import method_name, read_run
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,6 @@ def train_seeds(
 
     ``train`` / ``val`` / ``test`` are `Rows`; nothing is written to disk.
     """
-    from actmap.experiments.seeds import run_seeds
 
     runs = run_seeds(
         train, val, test, None, detector=detector, config=config, seeds=seeds, device=device
@@ -164,8 +165,6 @@ def scores_from_run(run_dir: str | Path, ids: Sequence[str], labels: np.ndarray)
     """The stored test scores of an `actmap train` run folder, in the order of ``ids``."""
     import pandas as pd
 
-    from actmap.training.run_folder import read_run
-
     checked = read_run(Path(run_dir))
     confidence, logits = [], []
     for folder in checked.seed_dirs.values():
@@ -192,7 +191,6 @@ def scores_from_run(run_dir: str | Path, ids: Sequence[str], labels: np.ndarray)
 def scores_from_results(store, method: str, ids: Sequence[str], labels: np.ndarray) -> SeedScores:
     """A baseline's stored results (``results/<method>`` of ``store``) on ``ids``; a method
     stored with one confidence column per seed (ACT-ViT) keeps its seeds."""
-    from actmap.store import latest_rows
 
     name = f"results/{method}"
     if not store.has_table(name):

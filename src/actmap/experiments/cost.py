@@ -22,7 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from actmap.baselines.actvit import LAYER_GROUPS, N_MAX, ACTViT, ACTViTConfig, tensor_nbytes
+from actmap.capture.overhead import measure_overhead
+from actmap.capture.records import CaptureConfig
+from actmap.detectors import create_detector
 from actmap.maps import MAP_BYTES, MAP_SHAPE
+from actmap.training.run_folder import method_name, read_run
 
 
 def synchronize(device: torch.device) -> None:
@@ -132,9 +137,6 @@ def detector_scoring_costs(
 ) -> list[ScoringCost]:
     """ActMap detectors on float32 maps and (with ``d_model``) ACT-ViT on its padded tensor of a
     generator of that hidden size, untrained weights (latency does not depend on them)."""
-    from actmap.baselines.actvit import LAYER_GROUPS, N_MAX, ACTViT, ACTViTConfig
-    from actmap.detectors import create_detector
-    from actmap.training.run_folder import method_name
 
     torch.manual_seed(0)
     models = {
@@ -164,7 +166,6 @@ class StorageCost:
 
 def storage_costs(store, name: str) -> StorageCost:
     """Bytes per generation of each representation, read from the store's tables."""
-    from actmap.baselines.actvit import tensor_nbytes
 
     trajectory, n_traj = None, 0
     if store.has_table("trajectories"):
@@ -198,7 +199,6 @@ class TrainingCost:
 
 def training_costs(run: Path, store: str, detector: str) -> TrainingCost:
     """Training seconds per seed, summed from each seed's recorded epoch times."""
-    from actmap.training.run_folder import read_run
 
     seconds, epochs = [], []
     for folder in read_run(run).seed_dirs.values():
@@ -227,8 +227,6 @@ def capture_overhead(
     model, tokenizer, name: str, prompts: Sequence[str], new_tokens: int = 32, repeats: int = 3
 ) -> CaptureCost:
     """Hooked (map-only: what ActMap needs) vs plain generation of one batch, interleaved."""
-    from actmap.capture.overhead import measure_overhead
-    from actmap.capture.records import CaptureConfig
 
     config = CaptureConfig(max_new_tokens=new_tokens, batch_size=len(prompts), greybox=False)
     measured = measure_overhead(model, tokenizer, prompts, config, repeats)

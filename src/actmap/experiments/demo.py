@@ -17,6 +17,18 @@ from typing import Any
 
 from actmap.artifacts import json_safe
 from actmap.atomic import atomic_write_text
+from actmap.baselines.controls import AnswerLengthPredictor, PermutedLabelControl
+from actmap.capture import CaptureConfig
+from actmap.capture.overhead import measure_overhead
+from actmap.capture.run import run_capture, store_config
+from actmap.data.builtin import BuiltinArithmeticTask
+from actmap.detectors.base import CorrectnessDetector
+from actmap.experiments.seeds import recipe_config, train_on_store
+from actmap.llm.models import load_model
+from actmap.maps import MapConfig
+from actmap.scoring.metrics import compute_metrics
+from actmap.store import MAP_BYTES, MapStore
+from actmap.store.rows import natural_accuracy
 from actmap.training.recipe import ProgressCallback
 
 log = logging.getLogger(__name__)
@@ -54,19 +66,6 @@ def run_demo(
     ``on_epoch(epoch, info)`` follows training.
     """
     import torch
-
-    from actmap.baselines.controls import AnswerLengthPredictor, PermutedLabelControl
-    from actmap.capture import CaptureConfig
-    from actmap.capture.overhead import measure_overhead
-    from actmap.capture.run import run_capture, store_config
-    from actmap.data.builtin import BuiltinArithmeticTask
-    from actmap.detectors.base import CorrectnessDetector
-    from actmap.experiments.seeds import recipe_config, train_on_store
-    from actmap.llm.models import load_model
-    from actmap.maps import MapConfig
-    from actmap.scoring.metrics import compute_metrics
-    from actmap.store import MAP_BYTES, MapStore
-    from actmap.store.rows import natural_accuracy
 
     out = Path(out)
     stage = on_stage or (lambda text: log.info("%s", text))

@@ -21,9 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from actmap.errors import ActmapUserError
 from actmap.scoring import metrics
+from actmap.scoring.contract import is_probability
 from actmap.scoring.intervals import N_RESAMPLES, Interval, bootstrap, paired_bootstrap
-from actmap.training.run_folder import method_name
+from actmap.store import MapStore, latest_rows
+from actmap.store.rows import rows_to_score
+from actmap.training.run_folder import method_name, read_run
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +147,6 @@ def run_scores(run: Path, name: str, test_ids: Sequence[str], labels: np.ndarray
     """An `actmap train` run: the mean p(correct) over its seeds on its stored test rows."""
     import pandas as pd
 
-    from actmap.errors import ActmapUserError
-    from actmap.training.run_folder import read_run
-
     checked = read_run(run)
     frames = [pd.read_parquet(f / "test_scores.parquet") for f in checked.seed_dirs.values()]
     wanted = set(map(str, test_ids))
@@ -163,8 +164,6 @@ def run_scores(run: Path, name: str, test_ids: Sequence[str], labels: np.ndarray
 
 def stored_baseline_scores(store, method: str, test_ids: Sequence[str]) -> MethodScores | None:
     """A baseline's stored results on the test rows it scored (mean over its seeds if several)."""
-    from actmap.scoring.contract import is_probability
-    from actmap.store import latest_rows
 
     frame = latest_rows(store.read_table(f"results/{method}")).to_pandas()
     frame = frame.set_index(frame["id"].astype(str))
@@ -294,8 +293,6 @@ def store_column(
     n_resamples: int = N_RESAMPLES,
 ) -> InDomainColumn:
     """One store's column on its balanced test rows (the store is only read)."""
-    from actmap.store import MapStore
-    from actmap.store.rows import rows_to_score
 
     store = MapStore.open(store_path)
     rows = rows_to_score(store, "balanced")

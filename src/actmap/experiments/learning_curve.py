@@ -19,10 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from actmap.baselines.base import BaselineUnavailable
+from actmap.baselines.inputs import StoreInputs
+from actmap.baselines.options import BaselineOptions
 from actmap.experiments.common import AurocSummary, SeedScores, auroc_summary, train_seeds
 from actmap.experiments.seeds import recipe_config
 from actmap.scoring.intervals import N_RESAMPLES
-from actmap.store.rows import Rows
+from actmap.store import StoreError
+from actmap.store.rows import Rows, balanced_splits, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +129,6 @@ class _Baseline:
     """A supervised baseline's rows from the store (read once) and one fit per subsample."""
 
     def __init__(self, store, splits: dict[str, list[str]], method: str) -> None:
-        from actmap.baselines.inputs import StoreInputs
-        from actmap.baselines.options import BaselineOptions
 
         self.inputs = StoreInputs(store, BaselineOptions(), splits)
         self.method = method
@@ -157,9 +159,6 @@ def run_learning_curve(
     balanced training rows with the same recipe and seeds (an `actmap train` run): the 100%
     point is exactly that fit (the subsample is every row, in order), so it is read, not
     trained again."""
-    from actmap.baselines.base import BaselineUnavailable
-    from actmap.store import StoreError
-    from actmap.store.rows import balanced_splits, read_rows
 
     splits = splits or balanced_splits(store)
     rows = {s: read_rows(store, ids, f"balanced '{s}' split") for s, ids in splits.items()}

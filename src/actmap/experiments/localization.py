@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from actmap.detectors.vit import MapViT
 from actmap.scoring import metrics
 from actmap.store.rows import Rows
 
@@ -219,7 +220,6 @@ def localize(
     detector, test: Rows, config: LocalizationConfig = LocalizationConfig()
 ) -> Localization:
     """Occlusion, integrated gradients and (ViT) attention rollout of a frozen detector."""
-    from actmap.detectors.vit import MapViT
 
     full, whole, drops, bands, rows, cols = occlusion(detector, test, config)
     x = torch.as_tensor(np.asarray(test.maps, dtype=np.float32))

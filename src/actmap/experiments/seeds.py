@@ -22,11 +22,15 @@ import numpy as np
 import torch
 
 from actmap.artifacts import package_version, write_json
+from actmap.capture.answer_scalars import scalars_from_store
+from actmap.detectors import load_detector
 from actmap.detectors.base import CorrectnessDetector
+from actmap.experiments.compare_product import plus_scored, store_rows
 from actmap.scoring import metrics
-from actmap.store.rows import Rows, balanced_rows
+from actmap.store import MapStore
+from actmap.store.rows import Rows, balanced_rows, rows_to_score, with_empty_answers
 from actmap.training.recipe import ProgressCallback, TrainConfig
-from actmap.training.run_folder import checkpoint_path
+from actmap.training.run_folder import checkpoint_path, read_run
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +193,6 @@ def run_seeds(
 
 def load_balanced(store_path: str | Path):
     """({split: Rows} on the store's balanced rows, the opened store)."""
-    from actmap.store import MapStore
 
     store = MapStore.open(store_path)
     return balanced_rows(store), store
@@ -248,8 +251,6 @@ def train_plus_run(store_path: str | Path, out: str | Path) -> tuple[dict[str, A
     metrics.json}`` and ``<out>/summary.json``: the layout of an `actmap train` run folder,
     which `evaluate`, `compare`, the report and the server read.
     """
-    from actmap.experiments.compare_product import plus_scored, store_rows
-    from actmap.store import MapStore
 
     out = Path(out)
     store = MapStore.open(store_path)
@@ -288,9 +289,6 @@ def frozen_scores(
     (an opened MapStore, only read): ``{seed: (N,) probabilities}``. The maps are read and
     scored ``chunk`` rows at a time (a transfer target's every row would not fit in memory;
     each row's score does not depend on the others)."""
-    from actmap.capture.answer_scalars import scalars_from_store
-    from actmap.detectors import load_detector
-    from actmap.training.run_folder import read_run
 
     checked = read_run(Path(run))
     detectors = {str(seed): load_detector(folder) for seed, folder in checked.seed_dirs.items()}
@@ -321,10 +319,6 @@ def evaluate_run(
     map: the stop token came first) count as incorrect answers scored 0.
     """
     import pandas as pd
-
-    from actmap.store import MapStore
-    from actmap.store.rows import rows_to_score, with_empty_answers
-    from actmap.training.run_folder import read_run
 
     run = Path(run)
     checked = read_run(run)  # one detector, one recipe: its seeds can be averaged

@@ -30,8 +30,18 @@ from typing import Any
 import numpy as np
 
 from actmap.artifacts import json_safe, read_json, write_json
+from actmap.experiments.seeds import frozen_scores, recipe_config, run_seeds
 from actmap.scoring.intervals import N_RESAMPLES, Interval, bootstrap
-from actmap.training.run_folder import seed_finished
+from actmap.store import MapStore
+from actmap.store.rows import (
+    Rows,
+    balanced_splits,
+    read_rows,
+    rows_fingerprint,
+    rows_to_score,
+    with_empty_answers,
+)
+from actmap.training.run_folder import extend_run_record, read_run, seed_finished
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +111,6 @@ DetectorFor = Callable[[Sequence[StoreInfo]], Path | None]
 
 def score_target(run: Path, target: StoreInfo, rows: str, n_resamples: int) -> tuple[Interval, int]:
     """The frozen run's seed-mean p(correct) on the target rows: AUROC interval, empty count."""
-    from actmap.experiments.seeds import frozen_scores
-    from actmap.store import MapStore
-    from actmap.store.rows import rows_to_score, with_empty_answers
 
     store = MapStore.open(target.path)
     chosen = rows_to_score(store, rows)
@@ -116,8 +123,6 @@ def score_target(run: Path, target: StoreInfo, rows: str, n_resamples: int) -> t
 def in_domain_auroc(run: Path | None, n_resamples: int) -> Interval | None:
     """A run's own balanced-test AUROC (seed-mean p) with its interval."""
     import pandas as pd
-
-    from actmap.training.run_folder import read_run
 
     if run is None:
         return None
@@ -247,10 +252,6 @@ def pooled_run(
     was made from the same rows (each source's ids and labels), seeds and epoch cap: a source
     that grew or was relabelled since gets a new fit, never a stale one. A killed fit of the
     same inputs keeps its finished seeds and the epoch checkpoint of the seed it was training."""
-    from actmap.experiments.seeds import recipe_config, run_seeds
-    from actmap.store import MapStore
-    from actmap.store.rows import rows_fingerprint
-    from actmap.training.run_folder import extend_run_record
 
     stores = [MapStore.open(source.path) for source in sources]
     metas = [store.metadata() for store in stores]
@@ -286,7 +287,6 @@ def pooled_run(
 
 def _pooled_balanced(sources: Sequence[StoreInfo], stores: Sequence[Any]):
     """(train, validation) `Rows`: each source's balanced rows of the split, pooled."""
-    from actmap.store.rows import Rows, balanced_splits, read_rows
 
     parts: dict[str, list[Rows]] = {"train": [], "validation": []}
     for store in stores:

@@ -20,6 +20,7 @@ from scipy.stats import binomtest
 from actmap.errors import ActmapUserError
 from actmap.monitor.shift import MonitorConfig, ShiftMonitor
 from actmap.store import MapStore
+from actmap.training.run_folder import read_run
 
 MONITOR_DIR = "monitor"  # <run>/monitor/: model.safetensors + config.json
 TARGET_WINDOWS = 100  # windows per size a check draws (in passes of disjoint windows)
@@ -78,7 +79,6 @@ def fit_on_run(
 ) -> tuple[ShiftMonitor, Path]:
     """Fit a monitor on the ``split`` rows of the store a detector was trained on; save it
     in ``out`` (default ``<run>/monitor``). Returns the monitor and where it was saved."""
-    from actmap.training.run_folder import read_run
 
     read_run(run)  # a real run folder, or a clear error
     store = MapStore.open(store_path)

@@ -23,6 +23,8 @@ from actmap.artifacts import package_version, write_json
 from actmap.atomic import atomic_write_text
 from actmap.data.splits import SPLITS
 from actmap.report.sections import ReportContext, Section, Skipped
+from actmap.store import MapStore
+from actmap.store.rows import rate_text, store_summary
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,6 @@ def git_commit(where: Path | None = None) -> str | None:
 def store_counts(path: Path) -> dict:
     """What the report's store table shows of one store: rows, labels, natural accuracy and
     balanced rows per split, and its capture rate (read, never written)."""
-    from actmap.store import MapStore
-    from actmap.store.rows import store_summary
 
     summary = store_summary(MapStore.open(path)).to_json()
     return {
@@ -104,7 +104,6 @@ def _generator_label(generator: str) -> str:
 def _counts_table(stores: dict[str, dict]) -> list[str]:
     """Per store: rows, natural accuracy (the factual rate of judged summaries), balanced
     train / validation / test rows and the capture rate; stores without counts are left out."""
-    from actmap.store.rows import rate_text
 
     counted = {name: s["counts"] for name, s in stores.items() if s.get("counts")}
     if not counted:

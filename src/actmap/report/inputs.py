@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from actmap.errors import ActmapUserError
+from actmap.labelling.judge_pass import read_judge_check
+from actmap.llm.models import stored_dtype
 from actmap.report.sections import StoreRef
+from actmap.store import read_manifest
 
 if TYPE_CHECKING:
     from actmap.labelling.judge_pass import JudgeCheck
@@ -20,8 +23,6 @@ T = TypeVar("T")
 
 def store_ref(path: str | Path, name: str | None = None) -> StoreRef:
     """A store's name (its folder's name unless given), generator and task, from its manifest."""
-    from actmap.llm.models import stored_dtype
-    from actmap.store import read_manifest
 
     path = Path(path)
     config = read_manifest(path).get("config", {})
@@ -78,7 +79,6 @@ def find_runs(runs_dir: str | Path | None, stores: Iterable[str]) -> dict[str, d
 
 def read_judge_checks(paths: Iterable[str | Path]) -> dict[str, JudgeCheck]:
     """``{judge name: check}`` from `actmap judge check` output folders (one check per judge)."""
-    from actmap.labelling.judge_pass import read_judge_check
 
     return _one_each(
         paths,

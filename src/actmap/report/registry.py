@@ -5,25 +5,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from actmap.errors import ActmapUserError
+from actmap.report.parts import (
+    ablations,
+    calibration,
+    claims,
+    cost,
+    in_domain,
+    judge_check,
+    learning_curve,
+    localization,
+    map_channels,
+    method_runs,
+    transfer,
+)
 from actmap.report.sections import Section
 
 
 def report_sections() -> list[Section]:
     """Every section of the report, in report order (the claims section last: it reads
     the results of the others)."""
-    from actmap.report.parts import (
-        ablations,
-        calibration,
-        claims,
-        cost,
-        in_domain,
-        judge_check,
-        learning_curve,
-        localization,
-        map_channels,
-        method_runs,
-        transfer,
-    )
 
     return [
         map_channels.SECTION,

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from actmap.errors import ActmapUserError
+
 if TYPE_CHECKING:
     from actmap.labelling.judge_pass import JudgeCheck
 
@@ -34,7 +36,6 @@ ROWS_HELP = (
 
 
 def check_rows(rows: str) -> Rows:
-    from actmap.errors import ActmapUserError
 
     if rows not in ("balanced", "test", "all"):
         raise ActmapUserError(f"rows must be balanced, test or all, not '{rows}' ({ROWS_HELP})")

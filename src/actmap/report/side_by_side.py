@@ -13,8 +13,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from actmap.baselines.controls import AnswerLengthPredictor
 from actmap.errors import ActmapUserError
 from actmap.scoring.contract import is_probability
+from actmap.scoring.metrics import auprc, auroc, ece, seed_summary
 from actmap.store import MapStore, latest_rows
 from actmap.store.rows import balanced_splits
 from actmap.training.run_folder import method_name, read_run
@@ -26,7 +28,6 @@ CONTROLS = ("answer_length", "permuted_label")
 
 def _metric_row(method: str, kind: str, per_seed: list[dict], n: int, note: str = "") -> dict:
     """Mean (and std over seeds, ddof=1, when there are several) of per-seed metrics."""
-    from actmap.scoring.metrics import seed_summary
 
     row = {"method": method, "kind": kind, "n": n, "seeds": len(per_seed), "note": note}
     for name in ("auroc", "auprc", "ece"):
@@ -40,7 +41,6 @@ def _metric_row(method: str, kind: str, per_seed: list[dict], n: int, note: str 
 
 
 def _metrics(confidence: np.ndarray, labels: np.ndarray, probability: bool) -> dict:
-    from actmap.scoring.metrics import auprc, auroc, ece
 
     return {
         "auroc": auroc(confidence, labels),
@@ -81,7 +81,6 @@ def baseline_row(store: MapStore, method: str, test: list[str], labels: np.ndarr
 
 def length_control_row(store: MapStore, splits: dict[str, list[str]]) -> dict:
     """The answer-length-only control, fit here on the balanced train rows when not stored."""
-    from actmap.baselines.controls import AnswerLengthPredictor
 
     meta = store.metadata().set_index("id")
 

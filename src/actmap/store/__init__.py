@@ -52,6 +52,7 @@ from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
 from actmap.maps import MAP_BYTES, MAP_SHAPE, stored_form
 from actmap.store.errors import StoreError  # noqa: F401  (raised here and re-exported)
+from actmap.store.lock import acquire
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -195,7 +196,6 @@ def claim_store(root: str | Path, config: dict, ignore: Sequence[str] = ("model"
     refuse later; the ``ignore``d sections (known only after the load) are checked then.
     Returns the lock's ticket: release it once the store is created.
     """
-    from actmap.store.lock import acquire
 
     root = Path(root)
     ticket = acquire(root)
@@ -292,8 +292,6 @@ class MapStore:
     def acquire_writer(self) -> None:
         """Become the store's only writer, or raise `StoreLocked` naming the holder's pid."""
         if self._writer is None:
-            from actmap.store.lock import acquire
-
             self._writer = acquire(self.root)
             weakref.finalize(self, self._writer.release)
 

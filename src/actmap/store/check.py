@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 
 from actmap.atomic import TMP_PREFIX
 from actmap.store import QUARANTINE, MapStore, maps_schema
+from actmap.store.lock import holder_is_writing
 
 CAPTURE_TABLES = ("generations", "trajectories", "attention", "dense")
 EXAMPLES = 5  # ids named per finding
@@ -204,7 +205,6 @@ def _check_maps(store: MapStore, report: StoreReport, readable: dict[Path, pa.Ta
 
 def verify_store(store: MapStore | str | Path) -> StoreReport:
     """Read every shard of ``store`` and report damage and notes (see the module docstring)."""
-    from actmap.store.lock import holder_is_writing
 
     store = store if isinstance(store, MapStore) else MapStore.open(store)
     writer = holder_is_writing(store.root)

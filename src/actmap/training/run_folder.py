@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actmap.artifacts import write_json
 from actmap.errors import ActmapUserError
+from actmap.scoring.metrics import SUMMARY_METRICS, seed_summary
 
 # TrainConfig fields that do not change what a seed learns: not part of the recipe
 NOT_RECIPE = ("seeds", "device", "eval_batch_size")
@@ -147,7 +149,6 @@ def seed_finished(run: str | Path, seed: int) -> bool:
 
 def folder_summary(run: str | Path) -> dict[str, Any]:
     """Per-seed test metrics of every seed in the folder and their mean and std (ddof=1)."""
-    from actmap.scoring.metrics import SUMMARY_METRICS, seed_summary
 
     folder = read_run(run)
     per_seed = {}
@@ -174,7 +175,6 @@ def folder_summary(run: str | Path) -> dict[str, Any]:
 
 def extend_run_record(run: str | Path) -> dict[str, Any]:
     """After new seeds: summary.json and manifest.json's seeds cover every seed of the folder."""
-    from actmap.artifacts import write_json
 
     path = Path(run)
     summary = folder_summary(path)

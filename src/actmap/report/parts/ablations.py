@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from actmap.experiments.ablations import (
+    DEFAULT_VARIANTS,
+    AblationConfig,
+    recapture_hidden,
+    run_ablations,
+)
+from actmap.llm.models import load_model, stored_dtype
 from actmap.report.parts.choice import largest_stores, open_store, read_only_splits, same_fit
+from actmap.report.plots import save_figure
+from actmap.report.plots.ablations import plot_ablations
 from actmap.report.sections import (
     ReportContext,
     Section,
@@ -16,7 +25,6 @@ from actmap.report.sections import (
 
 
 def compute_ablations(context: ReportContext):
-    from actmap.experiments.ablations import DEFAULT_VARIANTS, AblationConfig, run_ablations
 
     refs = largest_stores(context, "ablations", table="trajectories")
     if not refs:
@@ -60,9 +68,6 @@ def unpooled_states(store, splits: dict, device: str | None):
     or None (the pooling controls then read the dense states) when it cannot be loaded."""
     import logging
 
-    from actmap.experiments.ablations import recapture_hidden
-    from actmap.llm.models import load_model, stored_dtype
-
     config = store.manifest.get("config", {})
     name = config.get("model", {}).get("name")
     if not name:
@@ -79,8 +84,6 @@ def unpooled_states(store, splits: dict, device: str | None):
 
 
 def render_ablations(result, figure_dir: Path) -> str:
-    from actmap.report.plots import save_figure
-    from actmap.report.plots.ablations import plot_ablations
 
     if isinstance(result, Skipped):
         return skipped_markdown(result)

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from actmap.experiments.calibration import (
+    CalibrationConfig,
+    TargetRows,
+    run_calibration,
+    split_prevalence,
+    strongest,
+)
+from actmap.experiments.common import scores_from_results
+from actmap.experiments.in_domain import family_of
 from actmap.report.parts.choice import balanced_maps, fitted, largest_stores, open_store
+from actmap.report.plots import save_figure
+from actmap.report.plots.calibration import plot_reliability, plot_risk_coverage
 from actmap.report.sections import (
     ReportContext,
     Section,
@@ -13,6 +24,7 @@ from actmap.report.sections import (
     figure_markdown,
     skipped_markdown,
 )
+from actmap.store.rows import natural_ids, split_labels
 
 CALIBRATION_BASELINES = 3  # the strongest stored baselines shown beside ActMap
 ACTMAP_DETECTORS = ("vit", "mlp", "mlp4x", "logreg")
@@ -20,14 +32,6 @@ TARGET_POOL = 1024  # validation rows scored for the prevalence-shift temperatur
 
 
 def compute_calibration(context: ReportContext):
-    from actmap.experiments.calibration import (
-        CalibrationConfig,
-        run_calibration,
-        split_prevalence,
-        strongest,
-    )
-    from actmap.experiments.common import scores_from_results
-    from actmap.experiments.in_domain import family_of
 
     refs = largest_stores(context, "calibration")
     if not refs:
@@ -66,9 +70,6 @@ def validation_target(store, fit, pool: int = TARGET_POOL, seed: int = 0):
     single class."""
     import numpy as np
 
-    from actmap.experiments.calibration import TargetRows
-    from actmap.store.rows import natural_ids, split_labels
-
     ids = natural_ids(store)["validation"]  # empty answers have no map and are not among them
     labels = split_labels(store, ids)
     total = len(ids)
@@ -90,8 +91,6 @@ def validation_target(store, fit, pool: int = TARGET_POOL, seed: int = 0):
 
 
 def render_calibration(result, figure_dir: Path) -> str:
-    from actmap.report.plots import save_figure
-    from actmap.report.plots.calibration import plot_reliability, plot_risk_coverage
 
     if isinstance(result, Skipped):
         return skipped_markdown(result)

@@ -15,13 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actmap.detectors import load_detector
+from actmap.experiments.common import scores_from_run, scores_of_runs, select_seeds
+from actmap.experiments.seeds import recipe_config, run_seeds
 from actmap.report.sections import ReportContext, StoreRef
-from actmap.training.run_folder import method_name
+from actmap.store import MapStore
+from actmap.store.rows import balanced_splits, read_rows
+from actmap.training.run_folder import method_name, read_run, recipe_of
 
 
 def read_only_splits(store) -> dict[str, list[str]]:
     """The store's balanced {split: ids}, computed without writing into it."""
-    from actmap.store.rows import balanced_splits
 
     return balanced_splits(store, persist=False)
 
@@ -36,7 +40,6 @@ def largest_stores(
 ) -> list[StoreRef]:
     """The ``count`` stores with the most balanced rows (holding ``table`` when given), or
     the one ``[report.<section>] store`` names."""
-    from actmap.store import MapStore
 
     named = context.option(section, "store")
     if named is not None:
@@ -50,7 +53,6 @@ def largest_stores(
 
 
 def open_store(ref: StoreRef):
-    from actmap.store import MapStore
 
     return MapStore.open(ref.path)
 
@@ -69,7 +71,6 @@ class Fitted:
     def same_fit(self, recipe: dict[str, Any], seeds) -> Any:
         """Its test scores when trained with ``recipe`` and every seed of ``seeds`` (then a
         training with them would give the same scores again), else None."""
-        from actmap.experiments.common import select_seeds
 
         return select_seeds(self.scores, tuple(seeds)) if recipe == self.recipe else None
 
@@ -83,10 +84,6 @@ def fitted(context: ReportContext, ref: StoreRef, detector: str) -> Fitted:
 
 
 def _fit(context: ReportContext, ref: StoreRef, detector: str) -> Fitted:
-    from actmap.detectors import load_detector
-    from actmap.experiments.common import scores_from_run, scores_of_runs
-    from actmap.experiments.seeds import recipe_config, run_seeds
-    from actmap.training.run_folder import read_run, recipe_of
 
     splits = balanced_maps(open_store(ref), context)
     test = splits["test"]
@@ -116,8 +113,6 @@ def same_fit(context: ReportContext, ref: StoreRef, detector: str, config, seeds
     """The test scores that training ``detector`` on ``ref``'s balanced rows with the
     TrainConfig ``config`` and ``seeds`` gives, from `fitted` (a run, or a fit made for this
     report) when it was made that way; None when it was not (the caller trains)."""
-    from actmap.experiments.seeds import recipe_config
-    from actmap.training.run_folder import recipe_of
 
     recipe = recipe_of(config.to_dict())
     has_run = detector in context.runs.get(ref.name, {})
@@ -135,7 +130,6 @@ def frozen_detector(context: ReportContext, ref: StoreRef, detector: str):
 def balanced_maps(store, context: ReportContext | None = None):
     """{split: Rows} of the store's balanced rows (read once per report when the context is
     given; the store is only read)."""
-    from actmap.store.rows import read_rows
 
     key = ("balanced_maps", str(store.root))
     if context is not None and key in context.cache:

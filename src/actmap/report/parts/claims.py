@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actmap.experiments.claims import ClaimsResult
+from actmap.experiments.claims import ClaimsResult, check_claims
 from actmap.report.sections import ReportContext, Section, judge_footnote
 
 
 def compute(context: ReportContext) -> ClaimsResult:
-    from actmap.experiments.claims import check_claims
 
     tasks = {s.name: s.task for s in context.stores.values()}
     result = check_claims(context.results, tasks)

@@ -8,8 +8,21 @@ from pathlib import Path
 
 import numpy as np
 
-from actmap.experiments.cost import CostResult
+from actmap.data.builtin import BuiltinArithmeticTask
+from actmap.experiments.cost import (
+    CostResult,
+    capture_overhead,
+    cost_quality_points,
+    detector_scoring_costs,
+    storage_costs,
+    training_costs,
+)
+from actmap.experiments.in_domain import family_of
+from actmap.llm.models import load_model
+from actmap.report.plots import save_figure
+from actmap.report.plots.cost import plot_cost_quality
 from actmap.report.sections import ReportContext, Section, figure_markdown
+from actmap.store import MapStore
 
 log = logging.getLogger(__name__)
 
@@ -19,9 +32,6 @@ CPU_BUDGET_S = 120.0
 
 
 def _capture(context: ReportContext, notes: list[str]):
-    from actmap.data.builtin import BuiltinArithmeticTask
-    from actmap.experiments.cost import capture_overhead
-    from actmap.llm.models import load_model
 
     model_name = context.option("cost", "capture_model")
     if model_name is None:
@@ -49,13 +59,6 @@ def _capture(context: ReportContext, notes: list[str]):
 
 
 def compute(context: ReportContext) -> CostResult:
-    from actmap.experiments.cost import (
-        cost_quality_points,
-        detector_scoring_costs,
-        storage_costs,
-        training_costs,
-    )
-    from actmap.store import MapStore
 
     notes: list[str] = []
     storage, latency = [], {}
@@ -108,9 +111,6 @@ def compute(context: ReportContext) -> CostResult:
 
 
 def render(result: CostResult, figure_dir: Path) -> str:
-    from actmap.experiments.in_domain import family_of
-    from actmap.report.plots import save_figure
-    from actmap.report.plots.cost import plot_cost_quality
 
     load = result.load_average
     lines = [f"Machine load average while measuring: {load}.\n"]

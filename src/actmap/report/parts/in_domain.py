@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actmap.experiments.in_domain import FAMILY_ORDER, InDomainColumn, InDomainMatrix
+from actmap.experiments.in_domain import FAMILY_ORDER, InDomainColumn, InDomainMatrix, store_column
 from actmap.report.sections import ReportContext, Section, judge_footnote, judged_name
 
 FAMILY_TITLE = {
@@ -17,7 +17,6 @@ FAMILY_TITLE = {
 
 
 def compute(context: ReportContext) -> InDomainMatrix:
-    from actmap.experiments.in_domain import store_column
 
     columns, skipped = [], {}
     for ref in context.stores.values():

@@ -6,7 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actmap.experiments.learning_curve import (
+    ACTMAP_DETECTORS,
+    LearningCurveConfig,
+    run_learning_curve,
+)
+from actmap.experiments.seeds import recipe_config
 from actmap.report.parts.choice import largest_stores, open_store, read_only_splits, same_fit
+from actmap.report.plots import save_figure
+from actmap.report.plots.learning import plot_learning_curve
 from actmap.report.sections import (
     ReportContext,
     Section,
@@ -25,12 +33,6 @@ class LearningCurves:
 
 
 def compute_learning_curve(context: ReportContext):
-    from actmap.experiments.learning_curve import (
-        ACTMAP_DETECTORS,
-        LearningCurveConfig,
-        run_learning_curve,
-    )
-    from actmap.experiments.seeds import recipe_config
 
     refs = largest_stores(context, "learning_curve", count=2)
     if not refs:
@@ -60,8 +62,6 @@ def compute_learning_curve(context: ReportContext):
 
 
 def render_learning_curve(result, figure_dir: Path) -> str:
-    from actmap.report.plots import save_figure
-    from actmap.report.plots.learning import plot_learning_curve
 
     if isinstance(result, Skipped):
         return skipped_markdown(result)

@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actmap.experiments.localization import LocalizationConfig, localize
 from actmap.report.parts.choice import balanced_maps, frozen_detector, largest_stores, open_store
+from actmap.report.plots import save_figure
+from actmap.report.plots.localization import plot_atlas, plot_depth_profile
 from actmap.report.sections import (
     ReportContext,
     Section,
@@ -26,7 +29,6 @@ class Localizations:
 
 
 def compute_localization(context: ReportContext):
-    from actmap.experiments.localization import LocalizationConfig, localize
 
     refs = largest_stores(context, "localization")
     if not refs:
@@ -46,8 +48,6 @@ def compute_localization(context: ReportContext):
 
 
 def render_localization(result, figure_dir: Path) -> str:
-    from actmap.report.plots import save_figure
-    from actmap.report.plots.localization import plot_atlas, plot_depth_profile
 
     if isinstance(result, Skipped):
         return skipped_markdown(result)

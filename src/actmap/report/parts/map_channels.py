@@ -7,6 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
+from actmap.maps import MapConfig, channel_names
+from actmap.report.plots import save_figure
+from actmap.report.plots.maps import plot_map_channels
 from actmap.report.sections import (
     ReportContext,
     Section,
@@ -14,6 +17,8 @@ from actmap.report.sections import (
     figure_markdown,
     skipped_markdown,
 )
+from actmap.store import MapStore
+from actmap.store.rows import split_labels
 
 
 @dataclass(frozen=True)
@@ -41,9 +46,6 @@ class ExampleMap:
 
 def example_map(context: ReportContext) -> ExampleMap | Skipped:
     """The first balanced-test row of the first store (a built-in store when there is one)."""
-    from actmap.maps import MapConfig, channel_names
-    from actmap.store import MapStore
-    from actmap.store.rows import split_labels
 
     if not context.stores:
         return Skipped("no store")
@@ -72,8 +74,6 @@ def example_map(context: ReportContext) -> ExampleMap | Skipped:
 
 
 def render(result: ExampleMap | Skipped, figure_dir: Path) -> str:
-    from actmap.report.plots import save_figure
-    from actmap.report.plots.maps import plot_map_channels
 
     if isinstance(result, Skipped):
         return skipped_markdown(result)

@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from actmap.baselines.actvit import ACTViTConfig
 from actmap.report.sections import ReportContext, Section, Skipped, skipped_markdown
+from actmap.store import MapStore
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,6 @@ class MethodRuns:
 def config_label(config: Mapping[str, Any]) -> str:
     """An ACT-ViT configuration record in a few words (``ACTViTConfig.label``; records older
     than the precision field read as float32)."""
-    from actmap.baselines.actvit import ACTViTConfig
 
     return ACTViTConfig.from_dict(config).label()
 
@@ -88,7 +89,6 @@ def _number(record: Mapping[str, Any], key: str) -> float | None:
 
 
 def compute(context: ReportContext) -> MethodRuns | Skipped:
-    from actmap.store import MapStore
 
     runs, sweeps = [], []
     for ref in context.stores.values():

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actmap.experiments.transfer import TransferResult
+from actmap.experiments.transfer import (
+    StoreInfo,
+    TransferResult,
+    detectors_from_runs,
+    transfer_rows,
+)
 from actmap.report.sections import ReportContext, Section, judge_footnote, judged_name
 
 
 def compute(context: ReportContext) -> TransferResult:
-    from actmap.experiments.transfer import StoreInfo, detectors_from_runs, transfer_rows
 
     detector = context.option("transfer", "detector", "mlp")
     rows = context.option("transfer", "rows", "all")
