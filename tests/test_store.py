@@ -377,7 +377,7 @@ def test_rows_come_in_one_form_and_a_non_finite_map_is_refused_by_name(tmp_path)
 
 
 def test_an_id_written_twice_is_one_row_with_its_last_label(tmp_path):
-    """A rerun that commits a batch again leaves an id twice in ``maps``; every row reader
+    """An id ``maps`` holds twice (one process appending a batch again); every row reader
     counts it once, with the label and map of its last row (as `MapStore.load_maps` does)."""
     from actmap.store.rows import (
         balanced_rows,

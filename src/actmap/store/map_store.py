@@ -1,30 +1,8 @@
-"""The map store: Parquet shards of maps and metadata, a manifest, atomic writes, resume.
+"""`MapStore`: a store folder opened for reading and writing (its layout: `actmap.store`).
 
-Layout of a store folder::
-
-    manifest.json                 config, package version, schema version, map shape,
-                                  created_at, and the row count of every shard
-    writer.lock                   the pid of the process writing the store (see `lock`)
-    maps/part-<n>-<tag>.parquet   one row per generation: metadata + the float16 map
-                                  (98,304 bytes for the paper's 12x32x128 map)
-    <table>/part-<n>-<tag>.parquet
-                                  side tables keyed by ``id``: generations, trajectories,
-                                  attention, dense, splits, results/<method>, ...
-    quarantine/                   shards set aside by ``actmap store repair`` (never deleted)
-
-The store's rules, all kept here:
-
-- Every shard is written to a temporary file and renamed into place
-  (`actmap.atomic`), so a killed writer leaves either a whole shard or none;
-  its row count is then recorded in the manifest.
-- Shard names cannot collide: a sequence number (the write order) plus the
-  writer's pid and a random tag.
-- One process writes a store at a time (`actmap.store.lock`).
-- In ``maps`` every id appears once; side tables may hold several rows per id
-  (a rerun of an unfinished batch) and readers keep the last (`latest_rows`).
-- Configs are compared by meaning (`normalize_config`).
-
-Pandas and pyarrow read each table folder directly (``pd.read_parquet(store / "maps")``).
+Shards are written atomically and recorded in the manifest (`actmap.store.schema`),
+values are encoded by `actmap.store.encoding`, a resumed store's config is checked by
+`actmap.store.config`, and one process writes at a time (`actmap.store.lock`).
 """
 
 from __future__ import annotations
@@ -37,7 +15,6 @@ import shutil
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -50,178 +27,22 @@ import pyarrow.parquet as pq
 
 from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
-from actmap.maps import MAP_BYTES, MAP_SHAPE, stored_form
-from actmap.store.errors import StoreError  # noqa: F401  (raised here and re-exported)
+from actmap.maps import MAP_SHAPE, stored_form
+from actmap.store.config import check_config, normalize_config
+from actmap.store.encoding import latest_rows, maps_from_column, write_parquet
+from actmap.store.errors import StoreError
 from actmap.store.lock import acquire
-
-SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
-QUARANTINE = "quarantine"
-SHARD_GLOB = "part-*.parquet"
-
-
-def maps_schema(map_bytes: int = MAP_BYTES) -> pa.Schema:
-    """The ``maps`` table's schema for maps of ``map_bytes`` bytes (float16 values)."""
-    return pa.schema(
-        [
-            ("id", pa.string()),
-            ("source_key", pa.string()),
-            ("dataset", pa.string()),
-            ("split", pa.string()),
-            ("model_name", pa.string()),
-            ("model_revision", pa.string()),
-            ("prompt", pa.string()),
-            ("answer", pa.string()),
-            ("n_tokens", pa.int32()),
-            ("label", pa.int8()),  # 1 correct, 0 incorrect, null unknown
-            ("created_at", pa.timestamp("us", tz="UTC")),
-            ("map", pa.binary(map_bytes)),  # float16, C-order (C, layers, coordinates)
-        ]
-    )
-
-
-MAPS_SCHEMA = maps_schema()
-
-# Options whose "off" may be written None, 0 or False: one value, stored as absent.
-SWITCHES = (
-    ("keep", "trajectories"),
-    ("keep", "attention_keys"),
-    ("keep", "dense"),
-    ("capture", "attention_keys"),
-    ("capture", "keep_dense"),
-    ("capture", "share_prefix"),
+from actmap.store.schema import (
+    MANIFEST,
+    QUARANTINE,
+    SCHEMA_VERSION,
+    SHARD_GLOB,
+    MapRecord,
+    list_shards,
+    maps_schema,
+    read_manifest,
+    shard_order,
 )
-
-
-@dataclass(frozen=True)
-class MapRecord:
-    """One generation's map and the metadata stored with it."""
-
-    id: str
-    source_key: str
-    dataset: str
-    split: str
-    model_name: str
-    model_revision: str
-    prompt: str
-    answer: str
-    n_tokens: int
-    label: int | None
-    map: np.ndarray  # (12, 32, 128) or the store's map shape, any float dtype; stored as float16
-
-
-def encode_array(array: np.ndarray, dtype=np.float16) -> bytes:
-    """C-order bytes of ``array`` cast to ``dtype`` (float16 by default)."""
-    return np.ascontiguousarray(np.asarray(array, dtype=dtype)).tobytes()
-
-
-def decode_array(blob: bytes, shape: Sequence[int], dtype=np.float16) -> np.ndarray:
-    array = np.frombuffer(blob, dtype=dtype)
-    if array.size != int(np.prod(shape)):
-        raise StoreError(f"stored array has {array.size} values, expected shape {tuple(shape)}")
-    return array.reshape(shape)
-
-
-def write_parquet(table: pa.Table, target: Path) -> None:
-    """One Parquet file, written atomically (zstd: ~13% smaller than snappy on maps)."""
-    with atomic_path(target) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
-
-
-def latest_rows(table: pa.Table) -> pa.Table:
-    """Keep the last row per id (a rerun of an unfinished batch supersedes its earlier rows).
-
-    A filter, not a take: filtering works chunk by chunk, while taking from a chunked binary
-    column joins its chunks first and fails once they hold 2 GiB (a long-form store's
-    attention table does)."""
-    ids = table.column("id").to_pylist()
-    last = {key: i for i, key in enumerate(ids)}
-    keep = np.zeros(len(ids), dtype=bool)
-    keep[list(last.values())] = True
-    return table.filter(pa.array(keep))
-
-
-# -- configs ---------------------------------------------------------------------------------
-def normalize_config(config: dict) -> dict:
-    """``config`` as stored: JSON values, switched-off options (None, 0, False) left out."""
-    out = json.loads(json.dumps(config))
-    for section, key in SWITCHES:
-        part = out.get(section)
-        if isinstance(part, dict) and key in part and part[key] in (None, 0, False):
-            del part[key]
-    return out
-
-
-def config_differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted key, old value, new value) for every leaf that differs; missing = None."""
-    out = []
-    for key in sorted(set(old) | set(new), key=str):
-        a, b = old.get(key), new.get(key)
-        name = f"{prefix}{key}"
-        if isinstance(a, dict) and isinstance(b, dict):
-            out.extend(config_differences(a, b, name + "."))
-        elif a != b:
-            out.append((name, a, b))
-    return out
-
-
-# recorded by later versions only: a store made before them resumes without them
-ADDED_LATER = (("task", "demonstrations"),)
-
-
-def check_config(root: Path, stored: dict, wanted: dict, ignore: Sequence[str] = ()) -> None:
-    """Raise `StoreError` naming the differences when ``wanted`` means another config."""
-    wanted = json.loads(json.dumps(wanted))
-    for section, key in ADDED_LATER:
-        if key not in (stored.get(section) or {}) and isinstance(wanted.get(section), dict):
-            wanted[section].pop(key, None)
-    changed = [
-        (k, a, b)
-        for k, a, b in config_differences(normalize_config(stored), normalize_config(wanted))
-        if k.split(".")[0] not in ignore
-    ]
-    if changed:
-        raise StoreError(
-            f"{root} holds a store made with another config; use a new folder. "
-            "Differences (stored -> new): "
-            + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8])
-            + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
-        )
-
-
-def claim_store(root: str | Path, config: dict, ignore: Sequence[str] = ("model",)):
-    """Before an expensive load (a model): become ``root``'s writer and check its config.
-
-    Refuses at once, with `StoreLocked` or `StoreError`, what `MapStore.create` would
-    refuse later; the ``ignore``d sections (known only after the load) are checked then.
-    Returns the lock's ticket: release it once the store is created.
-    """
-
-    root = Path(root)
-    ticket = acquire(root)
-    try:
-        if (root / MANIFEST).exists():
-            check_config(root, read_manifest(root).get("config") or {}, config, ignore)
-    except BaseException:
-        ticket.release()
-        raise
-    return ticket
-
-
-# -- shards ----------------------------------------------------------------------------------
-def shard_order(path: Path) -> tuple[int, str]:
-    """Write order of a shard: its sequence number, then its name (``part-00012`` or
-    ``part-00012-<pid>-<tag>``)."""
-    parts = path.stem.split("-")
-    try:
-        return int(parts[1]), path.name
-    except (IndexError, ValueError):
-        return -1, path.name
-
-
-def list_shards(folder: Path) -> list[Path]:
-    """The shards of one table folder, in write order."""
-    return sorted(folder.glob(SHARD_GLOB), key=shard_order) if folder.is_dir() else []
 
 
 class MapStore:
@@ -552,38 +373,3 @@ class MapStore:
             table = table.take(pa.array([index[key] for key in ids]))
         maps = maps_from_column(table.column("map"), self.map_shape)
         return maps, table.drop_columns(["map"]).to_pandas()
-
-
-def read_manifest(root: Path) -> dict:
-    path = Path(root) / MANIFEST
-    if not path.is_file():
-        raise StoreError(f"{root} is not an actmap store: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise StoreError(f"{path} is not valid JSON: {error}") from error
-    version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise StoreError(f"{path} has schema_version {version}; this actmap reads {SCHEMA_VERSION}")
-    return manifest
-
-
-def maps_from_column(
-    column: pa.ChunkedArray | pa.Array, shape: Sequence[int] = MAP_SHAPE
-) -> np.ndarray:
-    """Zero-copy-ish view of a fixed-size-binary map column as (n, *shape) float16."""
-    shape = tuple(shape)
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    if len(column) == 0:
-        return np.zeros((0, *shape), dtype=np.float16)
-    if column.null_count:
-        raise StoreError("the map column has missing values")
-    width = int(np.prod(shape)) * 2
-    if not pa.types.is_fixed_size_binary(column.type) or column.type.byte_width != width:
-        raise StoreError(f"stored maps are {column.type}, expected fixed_size_binary[{width}]")
-    buffer = column.buffers()[1]
-    values = np.frombuffer(
-        buffer, dtype=np.float16, count=len(column) * width // 2, offset=column.offset * width
-    )
-    return values.reshape(len(column), *shape)

@@ -11,9 +11,8 @@ rows change, so ActMap detectors and every baseline read identical rows.
     natural_accuracy(store)  fraction correct among labelled rows, per split and overall
     row_metadata(store)    the maps table's metadata, one row per id (the last written)
 
-Every reader here takes its rows from `row_metadata`: an id written twice (a rerun of a
-batch whose shard was committed) counts once, with its last row, as `MapStore.load_maps`
-reads it.
+Every reader here takes its rows from `row_metadata`: an id the ``maps`` table holds more
+than once counts once, with its last row, as `MapStore.load_maps` reads it.
 
 The per-answer scalars a detector may read beside the map are added by
 `actmap.capture.answer_scalars.with_scalars` (they come from the generations table).
