@@ -8,8 +8,9 @@ on it (nothing is written to the store) and prints JSON:
 - ``prior_correction``: ECE of raw p(correct) on the split at its natural
   prevalence, and after the logit shift to a known accuracy (the train split's,
   a labelled sample from deployment) and to the EM estimate from the split's own
-  unlabelled scores, each without and with a temperature fitted first on the
-  balanced validation rows;
+  unlabelled scores, each without and with a temperature fitted first as the
+  policy fit fits it (`fit_policy_temperature` on the labelled validation rows at
+  their natural prevalence, from the detector's training prior);
 - ``prevalence_shift``: the split resampled to several prevalences, same three ECEs.
 
     python scripts/serve_figures.py --store stores/smollm2-builtin --run runs/mlp
@@ -22,8 +23,8 @@ import json
 from pathlib import Path
 
 from actmap.serve.fit import (
-    balanced_scores,
-    fit_balanced_temperature,
+    detector_train_prevalence,
+    fit_policy_temperature,
     natural_scores,
     prevalence_shift_ece,
     prior_correction_ece,
@@ -31,6 +32,7 @@ from actmap.serve.fit import (
 from actmap.serve.loaded_run import load_detector_run
 from actmap.serve.streaming import running_auroc
 from actmap.store import MapStore
+from actmap.store.rows import natural_accuracy
 
 
 def main() -> None:
@@ -45,10 +47,11 @@ def main() -> None:
     store = MapStore.open(args.store)
     detector = load_detector_run(args.run, args.seed)
     scores = natural_scores(store, detector, args.split)
-    meta = store.metadata()
-    train = meta[(meta["split"] == "train") & meta["label"].notna()]
-    temperature = fit_balanced_temperature(balanced_scores(store, detector, "validation"))
-    known = float(train["label"].mean())
+    validation = natural_scores(store, detector, "validation")
+    temperature = fit_policy_temperature(
+        validation.p_raw, validation.labels, detector_train_prevalence(detector)
+    )
+    known = natural_accuracy(store).get("train", float("nan"))
     result = {
         "store": str(args.store),
         "detector": detector.id,

@@ -37,7 +37,8 @@ from actmap.experiments.localization import (
     localize,
 )
 from actmap.experiments.seeds import recipe_config
-from actmap.maps import LAST_TOKEN_CHANNELS, MapConfig, build_map
+from actmap.maps import MapConfig, build_map
+from actmap.maps.ablations import LAST_TOKEN_CHANNELS
 from actmap.scoring import metrics
 from actmap.scoring.intervals import auroc_rows, bootstrap, paired_bootstrap, resample_indices
 from actmap.scoring.prior import sigmoid

@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from actmap import maps as maps_module
 from actmap.maps import (
     CHANNELS,
-    GROUP_NAMES,
     MAP_BYTES,
     MAP_SHAPE,
     MapConfig,
@@ -20,17 +18,21 @@ from actmap.maps import (
     build_map,
     build_maps,
     build_maps_from_list,
-    channel_groups,
     channel_names,
-    gaussian_projection,
-    last_token_map,
     map_shape,
-    mean_pooled_final_layer,
-    permute_coordinates,
     pool_hidden,
     segment_bounds,
     stored_form,
     temporal_statistics,
+)
+from actmap.maps import operator as maps_module
+from actmap.maps.ablations import (
+    GROUP_NAMES,
+    channel_groups,
+    gaussian_projection,
+    last_token_map,
+    mean_pooled_final_layer,
+    permute_coordinates,
     without_group,
 )
 

@@ -21,7 +21,6 @@ from actmap.serve.fit import (
     NaturalScores,
     balanced_scores,
     detector_train_prevalence,
-    fit_balanced_temperature,
     fit_policy_on_store,
     fit_policy_temperature,
     natural_scores,
@@ -101,11 +100,9 @@ def test_temperature_first_then_shift():
     rng = np.random.default_rng(3)
     p, y = calibrated_balanced(4000, 0.25, rng)
     under = 1 / (1 + np.exp(-0.5 * np.log(p / (1 - p))))  # an under-confident detector: T = 0.5
-    balanced = np.r_[np.flatnonzero(y == 1), np.flatnonzero(y == 0)[: int(y.sum())]]
     scores = NaturalScores([str(i) for i in range(len(y))], y, under, "test")
-    temperature = fit_balanced_temperature(
-        NaturalScores([], y[balanced], under[balanced], "validation")
-    )
+    # the policy fit's temperature, on every row at natural prevalence (posteriors at 0.5)
+    temperature = fit_policy_temperature(under, y, train_prevalence=0.5)
     assert temperature == pytest.approx(0.5, rel=0.1)
     result = prior_correction_ece(scores, known_accuracy=0.25, temperature=temperature)
     assert result.ece_calibrated_known < result.ece_known

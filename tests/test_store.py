@@ -374,3 +374,37 @@ def test_rows_come_in_one_form_and_a_non_finite_map_is_refused_by_name(tmp_path)
     store.load_maps = damaged
     with pytest.raises(ActmapUserError, match="the map of id 'd:0' has NaN or infinite values"):
         read_rows(store, ["d:5", "d:0"], "test rows")
+
+
+def test_an_id_written_twice_is_one_row_with_its_last_label(tmp_path):
+    """An id ``maps`` holds twice (one process appending a batch again); every row reader
+    counts it once, with the label and map of its last row (as `MapStore.load_maps` does)."""
+    from actmap.store.rows import (
+        balanced_rows,
+        balanced_splits,
+        natural_accuracy,
+        natural_rows,
+        rows_to_score,
+        store_summary,
+    )
+
+    rng = np.random.default_rng(6)
+    store = MapStore.create(tmp_path / "s", {"a": 1})
+    first = [record(i, rng, label=y) for i, y in enumerate([1, 1, 0, 0, 1, 0])]
+    store.write_maps(first)
+    again = record(0, rng, label=0)  # d:0 rewritten, now incorrect
+    store.write_maps([again])
+    assert len(store.metadata()) == 7  # the raw table holds d:0 twice
+    # by hand: d:0..d:5 once each, labels 0 1 0 0 1 0 -> 2 of 6 correct
+    assert natural_accuracy(store) == {"train": pytest.approx(2 / 6), "all": pytest.approx(2 / 6)}
+    rows = natural_rows(store, ("train",))["train"]
+    assert rows.row_ids() == ["d:1", "d:2", "d:3", "d:4", "d:5", "d:0"]
+    assert rows.labels.tolist() == [1, 0, 0, 1, 0, 0]
+    np.testing.assert_array_equal(rows.maps[-1], again.map.astype(np.float16))
+    ids = balanced_splits(store, persist=False)["train"]
+    assert len(ids) == len(set(ids)) == 4  # 2 correct + 2 of the 4 incorrect
+    balanced = balanced_rows(store, persist=False, splits=("train",))["train"]
+    assert balanced.labels.sum() == 2 and not store.has_table("splits")
+    assert len(rows_to_score(store, "all").ids) == 6
+    summary = store_summary(store).splits["train"]
+    assert (summary.rows, summary.labelled, summary.correct) == (6, 6, 2)

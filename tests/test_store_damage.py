@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 from test_store import record as store_record
 
-import actmap.store as store_module
+import actmap.store.encoding as store_module
 from actmap.store import MapRecord, MapStore, StoreError
 from actmap.store.check import repair_store, verify_store
 from actmap.store.lock import LOCK_FILE, StoreLocked, acquire, read_holder
@@ -193,7 +193,7 @@ KILL_MID_WRITE = """
 import os, signal, sys
 sys.path.insert(0, {src!r}); sys.path.insert(0, {tests!r})
 import numpy as np
-import actmap.store as store_module
+import actmap.store.encoding as store_module
 from test_store_damage import small_store, record
 store = small_store(__import__("pathlib").Path({root!r}))
 real = store_module.pq.write_table

@@ -36,16 +36,13 @@ from actmap.capture.from_store import read_generations
 from actmap.detectors import CorrectnessDetector
 from actmap.experiments.common import AurocSummary, SeedScores, auroc_summary, train_seeds
 from actmap.experiments.seeds import recipe_config
-from actmap.maps import (
+from actmap.maps import MapConfig, build_maps_from_list, map_shape, pool_hidden
+from actmap.maps.ablations import (
     GROUP_NAMES,
     LAST_TOKEN_CHANNELS,
-    MapConfig,
-    build_maps_from_list,
     gaussian_projection,
-    map_shape,
     mean_pooled_final_layer,
     permute_coordinates,
-    pool_hidden,
     without_group,
 )
 from actmap.scoring.intervals import N_RESAMPLES

@@ -3,11 +3,11 @@ and the prior-correction check.
 
 Detectors are trained and tested on balanced rows; a deployment sees the
 generator's natural accuracy. `natural_scores` scores every labelled row of one
-split (not only the balanced subset), which is what a policy is fitted on and
-what prior correction is judged on (`prior_correction_ece`). The logit shift
-assumes calibrated posteriors at the training prevalence, so a temperature is
-first fitted on the balanced validation rows (`fit_balanced_temperature`):
-calibration before the shift is what makes EM work in practice (Alexandari,
+split (not only the balanced subset; the rows `actmap.store.rows.natural_rows`
+reads), which is what a policy is fitted on and what prior correction is judged
+on (`prior_correction_ece`). The logit shift assumes calibrated posteriors at
+the training prevalence, so a temperature is fitted first
+(`fit_policy_temperature`, on labelled validation rows): calibration before the shift is what makes EM work in practice (Alexandari,
 Kundaje and Shrikumar 2020, "Maximum likelihood with bias-corrected calibration
 is hard-to-beat at label shift adaptation").
 
@@ -34,11 +34,10 @@ from typing import Any
 import numpy as np
 from scipy.optimize import minimize_scalar
 
-from actmap.capture.answer_scalars import scalars_from_store
-from actmap.data.splits import balanced_ids
+from actmap.capture.answer_scalars import with_scalars
 from actmap.errors import ActmapUserError
 from actmap.scoring.intervals import N_RESAMPLES, Interval, resample_indices
-from actmap.scoring.metrics import ece, fit_temperature
+from actmap.scoring.metrics import ece
 from actmap.scoring.prior import BALANCED, em_prevalence, logit, shift_to_prevalence, sigmoid
 from actmap.serve.policy import (
     Policy,
@@ -49,7 +48,7 @@ from actmap.serve.policy import (
     policy_intervals,
 )
 from actmap.store import MapStore
-from actmap.store.rows import BALANCE_SEED
+from actmap.store.rows import Rows, balanced_rows, natural_rows
 
 log = logging.getLogger(__name__)
 
@@ -74,46 +73,28 @@ class NaturalScores:
 
 
 def natural_scores(store: MapStore, detector, split: str = "validation") -> NaturalScores:
-    """Every labelled row of ``split`` scored by ``detector`` (a `LoadedDetector`)."""
-    meta = store.metadata()
-    rows = meta[(meta["split"] == split) & meta["label"].notna()]
-    if rows.empty:
-        raise ActmapUserError(f"{store.root} has no labelled rows in split '{split}'")
-    labels = rows["label"].to_numpy().astype(np.int64)
-    if len(np.unique(labels)) < 2:
+    """Every labelled row of ``split`` (`actmap.store.rows.natural_rows`) scored by
+    ``detector`` (a `LoadedDetector`); the split must hold both labels."""
+    rows = natural_rows(store, (split,))[split]
+    if len(np.unique(rows.labels)) < 2:
         raise ActmapUserError(f"split '{split}' of {store.root} holds a single label; need both")
-    ids = rows["id"].tolist()
-    return NaturalScores(ids, labels, score_rows(store, detector, ids), split)
-
-
-def score_rows(store: MapStore, detector, ids: list[str]) -> np.ndarray:
-    """Raw p(correct) of the store rows ``ids``: their maps, and their per-answer scalars
-    (from the store's ``generations`` table) when the detector reads them."""
-    maps, _ = store.load_maps(ids)
-    scalars = scalars_from_store(store, ids) if detector.needs_scalars else None
-    return detector.predict_proba(maps, scalars)
+    return scored(store, detector, rows, split)
 
 
 def balanced_scores(store: MapStore, detector, split: str = "validation") -> NaturalScores:
-    """The balanced rows of ``split`` (the rows `actmap.store.rows.balanced_splits` gives), scored.
-
-    Computed from the labels without writing the store's ``splits`` table.
-    """
-    meta = store.metadata().drop_duplicates("id", keep="last")
-    labels = [None if np.isnan(x) else bool(x) for x in meta["label"].astype(float)]
-    chosen = balanced_ids(meta["id"].tolist(), meta["split"].tolist(), labels, seed=BALANCE_SEED)
-    ids = list(chosen.ids[split])
-    if not ids:
-        raise ActmapUserError(
-            f"the balanced '{split}' split of {store.root} is empty (need both labels)"
-        )
-    labels = meta.set_index("id").loc[ids, "label"].to_numpy().astype(np.int64)
-    return NaturalScores(ids, labels, score_rows(store, detector, ids), split)
+    """The balanced rows of ``split`` (`actmap.store.rows.balanced_rows`), scored; the
+    store's ``splits`` table is not written."""
+    rows = balanced_rows(store, persist=False, splits=(split,))[split]
+    return scored(store, detector, rows, split)
 
 
-def fit_balanced_temperature(scores: NaturalScores) -> float:
-    """Temperature minimising the NLL of the detector's logits on balanced rows."""
-    return fit_temperature(logit(scores.p_raw), scores.labels)
+def scored(store: MapStore, detector, rows: Rows, split: str) -> NaturalScores:
+    """``rows`` with the detector's raw p(correct): their maps, and their per-answer scalars
+    (from the store's ``generations`` table) when the detector reads them."""
+    if detector.needs_scalars:
+        rows = with_scalars(store, rows)
+    p_raw = detector.predict_proba(rows.maps, rows.scalars)
+    return NaturalScores(rows.row_ids(), rows.labels, np.asarray(p_raw), split)
 
 
 def detector_train_prevalence(detector) -> float:
@@ -284,7 +265,7 @@ class PriorCorrectionECE:
     n: int
     accuracy: float  # the split's natural fraction correct
     known_accuracy: float  # the "known" deployment accuracy used (from another split)
-    temperature: float  # fitted on balanced validation rows (1.0: none)
+    temperature: float  # fitted first (`fit_policy_temperature`; 1.0: none)
     em_prevalence: float  # estimated from the split's unlabelled raw scores
     em_prevalence_calibrated: float  # ... from its calibrated scores
     ece_raw: float
@@ -302,7 +283,7 @@ def prior_correction_ece(
     scores: NaturalScores, known_accuracy: float, temperature: float = 1.0, n_bins: int = 10
 ) -> PriorCorrectionECE:
     """Raw vs corrected ECE; ``known_accuracy`` should come from labelled rows of another split
-    and ``temperature`` from the balanced validation rows."""
+    and ``temperature`` from labelled validation rows (`fit_policy_temperature`)."""
     y = scores.labels
     calibrated = sigmoid(logit(scores.p_raw) / temperature)
     raw_em, calibrated_em = em_prevalence(scores.p_raw), em_prevalence(calibrated)

@@ -9,6 +9,10 @@ rows change, so ActMap detectors and every baseline read identical rows.
     natural_rows(store)    {split: Rows} on every labelled row (the generator's own prevalence)
     read_rows(store, ids)  any rows; a map with NaN or inf is refused here, once, for everyone
     natural_accuracy(store)  fraction correct among labelled rows, per split and overall
+    row_metadata(store)    the maps table's metadata, one row per id (the last written)
+
+Every reader here takes its rows from `row_metadata`: an id the ``maps`` table holds more
+than once counts once, with its last row, as `MapStore.load_maps` reads it.
 
 The per-answer scalars a detector may read beside the map are added by
 `actmap.capture.answer_scalars.with_scalars` (they come from the generations table).
@@ -61,6 +65,12 @@ class Rows:
         return [i.item() if hasattr(i, "item") else i for i in self.ids]
 
 
+def row_metadata(store: MapStore):
+    """The maps table's metadata (a DataFrame, no map bytes), one row per id: the last
+    written, as `MapStore.load_maps` and `MapStore.read_latest` read it."""
+    return store.metadata().drop_duplicates("id", keep="last")
+
+
 def read_rows(store: MapStore, ids: Sequence[str], what: str = "rows") -> Rows:
     """The maps and labels of the store rows ``ids`` (in that order). A map with NaN or
     infinite values is refused here, naming its id (``what`` names the rows in the message)."""
@@ -76,10 +86,15 @@ def read_rows(store: MapStore, ids: Sequence[str], what: str = "rows") -> Rows:
     return Rows(ids, meta["label"].to_numpy(dtype=np.int64), maps)
 
 
-def balanced_rows(store: MapStore, persist: bool = True) -> dict[str, Rows]:
-    """{split: Rows} on the store's balanced rows (`balanced_splits`); an empty split fails."""
+def balanced_rows(
+    store: MapStore, persist: bool = True, splits: Sequence[str] = SPLITS
+) -> dict[str, Rows]:
+    """{split: Rows} on the store's balanced rows (`balanced_splits`) of each of ``splits``;
+    an empty split fails. ``persist=False`` writes nothing into the store."""
     out = {}
-    for split, ids in balanced_splits(store, persist=persist).items():
+    chosen = balanced_splits(store, persist=persist)
+    for split in splits:
+        ids = chosen.get(split)  # a split that is not one of SPLITS is empty
         if not ids:
             raise ActmapUserError(
                 f"the balanced '{split}' split of {store.root} is empty (need both labels)"
@@ -90,7 +105,7 @@ def balanced_rows(store: MapStore, persist: bool = True) -> dict[str, Rows]:
 
 def natural_ids(store: MapStore) -> dict[str, list[str]]:
     """{split: every labelled row id}: the natural prevalence (empty answers have no map)."""
-    meta = store.metadata()
+    meta = row_metadata(store)
     meta = meta[meta["label"].notna()]
     return {s: meta.loc[meta["split"] == s, "id"].astype(str).tolist() for s in SPLITS}
 
@@ -100,7 +115,7 @@ def natural_rows(store: MapStore, splits: Sequence[str] = SPLITS) -> dict[str, R
     ids = natural_ids(store)
     out = {}
     for split in splits:
-        if not ids[split]:
+        if not ids.get(split):  # a split that is not one of SPLITS has none
             raise ActmapUserError(f"{store.root} has no labelled rows in split '{split}'")
         out[split] = read_rows(store, ids[split], f"labelled '{split}' rows")
     return out
@@ -108,7 +123,7 @@ def natural_rows(store: MapStore, splits: Sequence[str] = SPLITS) -> dict[str, R
 
 def natural_accuracy(store: MapStore) -> dict[str, float]:
     """Fraction correct among labelled rows, per split and overall ("all")."""
-    frame = store.metadata()
+    frame = row_metadata(store)
     frame = frame[frame["label"].notna()]
     result = {split: float(group["label"].mean()) for split, group in frame.groupby("split")}
     result["all"] = float(frame["label"].mean()) if len(frame) else float("nan")
@@ -122,7 +137,7 @@ def balanced_splits(
 
     ``persist=False`` computes the same ids without writing the ``splits`` table (a frozen
     evaluation reads a store and must not write into it)."""
-    meta = store.metadata()
+    meta = row_metadata(store)
     fingerprint = rows_fingerprint(meta["id"], meta["label"], seed)
     if store.has_table("splits"):
         table = store.read_table("splits")
@@ -159,7 +174,7 @@ def rows_fingerprint(ids, labels, seed: int = BALANCE_SEED) -> str:
 
 
 def split_labels(store: MapStore, ids: list[str]) -> np.ndarray:
-    meta = store.metadata().set_index("id")
+    meta = row_metadata(store).set_index("id")
     return meta.loc[ids, "label"].to_numpy(dtype=np.int64)
 
 
@@ -184,7 +199,7 @@ def rows_to_score(store: MapStore, which: str = "balanced") -> ScoredRows:
     all: every labelled row of the store. Never writes into the store."""
     if which not in ROW_CHOICES:
         raise ActmapUserError(f"rows must be one of {', '.join(ROW_CHOICES)}, not '{which}'")
-    meta = store.metadata()
+    meta = row_metadata(store)
     if which == "balanced":
         ids = balanced_splits(store, persist=False)["test"]
     else:
@@ -294,7 +309,7 @@ def rate_text(rows_per_s: float | None) -> str:
 
 def store_summary(store: MapStore) -> StoreSummary:
     """Counts read from the store, never written into it (balanced rows as training sees them)."""
-    meta = store.metadata()
+    meta = row_metadata(store)
     balanced = balanced_splits(store, persist=False)
     splits = {}
     for split in SPLITS:

@@ -11,13 +11,13 @@ Everything is pure torch, computed in float32. `build_maps` is the batched form
 over a right-padded batch; `build_map` is that form with a batch of one, so the
 two agree by construction. The capture hooks use `pool_hidden` for the online
 D -> 128 reduction and `pool_layers` for the layer max-pooling of the dense
-states ACT-ViT reads; `permute_coordinates` and `gaussian_projection` are the
-pooling-structure controls of the paper's ablations.
+states ACT-ViT reads. The paper's ablation transforms (channel groups removed,
+last-token channels, permuted or projected coordinates, the mean-pooled final
+layer) live beside it, in `actmap.maps.ablations`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import threading
@@ -51,15 +51,6 @@ _TAIL_CHANNELS = (
     "layer_rms",  # ||X[l]||_2 / sqrt(T * D'), broadcast over coordinates
     "mean_abs_diff",  # mean |x[t] - x[t-1]|, 0 for T = 1
 )
-# Channel groups the paper removes one at a time ("any one channel group removed").
-_TAIL_GROUPS = {
-    "final_states": ("final", "final_window"),
-    "dispersion": ("std", "max"),
-    "drift_slope": ("drift", "slope"),
-    "magnitude_dynamics": ("layer_rms", "mean_abs_diff"),
-}
-GROUP_NAMES = ("segment_means", *_TAIL_GROUPS)
-LAST_TOKEN_CHANNELS = ("final", "final_window")  # the "last-token channels only" ablation
 
 
 def segment_channel_names(n_segments: int) -> tuple[str, ...]:
@@ -72,11 +63,6 @@ def all_channel_names(n_segments: int = 4) -> tuple[str, ...]:
 
 
 CHANNELS = all_channel_names(4)  # the paper's twelve channels
-
-
-def channel_groups(n_segments: int = 4) -> dict[str, tuple[str, ...]]:
-    """The five channel families of the grouped ablation, each in canonical order."""
-    return {"segment_means": segment_channel_names(n_segments), **_TAIL_GROUPS}
 
 
 @dataclass(frozen=True)
@@ -128,15 +114,6 @@ def channel_names(config: MapConfig = MapConfig()) -> tuple[str, ...]:
 
 def map_shape(config: MapConfig = MapConfig()) -> tuple[int, int, int]:
     return (len(channel_names(config)), config.layers_out, config.coords_out)
-
-
-def without_group(config: MapConfig, group: str) -> MapConfig:
-    """`config` with one channel family removed (the grouped channel ablation)."""
-    groups = channel_groups(config.n_segments)
-    if group not in groups:
-        raise ValueError(f"unknown channel group {group!r}; known: {tuple(groups)}")
-    kept = tuple(c for c in channel_names(config) if c not in groups[group])
-    return dataclasses.replace(config, channels=kept)
 
 
 def segment_bounds(n_tokens: int, n_segments: int = 4) -> list[tuple[int, int]]:
@@ -343,7 +320,7 @@ def _reused_storage(n_elements: int, device: torch.device) -> torch.Tensor:
 
 def temporal_statistics(trajectory: torch.Tensor, n_segments: int = 4) -> torch.Tensor:
     """Unnormalised, unpooled channel statistics S of one trajectory: (L, T, D') -> (C, L, D')."""
-    _check_single(trajectory)
+    check_single_trajectory(trajectory)
     lengths = torch.tensor([trajectory.shape[1]])
     _check_batch(trajectory[None], lengths)
     weights = _linear_weights(lengths, trajectory.shape[1], n_segments)
@@ -353,7 +330,8 @@ def temporal_statistics(trajectory: torch.Tensor, n_segments: int = 4) -> torch.
     return stats
 
 
-def _check_single(trajectory: torch.Tensor) -> None:
+def check_single_trajectory(trajectory: torch.Tensor) -> None:
+    """Refuse anything but one (L, T, D') tensor with T >= 1, naming its shape."""
     if not isinstance(trajectory, torch.Tensor) or trajectory.ndim != 3:
         shape = tuple(trajectory.shape) if isinstance(trajectory, torch.Tensor) else None
         raise ValueError(f"trajectory must be an (L, T, D') tensor, got shape {shape}")
@@ -539,7 +517,7 @@ def build_maps(
 
 def build_map(trajectory: torch.Tensor, config: MapConfig = MapConfig()) -> torch.Tensor:
     """Phi of one answer: pooled trajectory (L, T, D') -> map (C, R, K) float32."""
-    _check_single(trajectory)
+    check_single_trajectory(trajectory)
     return build_maps(trajectory[None], torch.tensor([trajectory.shape[1]]), config)[0]
 
 
@@ -596,7 +574,7 @@ def stored_form(maps: torch.Tensor | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(half)
 
 
-# ---------------------------------------------------------------- ablation helpers
+# ------------------------------------------- pooling the capture uses (hooks, dense states)
 
 
 def pool_layers(
@@ -643,43 +621,3 @@ def pool_hidden(hidden: torch.Tensor, out_dim: int = 128) -> torch.Tensor:
         return hidden.reshape(*hidden.shape[:-1], out_dim, width // out_dim).mean(-1)
     flat = hidden.reshape(-1, 1, width)  # (N, 1, D)
     return F.adaptive_avg_pool1d(flat, out_dim).reshape(*hidden.shape[:-1], out_dim)
-
-
-@functools.lru_cache(maxsize=16)
-def _permutation(width: int, seed: int) -> torch.Tensor:
-    return torch.randperm(width, generator=torch.Generator().manual_seed(seed))
-
-
-def permute_coordinates(hidden: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """Fixed random permutation of the hidden coordinates (..., D), applied before pooling.
-
-    The same (D, seed) always gives the same permutation, so every layer, token
-    and answer is permuted alike; only the contiguous grouping is destroyed.
-    """
-    return hidden[..., _permutation(hidden.shape[-1], seed).to(hidden.device)]
-
-
-@functools.lru_cache(maxsize=16)
-def _projection(width: int, out_dim: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(width, out_dim, generator=generator) / out_dim**0.5  # N(0, 1/out_dim)
-
-
-def gaussian_projection(hidden: torch.Tensor, out_dim: int = 128, seed: int = 0) -> torch.Tensor:
-    """Seeded Gaussian random projection instead of pooling: (..., D) -> (..., out_dim) float32.
-
-    Entries of the (D, out_dim) matrix are N(0, 1/out_dim), fixed by (D, out_dim, seed).
-    """
-    matrix = _projection(hidden.shape[-1], out_dim, seed).to(hidden.device)
-    return hidden.float() @ matrix
-
-
-def last_token_map(trajectory: torch.Tensor, config: MapConfig = MapConfig()) -> torch.Tensor:
-    """The "last-token channels only" ablation: a map of the final and final-window channels."""
-    return build_map(trajectory, dataclasses.replace(config, channels=LAST_TOKEN_CHANNELS))
-
-
-def mean_pooled_final_layer(trajectory: torch.Tensor) -> torch.Tensor:
-    """The single mean-pooled final-layer state (the usual probe input): (L, T, D') -> (D',)."""
-    _check_single(trajectory)
-    return trajectory[-1].float().mean(dim=0)
