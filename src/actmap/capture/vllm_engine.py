@@ -177,6 +177,10 @@ class _Recorder:
         self._plan: tuple | None = None
         self._fired = 0
         self._handles: list = []
+        # what the scheduler did, for tests and logs
+        self.recomputed = 0  # request-steps that recomputed rows already recorded (preemption)
+        self.recomputed_keys: set[str] = set()
+        self.steps_with_partial_prefill = 0  # steps holding a prompt chunk that samples nothing
         self._install()
 
     # -- installation ------------------------------------------------------------------------
@@ -229,7 +233,9 @@ class _Recorder:
     # -- per step ----------------------------------------------------------------------------
     def _begin_step(self) -> None:
         """Host side: which flattened token is row t of which tracked request."""
-        self._plan, self._fired = None, 0
+        if self._plan is not None:  # a forward whose logits were never computed
+            self._end_step()
+        self._fired = 0
         batch = self.runner.input_batch
         n_reqs = batch.num_reqs
         if n_reqs == 0 or not self.requests:
@@ -238,12 +244,17 @@ class _Recorder:
         computed = batch.num_computed_tokens_cpu[:n_reqs]
         prompt_lens = batch.num_prompt_tokens[:n_reqs]
         flat, rows, owners, sampled, sampled_to = [], [], [], [], []
+        partial = False
         for i, req_id in enumerate(batch.req_ids[:n_reqs]):
             request = self.requests.get(req_id)
             if request is None:
                 continue
             n = int(starts[i + 1] - starts[i])
             first_row = int(computed[i]) - (int(prompt_lens[i]) - 1)  # row of the chunk's 1st
+            partial |= first_row + n - 1 < 0
+            if request.recorded and first_row < request.recorded:
+                self.recomputed += 1
+                self.recomputed_keys.add(request.key)
             lo = max(request.recorded, first_row, 0)
             hi = min(first_row + n, request.states.shape[1])
             for row in range(lo, hi):
@@ -253,6 +264,7 @@ class _Recorder:
                 flat.append(int(starts[i]) + row - first_row)
                 rows.append(row)
                 owners.append(request)
+        self.steps_with_partial_prefill += partial
         if not flat:
             return
         if len(flat) > self.buffer.shape[0]:

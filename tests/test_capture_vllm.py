@@ -1,0 +1,172 @@
+"""Capture inside vLLM against the transformers capture (real SmolLM2-135M, float32).
+
+One in-process vLLM engine for the module, built small on purpose: at most 128 tokens
+per step (a long prompt is prefilled in chunks) and a KV cache of 24 blocks of 32
+tokens (768 tokens), so 32 requests in flight cannot all fit and vLLM preempts and
+recomputes some of them. The reference is `actmap.capture.generate_batch` on the same
+model (transformers, left-padded static batch).
+
+Tolerance: greedy tokens must be identical; trajectories, log-probs and entropies agree
+to float32 rounding between the two engines' kernels (measured: trajectory entries differ
+by at most ~3e-4 on values up to ~140, i.e. ~2e-6 relative; log-probs by ~2e-5). Asserted:
+``rtol=1e-4, atol=2e-3`` on trajectories and maps, ``atol=1e-4`` on log-probs and entropies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actmap.capture.generate import generate_batch
+from actmap.capture.records import CaptureConfig
+from actmap.maps import MapConfig, build_maps_from_list
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'actmap[vllm]')")
+
+MAX_NEW = 12
+CONFIG = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512)
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is 17 + 25?",
+]
+TRAJ_TOL = dict(rtol=1e-4, atol=2e-3)
+STAT_TOL = dict(rtol=0, atol=1e-4)
+
+
+def chat(tokenizer, question: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_gguf):
+    from actmap.capture.vllm_engine import VllmCapture, VllmOptions
+
+    options = VllmOptions(
+        max_num_seqs=32, max_num_batched_tokens=128, block_size=32, num_kv_blocks=24
+    )
+    capture = VllmCapture(str(embedded_gguf), options=options, max_context=512)
+    yield capture
+    capture.close()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """Transformers capture of prompts, memoised per (prompts, config)."""
+    model, tokenizer, _ = smollm2
+    cache = {}
+
+    def run(prompts, config=CONFIG):
+        key = (tuple(prompts), config)
+        if key not in cache:
+            cache[key] = generate_batch(model, tokenizer, list(prompts), config)
+        return cache[key]
+
+    return run
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids, (g.answer, w.answer)
+        assert g.answer == w.answer
+        assert g.stopped == w.stopped
+        assert g.prompt_tokens == w.prompt_tokens
+        assert g.trajectory.shape == w.trajectory.shape
+        torch.testing.assert_close(g.trajectory, w.trajectory, **TRAJ_TOL)
+        if w.logprobs is not None:
+            torch.testing.assert_close(g.logprobs, w.logprobs, **STAT_TOL)
+            torch.testing.assert_close(g.entropies, w.entropies, **STAT_TOL)
+        assert g.extras.keys() == w.extras.keys()
+        for k in w.extras:
+            assert g.extras[k] == pytest.approx(w.extras[k], abs=1e-4)
+    nonempty = [i for i, w in enumerate(want) if w.n_tokens]
+    maps_got = build_maps_from_list([got[i].trajectory for i in nonempty], MapConfig())
+    maps_want = build_maps_from_list([want[i].trajectory for i in nonempty], MapConfig())
+    torch.testing.assert_close(maps_got, maps_want, **TRAJ_TOL)
+
+
+def test_two_in_flight_equal_transformers(engine, reference):
+    prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
+    got = engine.generate(prompts, CONFIG)
+    want = reference(prompts)
+    assert [g.answer for g in got] == ["The capital of France is Paris.", "17 + 25 = 32."]
+    assert all(g.stopped and g.n_tokens for g in got)
+    assert_same(got, want)
+
+
+def test_thirty_two_in_flight_with_preemption(engine, reference):
+    """32 requests share the steps and do not fit the KV cache together: rows do not depend
+    on what else was batched, and preempted requests get the rows they get alone."""
+    # 23-25 token prompts fill one 32-token block each, then need a second while decoding
+    quiz = "Here is a short arithmetic quiz for a school class. Question: what is {} times {}? Answer:"
+    prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
+    prompts += [quiz.format(a, a + 3) for a in range(2, 32)]
+    recomputed_before = engine.recorder.recomputed
+    keys = [engine.submit(p, CONFIG) for p in prompts]
+    done = {e.key: e.finished for e in engine.run_until_done() if e.finished is not None}
+    got = [done[k] for k in keys]
+    assert engine.recorder.recomputed > recomputed_before, "no request was preempted"
+    assert_same(got, reference(prompts))
+    preempted = [i for i, k in enumerate(keys) if k in engine.recorder.recomputed_keys]
+    assert preempted
+    for i in preempted[:2]:  # a preempted request alone on the same engine: the same rows
+        (alone,) = engine.generate([prompts[i]], CONFIG)
+        assert alone.token_ids == got[i].token_ids
+        torch.testing.assert_close(alone.trajectory, got[i].trajectory, **TRAJ_TOL)
+        torch.testing.assert_close(alone.entropies, got[i].entropies, **STAT_TOL)
+
+
+def test_long_prompt_prefilled_in_chunks(engine, reference):
+    filler = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(40))
+    prompt = chat(engine.tokenizer, filler + " What colour is item 7?")
+    n_prompt = len(engine.encode([prompt], CONFIG)[0])
+    assert n_prompt > 2 * 128  # at least three prefill chunks of 128 tokens
+    chunks_before = engine.recorder.steps_with_partial_prefill
+    got = engine.generate([prompt], CONFIG)
+    assert engine.recorder.steps_with_partial_prefill >= chunks_before + 2
+    assert_same(got, reference([prompt]))
+
+
+def test_stop_strings_cut_like_transformers(engine, reference):
+    config = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512, stop_strings=(" is", "\n"))
+    prompts = ["The capital of France", "Q: What is 2 + 2?\nA:"]
+    got = engine.generate(prompts, config)
+    want = reference(prompts, config)
+    assert any(w.stopped and "eos_logprob" in w.extras for w in want)
+    assert_same(got, want)
+
+
+def test_abort_leaves_no_partial_map(engine, reference):
+    prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
+    config = CONFIG
+    keys = [engine.submit(p, config) for p in prompts]
+    finished, seen = {}, 0
+    while engine.busy:
+        for event in engine.step():
+            seen += event.key == keys[1] and bool(event.new_token_ids)
+            if event.finished is not None:
+                finished[event.key] = event.finished
+        if seen >= 3 and keys[1] in engine._requests:
+            engine.abort(keys[1])  # mid-answer: three tokens out
+    assert set(finished) == {keys[0]}
+    assert not engine.recorder.requests and not engine.recorder.pending
+    assert_same([finished[keys[0]]], reference(prompts)[:1])
+
+
+def test_map_only_requests_skip_statistics(engine, reference):
+    config = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512, greybox=False)
+    prompts = [chat(engine.tokenizer, QUESTIONS[0])]
+    (got,) = engine.generate(prompts, config)
+    assert got.logprobs is None and got.entropies is None and got.extras == {}
+    (want,) = reference(prompts)
+    assert got.token_ids == want.token_ids
+    torch.testing.assert_close(got.trajectory, want.trajectory, **TRAJ_TOL)
+
+
+def test_unsupported_settings_are_refused(engine):
+    from actmap.errors import ActmapUserError
+
+    with pytest.raises(ActmapUserError, match="attention_keys"):
+        engine.submit("hello", CaptureConfig(max_new_tokens=4, attention_keys=2))
