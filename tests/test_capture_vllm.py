@@ -170,3 +170,60 @@ def test_unsupported_settings_are_refused(engine):
 
     with pytest.raises(ActmapUserError, match="attention_keys"):
         engine.submit("hello", CaptureConfig(max_new_tokens=4, attention_keys=2))
+
+
+class Killed(Exception):
+    pass
+
+
+def test_store_run_killed_and_resumed_matches_the_local_engine(engine, smollm2, tmp_path):
+    """`run_capture_vllm` writes the local engine's store: the same ids, answers, labels and
+    maps; a run killed after one committed batch resumes without repeating or losing an id;
+    the manifest records the engine."""
+    import numpy as np
+    from test_capture_run import WordTask
+
+    from actmap.capture.run import run_capture, store_config
+    from actmap.capture.vllm_run import run_capture_vllm
+    from actmap.store import MapStore
+
+    model, tokenizer, source = smollm2
+    task = WordTask(9)
+    config = CaptureConfig(max_new_tokens=5, batch_size=3, max_context=512)
+
+    def new_store(name):
+        return MapStore.create(tmp_path / name, store_config(task, source, config, MapConfig(), {}))
+
+    store = new_store("vllm")
+    committed = []
+
+    def die_after_one_batch(n):
+        committed.append(n)
+        raise Killed
+
+    with pytest.raises(Killed):
+        run_capture_vllm(
+            engine, engine.tokenizer, source, task, task.examples, store, config,
+            progress=die_after_one_batch,
+        )  # fmt: skip
+    assert not engine.busy  # the dead run's requests in flight were aborted
+    store = MapStore.open(store.root)
+    assert len(store.ids()) == 3
+    summary = run_capture_vllm(engine, engine.tokenizer, source, task, task.examples, store, config)
+    assert summary.skipped_existing == 3 and summary.written + summary.skipped_empty == 6
+    store = MapStore.open(store.root)
+    assert store.manifest["runs"][-1]["engine"]["name"] == "vllm"
+
+    local = new_store("local")
+    run_capture(model, tokenizer, source, task, task.examples, local, config)
+
+    def rows(s):
+        maps, meta = s.load_maps()
+        order = np.argsort(meta["id"].to_numpy())
+        return maps[order], meta.iloc[order].reset_index(drop=True)
+
+    (vm, vmeta), (lm, lmeta) = rows(store), rows(local)
+    for column in ("id", "split", "answer", "n_tokens", "label", "prompt"):
+        assert vmeta[column].tolist() == lmeta[column].tolist(), column
+    np.testing.assert_allclose(vm.astype(np.float32), lm.astype(np.float32), atol=2e-3)
+    assert store.ids("skipped") == local.ids("skipped")

@@ -410,11 +410,11 @@ class VllmCapture:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if config.attention_keys or config.keep_dense or config.share_prefix:
+        # share_prefix needs nothing here: vLLM's prefix cache shares prefixes by itself
+        if config.attention_keys or config.keep_dense:
             raise ActmapUserError(
-                "the vLLM engine captures maps and grey-box statistics only: attention_keys, "
-                "keep_dense and share_prefix need --engine local (vLLM's prefix cache shares "
-                "prefixes by itself)"
+                "the vLLM engine captures maps and grey-box statistics only: attention_keys "
+                "and keep_dense need --engine local"
             )
         if config.greybox and not self.greybox:
             raise ActmapUserError("this engine was built map-only (greybox=False)")
