@@ -22,6 +22,7 @@ from actmap.capture.records import CaptureConfig
 from actmap.maps import MapConfig, build_maps_from_list
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'actmap[vllm]')")
+pytestmark = pytest.mark.vllm
 
 MAX_NEW = 12
 CONFIG = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512)

@@ -62,7 +62,7 @@ from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import cut_at_stop, stop_position
 from actmap.errors import ActmapUserError
 from actmap.maps import pool_hidden
-from actmap.models import ModelSource
+from actmap.llm.models import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,10 @@ def vllm_model_folder(name: str, revision: str = "main") -> tuple[str, ModelSour
     """(what vLLM loads, the source recorded with every artifact).
 
     vLLM reads a transformers folder (config + safetensors), not a GGUF file: a GGUF model is
-    de-quantized once into actmap's conversion cache (`actmap.models.load_model` writes it,
+    de-quantized once into actmap's conversion cache (`actmap.llm.models.load_model` writes it,
     without ``quantization_config``) and that folder is handed to vLLM from then on.
     """
-    from actmap.models import cache_dir, check_model, load_model
+    from actmap.llm.models import cache_dir, check_model, load_model
 
     source = check_model(name, revision)
     if source.gguf_file is None:
@@ -342,14 +342,14 @@ class VllmCapture:
         options: VllmOptions = VllmOptions(),
         pooled_dim: int = 128,
         greybox: bool = True,
-        max_context: int = 2048,
+        max_context: int | None = 2048,
         revision: str = "main",
         layers_path: str | None = None,
     ) -> None:
         require_vllm()
         from transformers import AutoTokenizer
 
-        from actmap.models import check_dtype
+        from actmap.llm.models import check_dtype
 
         check_dtype(dtype)
         folder, self.source = vllm_model_folder(model, revision)
@@ -384,7 +384,8 @@ class VllmCapture:
             **extra,
         )
         self.engine = self.llm.llm_engine
-        self.dtype, self.max_context, self.greybox = dtype, max_context, greybox
+        self.max_context = int(self.engine.model_config.max_model_len)
+        self.dtype, self.greybox = dtype, greybox
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         runner = self.engine.collective_rpc(_model_runner)[0]
         torch_model = runner.get_model()
@@ -449,6 +450,12 @@ class VllmCapture:
             return
         self.engine.abort_request([key])
         self.recorder.requests.pop(request.internal_id, None)
+
+    def cut(self, key: str) -> Generation:
+        """End a request now and return what it generated so far (a server's ``abort_below``)."""
+        request = self._requests[key]
+        self.engine.abort_request([key])
+        return self._finish(request)
 
     @property
     def busy(self) -> bool:

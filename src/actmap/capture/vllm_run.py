@@ -28,7 +28,7 @@ from actmap.capture.vllm_engine import VllmCapture
 from actmap.data.base import Example, Task
 from actmap.errors import ActmapUserError
 from actmap.maps import MapConfig
-from actmap.models import ModelSource
+from actmap.llm.models import ModelSource
 
 log = logging.getLogger(__name__)
 
