@@ -61,8 +61,8 @@ from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import cut_at_stop, stop_position
 from actmap.errors import ActmapUserError
-from actmap.maps import pool_hidden
 from actmap.llm.models import ModelSource
+from actmap.maps import pool_hidden
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from actmap.capture.run import (
 from actmap.capture.vllm_engine import VllmCapture
 from actmap.data.base import Example, Task
 from actmap.errors import ActmapUserError
-from actmap.maps import MapConfig
 from actmap.llm.models import ModelSource
+from actmap.maps import MapConfig
 
 log = logging.getLogger(__name__)
 

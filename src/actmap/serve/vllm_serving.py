@@ -32,8 +32,8 @@ from actmap.errors import ActmapUserError
 from actmap.maps import build_maps_from_list
 from actmap.serve.batcher import QueueFull
 from actmap.serve.engine import BatchTimings, Engine, Job
-from actmap.serve.policy import correct_prior
 from actmap.serve.loaded_run import stored_form
+from actmap.serve.policy import correct_prior
 
 log = logging.getLogger(__name__)
 
