@@ -228,3 +228,15 @@ def test_store_run_killed_and_resumed_matches_the_local_engine(engine, smollm2, 
         assert vmeta[column].tolist() == lmeta[column].tolist(), column
     np.testing.assert_allclose(vm.astype(np.float32), lm.astype(np.float32), atol=2e-3)
     assert store.ids("skipped") == local.ids("skipped")
+
+
+def test_a_step_whose_hooks_do_not_run_raises(engine):
+    """What a compiled or graph-replayed model looks like to the capture: the layer hooks do
+    not fire. The step fails loudly instead of returning empty rows. (Last in the module: the
+    engine is not used after a failed step.)"""
+    handle = engine.recorder._handles.pop()
+    handle.remove()  # the last layer's hook never runs
+    engine.submit(chat(engine.tokenizer, QUESTIONS[0]), CONFIG)
+    with pytest.raises(RuntimeError, match="enforce_eager=True"):
+        while engine.busy:
+            engine.step()
