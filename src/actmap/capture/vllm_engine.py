@@ -196,7 +196,7 @@ class _Recorder:
                     f"capture hooks ran on {self._fired} of {self.n_layers} layers: the model is "
                     "compiled or replayed from graphs; build the engine with enforce_eager=True"
                 )
-            if not self.greybox:
+            if not self.greybox and self._plan is not None:
                 self._end_step()
             return out
 
