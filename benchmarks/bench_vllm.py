@@ -13,8 +13,9 @@ Two parts, one run, same prompts (built-in arithmetic questions, greedy, at most
    ``actmap serve --engine vllm`` (capture + detector + policy + audit) and ``actmap serve``
    (transformers, micro-batches). Target: ``actmap serve --engine vllm`` >= 0.9x vLLM's server.
 
-Every figure: requests/s, completion tokens/s, p50/p99 latency, peak RSS (servers: the server
-process's VmHWM; in-process: this process's, both modes together). Record the machine's load
+Every figure: requests/s, completion tokens/s, p50/p99 latency, peak RSS (servers: the sum of
+the VmHWM of the server process and its children; in-process: this process's, both modes
+together, KV cache included: VLLM_CPU_KVCACHE_SPACE=2 GiB everywhere). Record the machine's load
 next to the figures (printed at start and end).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_vllm.py --concurrency 1,16,64 --requests 64
@@ -230,7 +231,7 @@ def part_servers(args, prompts: list[str], folder: str) -> list[dict]:
                     batch = (prompts * (n // len(prompts) + 1))[:n]
                     result = asyncio.run(http_load(base, "bench", batch, width, args.max_tokens))
                     rows.append({"part": "server", "mode": kind, "concurrency": width, **result})
-                peak = peak_rss_mib(process.pid)
+                peak = tree_peak_rss_mib(process.pid)
                 for r in rows:
                     if r["mode"] == kind:
                         r["peak_rss_mib"] = round(peak, 1) if peak else None
@@ -241,6 +242,19 @@ def part_servers(args, prompts: list[str], folder: str) -> list[dict]:
                 except subprocess.TimeoutExpired:
                     process.kill()
     return rows
+
+
+def tree_peak_rss_mib(pid: int) -> float | None:
+    """Sum of the peak RSS (VmHWM) of a server and its child processes (vLLM's own server runs
+    its engine core in a child process): an upper bound of the tree's peak."""
+    import psutil
+
+    try:
+        pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return None
+    peaks = [peak_rss_mib(p) for p in pids]
+    return sum(p for p in peaks if p is not None) or None
 
 
 def make_detector(folder: Path) -> Path:
