@@ -68,8 +68,13 @@ class RayOptions:
     # an existing cluster ("auto" after `ray start`, or "ray://head:10001"); None starts a
     # local instance for this run (and stops it afterwards)
     address: str | None = None
+    # what each replica generates with: transformers (CaptureReplica) or an in-process vLLM
+    # engine (`actmap.capture.vllm_run.VllmCaptureReplica`, one per GPU on a cluster)
+    replica: str = "transformers"
 
     def __post_init__(self) -> None:
+        if self.replica not in ("transformers", "vllm"):
+            raise ActmapUserError(f"replica must be 'transformers' or 'vllm', not {self.replica!r}")
         if self.workers < 1:
             raise ActmapUserError(f"--workers must be at least 1, got {self.workers}")
         if self.gpus_per_worker < 0 or self.cpus_per_worker <= 0:
@@ -253,8 +258,11 @@ def _captured(
 
     DataContext.get_current().enable_progress_bars = False  # the CLI shows its own
     flat = [e for batch in plan.batches for e in batch]
+    replica_class = CaptureReplica
+    if options.replica == "vllm":
+        from actmap.capture.vllm_run import VllmCaptureReplica as replica_class
     dataset = prompt_dataset(plan, task).map_batches(
-        CaptureReplica,
+        replica_class,
         fn_constructor_kwargs=replica,
         batch_size=None,  # one block = one planned batch
         batch_format="numpy",

@@ -186,6 +186,11 @@ def capture(
         "requests in flight; pip install 'actmap[vllm]'). Same store either way.",
     ),
     workers: int = typer.Option(1, min=1, help="--engine ray: model replicas."),
+    ray_replica: str = typer.Option(
+        "transformers",
+        help="--engine ray: what each replica generates with: transformers | vllm (an "
+        "in-process vLLM engine per replica; pip install 'actmap[vllm]' on every node).",
+    ),
     gpus_per_worker: float = typer.Option(
         None, min=0, help="--engine ray: GPUs per replica (default: 1 with --device cuda, else 0)."
     ),
@@ -270,6 +275,7 @@ def capture(
                 if gpus_per_worker is None
                 else gpus_per_worker,
                 address=ray_address,
+                replica=ray_replica,
             )
         else:
             check_device(device)  # a Ray replica checks its own device on its own node
