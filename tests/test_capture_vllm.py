@@ -230,6 +230,40 @@ def test_store_run_killed_and_resumed_matches_the_local_engine(engine, smollm2, 
     assert store.ids("skipped") == local.ids("skipped")
 
 
+def test_cli_capture_engine_vllm_writes_a_resumable_store(engine, embedded_gguf, tmp_path, monkeypatch):
+    """`actmap capture --engine vllm` end to end (the module's engine stands in for the one
+    the command would build: one engine per process): a store with the engine recorded, and
+    a second run finds nothing left to do."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import actmap.capture.vllm_engine as vllm_engine
+    from actmap.cli import app
+    from actmap.store import MapStore
+
+    built = []
+
+    def reuse(model, dtype, options, **kwargs):
+        built.append((model, dtype, options.max_num_seqs, kwargs["greybox"]))
+        return engine
+
+    monkeypatch.setattr(vllm_engine, "VllmCapture", reuse)
+    prompts = tmp_path / "prompts.jsonl"
+    questions = ["What is the capital of Italy?", "Name a fruit.", "What is 3 + 4?"]
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in questions))
+    args = ["capture", "--prompts", str(prompts), "--model", str(embedded_gguf), "--engine",
+            "vllm", "--batch-size", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "s")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert built == [(str(embedded_gguf), "float32", 2, True)]
+    store = MapStore.open(tmp_path / "s")
+    assert len(store.ids()) + len(store.ids("skipped")) == 3
+    assert store.manifest["runs"][-1]["engine"]["name"] == "vllm"
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "nothing to capture" in again.output
+
+
 def test_a_step_whose_hooks_do_not_run_raises(engine):
     """What a compiled or graph-replayed model looks like to the capture: the layer hooks do
     not fire. The step fails loudly instead of returning empty rows. (Last in the module: the
