@@ -29,10 +29,9 @@ from actmap.capture.answer_scalars import answer_scalars
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import stop_position
 from actmap.errors import ActmapUserError
-from actmap.maps import build_maps_from_list
+from actmap.maps import build_maps_from_list, stored_form
 from actmap.serve.batcher import QueueFull
 from actmap.serve.engine import BatchTimings, Engine, Job
-from actmap.serve.loaded_run import stored_form
 from actmap.serve.policy import correct_prior
 
 log = logging.getLogger(__name__)
