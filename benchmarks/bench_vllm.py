@@ -83,7 +83,7 @@ def in_flight(capture, prompts: list[list[int]], width: int, max_tokens: int, pl
             key = capture.submit("", config, ids)
         started_at[key] = time.perf_counter()
 
-    tick = time.perf_counter()
+    tick, cpu = time.perf_counter(), time.process_time()
     while todo or started_at:
         while todo and len(started_at) < width:
             add()
@@ -100,7 +100,9 @@ def in_flight(capture, prompts: list[list[int]], width: int, max_tokens: int, pl
                 if event.finished is not None:
                     latencies.append(time.perf_counter() - started_at.pop(event.key))
                     tokens += event.finished.n_tokens
-    return summary(latencies, tokens, time.perf_counter() - tick, len(prompts))
+    out = summary(latencies, tokens, time.perf_counter() - tick, len(prompts))
+    out["cpu_s"] = round(time.process_time() - cpu, 2)  # this process's CPU: less load-sensitive
+    return out
 
 
 def part_in_process(args, prompts_text: list[str]) -> list[dict]:
@@ -140,6 +142,11 @@ def part_in_process(args, prompts_text: list[str]) -> list[dict]:
             rows.append({"part": "in-process", "mode": mode, "concurrency": width, **best})
         ratio = rows[-1]["req_per_s"] / rows[-2]["req_per_s"]
         rows[-1]["ratio_vs_plain"] = round(ratio, 3)
+        plain_cpu = np.median([r["cpu_s"] for r in runs["plain"]])
+        capture_cpu = np.median([r["cpu_s"] for r in runs["capture"]])
+        rows[-1]["cpu_ratio_vs_plain"] = round(float(plain_cpu / capture_cpu), 3)
+        rows[-1]["all_req_per_s"] = [r["req_per_s"] for r in runs["capture"]]
+        rows[-2]["all_req_per_s"] = [r["req_per_s"] for r in runs["plain"]]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for r in rows:
         r["peak_rss_mib"] = round(peak, 1)
@@ -322,6 +329,11 @@ def main() -> None:
             f"{r['tokens_per_s']:>6} {r['p50_s']!s:>7} {r['p99_s']!s:>7} "
             f"{r.get('peak_rss_mib')!s:>8}  {ratio}"
         )
+    for r in rows:
+        if "all_req_per_s" in r:
+            print(f"{r['mode']:<8} c={r['concurrency']}: every repeat's req/s {r['all_req_per_s']}"
+                  + (f"; CPU-time ratio capture/plain {r['cpu_ratio_vs_plain']}"
+                     if "cpu_ratio_vs_plain" in r else ""))
     print("targets: capture >= 0.97x plain at c=16; actmap-vllm >= 0.9x vllm-openai at c=16, 64")
     print(f"load at end: {os.getloadavg()}")
     if args.out:
