@@ -61,7 +61,7 @@ from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import cut_at_stop, stop_position
 from actmap.errors import ActmapUserError
-from actmap.llm.models import ModelSource
+from actmap.llm.models import ModelSource, cache_dir, check_dtype, check_model, load_model
 from actmap.maps import pool_hidden
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,6 @@ def vllm_model_folder(name: str, revision: str = "main") -> tuple[str, ModelSour
     de-quantized once into actmap's conversion cache (`actmap.llm.models.load_model` writes it,
     without ``quantization_config``) and that folder is handed to vLLM from then on.
     """
-    from actmap.llm.models import cache_dir, check_model, load_model
-
     source = check_model(name, revision)
     if source.gguf_file is None:
         return source.path, source
@@ -348,8 +346,6 @@ class VllmCapture:
     ) -> None:
         require_vllm()
         from transformers import AutoTokenizer
-
-        from actmap.llm.models import check_dtype
 
         check_dtype(dtype)
         folder, self.source = vllm_model_folder(model, revision)

@@ -28,6 +28,7 @@ import numpy as np
 from actmap.capture.answer_scalars import answer_scalars
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import stop_position
+from actmap.capture.vllm_engine import VllmCapture, VllmOptions
 from actmap.errors import ActmapUserError
 from actmap.maps import build_maps_from_list, stored_form
 from actmap.serve.batcher import QueueFull
@@ -273,8 +274,6 @@ class StepLoop:
 
 def build_vllm_engine(settings, detector, policy, audit, monitor, dtype: str) -> VllmServeEngine:
     """The generator of ``actmap serve --engine vllm`` (called by `actmap.serve.app.build_engine`)."""
-    from actmap.capture.vllm_engine import VllmCapture, VllmOptions
-
     capture = VllmCapture(
         settings.model,
         dtype,
