@@ -157,9 +157,16 @@ def test_abort_leaves_no_partial_map(engine, reference):
 
 
 def test_map_only_requests_skip_statistics(engine, reference):
+    """Run twice: the second run is a prefix-cache hit (vLLM skips the cached first 32-token
+    block; rows start at the last prompt position, never inside a cached block)."""
     config = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512, greybox=False)
     prompts = [chat(engine.tokenizer, QUESTIONS[0])]
+    (first,) = engine.generate(prompts, config)
+    hits = engine.recorder.prefix_cache_hits
     (got,) = engine.generate(prompts, config)
+    assert engine.recorder.prefix_cache_hits == hits + 1
+    assert got.token_ids == first.token_ids
+    torch.testing.assert_close(got.trajectory, first.trajectory, **TRAJ_TOL)
     assert got.logprobs is None and got.entropies is None and got.extras == {}
     (want,) = reference(prompts)
     assert got.token_ids == want.token_ids

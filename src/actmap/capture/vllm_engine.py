@@ -128,6 +128,7 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     recorded: int = 0  # rows 0..recorded-1 are filled
+    seen: bool = False  # scheduled at least once
     internal_id: str = ""
     finish_reason: str | None = None
 
@@ -179,6 +180,7 @@ class _Recorder:
         self.recomputed = 0  # request-steps that recomputed rows already recorded (preemption)
         self.recomputed_keys: set[str] = set()
         self.steps_with_partial_prefill = 0  # steps holding a prompt chunk that samples nothing
+        self.prefix_cache_hits = 0  # requests whose first computed position was past 0
         self._install()
 
     # -- installation ------------------------------------------------------------------------
@@ -250,6 +252,9 @@ class _Recorder:
             n = int(starts[i + 1] - starts[i])
             first_row = int(computed[i]) - (int(prompt_lens[i]) - 1)  # row of the chunk's 1st
             partial |= first_row + n - 1 < 0
+            if not request.seen:
+                request.seen = True
+                self.prefix_cache_hits += int(computed[i]) > 0
             if request.recorded and first_row < request.recorded:
                 self.recomputed += 1
                 self.recomputed_keys.add(request.key)
