@@ -6,7 +6,9 @@ validated here (clear 4xx JSON errors in OpenAI's shape), rendered to prompts,
 and handed to the micro-batcher (`actmap.serve.batcher`), which runs
 `actmap.serve.engine.Engine.run` off the event loop. Endpoints:
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, and ``POST /v1/actmap/score``
+(existing answers, `actmap.serve.score_endpoint`). With ``upstream`` set, the two
+completion endpoints forward to that server instead (`actmap.serve.proxy`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request
@@ -26,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actmap.errors import ActmapUserError
+from actmap.serve.answers import score_answers
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
 from actmap.serve.prometheus import ServeMetrics
@@ -52,6 +56,8 @@ from actmap.serve.protocol import (
     UsageInfo,
     random_id,
 )
+from actmap.serve.proxy import install_proxy_routes, start_proxy, stop_proxy
+from actmap.serve.score_endpoint import install_score_route
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +93,13 @@ class ServeSettings:
     dtype: str | None = None  # the generator's; None = the dtype the detector's maps came from
     monitor: Path | None = None  # shift monitor folder (or a run folder holding monitor/)
     monitor_window: int = 50  # answers per window test
+    max_score_items: int = 64  # answers per POST /v1/actmap/score request
+    # proxy mode (`actmap.serve.proxy`): answers come from this OpenAI-compatible server
+    upstream: str | None = None  # its base URL, e.g. http://host:port/v1; None = generate here
+    upstream_model: str | None = None  # the model name the upstream serves; None = ask it
+    upstream_timeout_s: float = 60.0  # per upstream request; past it: 504
+    upstream_api_key: str | None = None  # bearer token the upstream wants
+    allow_weights_mismatch: bool = False  # serve although the start-up probe differs
 
     @property
     def model_name(self) -> str:
@@ -301,6 +314,12 @@ class ServerState:
             max_queue=settings.max_queue,
             on_batch=self._on_batch,
         )
+        self.scorer = MicroBatcher(
+            partial(score_answers, engine),
+            max_batch=settings.max_batch,
+            window_s=settings.batch_window_ms / 1000,
+            max_queue=settings.max_queue,
+        )
         self.started_at = time.time()
 
     def _on_batch(self, jobs: list[Job], timings: BatchTimings) -> None:
@@ -388,11 +407,18 @@ def create_app(
         engine = engine_factory() if engine_factory else build_engine(settings)
         state = ServerState(settings, engine)
         await state.batcher.start()
+        await state.scorer.start()
         app.state.actmap = state
+        if settings.upstream is not None:  # the CLI may have probed the weights already
+            state.upstream_probe = getattr(app.state, "upstream_probe", None)
+            await start_proxy(state)
         try:
             yield
         finally:
+            if settings.upstream is not None:
+                await stop_proxy(state)
             await state.batcher.stop()
+            await state.scorer.stop()
             if engine.audit is not None:
                 engine.audit.close()
 
@@ -451,6 +477,12 @@ def create_app(
             actmap_detector=state.engine.detector.id,
         )
         return ModelList(data=[card])
+
+    install_score_route(app)
+    if settings.upstream is not None:
+        install_proxy_routes(app)  # answers come from the upstream, read by teacher forcing
+        app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+        return app
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

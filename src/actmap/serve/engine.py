@@ -236,6 +236,9 @@ class Engine:
         self.audit = audit
         self.layers_path = layers_path
         self.prevalence = PrevalenceTracker(policy.prior)
+        # one forward pass on the model at a time: generation and teacher-forced scoring
+        # (`actmap.serve.answers`) run in different worker threads and install hooks
+        self.lock = threading.Lock()
 
     # -- prompts ---------------------------------------------------------------------------
     def render_chat(self, messages: list[dict]) -> str:
@@ -262,20 +265,25 @@ class Engine:
             greybox=self.detector.needs_scalars,  # map-only capture when maps are all it reads
         )
         watch = _StepWatch(self, jobs) if any(j.watched for j in jobs) else None
-        generations = generate_batch(
-            self.model,
-            self.tokenizer,
-            [j.prompt for j in jobs],
-            config,
-            self.layers_path,
-            on_step=watch,
-        )
+        with self.lock:
+            generations = generate_batch(
+                self.model,
+                self.tokenizer,
+                [j.prompt for j in jobs],
+                config,
+                self.layers_path,
+                on_step=watch,
+            )
         if watch is not None:
             generations = [watch.trim(i, g) for i, g in enumerate(generations)]
         generated = time.perf_counter()
         answers = self._score(jobs, generations, watch, started)
         timings = BatchTimings(len(jobs), generated - started, time.perf_counter() - generated)
         return answers, timings
+
+    def score(self, jobs, generations: list[Generation], started: float) -> list[Answer]:
+        """Answers of captured ``generations`` (one per job): detector, prior, policy, audit."""
+        return self._score(jobs, generations, None, started)
 
     def _score(self, jobs, generations, watch, started) -> list[Answer]:
         scored = [i for i, g in enumerate(generations) if g.n_tokens > 0]
@@ -288,7 +296,9 @@ class Engine:
             raw[scored] = self.detector.predict_proba(maps, scalars)
         shifts = self.monitor.observe(maps) if self.monitor is not None and scored else None
         prevalence = self.prevalence.update(raw[scored])
-        corrected = correct_prior(raw, self.policy.prior, prevalence)
+        corrected = np.full(len(jobs), np.nan)  # an empty answer has no score to correct
+        if scored:
+            corrected[scored] = correct_prior(raw[scored], self.policy.prior, prevalence)
         answers, records = [], []
         map_index = {row: k for k, row in enumerate(scored)}
         for i, (job, g) in enumerate(zip(jobs, generations, strict=True)):
