@@ -23,9 +23,9 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @app.command()
 def serve(
     detector: Path = typer.Option(
-        ...,
+        None,
         help="Run folder from `actmap train` (or one seed-<s>/); actmap-plus is the one to "
-        "deploy (`actmap train --detector actmap-plus`).",
+        "deploy (`actmap train --detector actmap-plus`). Without it: a plain generator.",
     ),
     model: str = typer.Option(
         "smollm2-135m-instruct", help="Generator: short name, .gguf, folder or hub id."
@@ -124,15 +124,16 @@ def serve(
         )  # fmt: skip
         if host not in LOOPBACK and not settings.api_key:
             console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")
-        console.print(f"loading {model} and {detector} ...")
+        console.print(f"loading {model}" + (f" and {detector}" if detector else "") + " ...")
         engine = build_engine(settings)  # bad paths fail here, as one line
         probe = None
         if upstream is not None:  # a weights mismatch fails here, as one line
             from actmap.serve.proxy import probe_upstream
 
             probe = probe_upstream(engine, settings)
+    scored = f"with detector {engine.detector.id}" if engine.detector else "without a detector"
     console.print(
-        f"serving '{settings.model_name}' with detector {engine.detector.id} on http://{host}:{port}"
+        f"serving '{settings.model_name}' {scored} on http://{host}:{port}"
         + (f", answers from {upstream} ({probe.upstream_model})" if probe else "")
     )
     served = create_app(settings, lambda: engine)

@@ -138,12 +138,18 @@ def build_engine(settings: ServeSettings) -> Engine:
     from actmap.serve.loaded_run import load_detector_run
     from actmap.serve.policy import Policy, load_policy
 
-    if settings.detector is None:
-        raise ActmapUserError("a detector run folder is required (--detector RUN)")
+    if settings.detector is None:  # a plain generator: nothing to score, decide or audit
+        needs = [n for n in ("policy", "audit", "monitor", "upstream") if getattr(settings, n)]
+        if needs:
+            raise ActmapUserError(
+                "a detector run folder is required (--detector RUN) with --" + ", --".join(needs)
+            )
     policy = load_policy(settings.policy) if settings.policy else Policy()
-    detector = load_detector_run(settings.detector, settings.seed, settings.device)
-    dtype = settings.dtype or detector.dtype
-    if dtype != detector.dtype:
+    detector = None
+    if settings.detector is not None:
+        detector = load_detector_run(settings.detector, settings.seed, settings.device)
+    dtype = settings.dtype or (detector.dtype if detector is not None else "float32")
+    if detector is not None and dtype != detector.dtype:
         log.warning(
             "serving %s in %s, but detector %s was fit on maps captured in %s: scores may shift",
             settings.model,
@@ -160,7 +166,7 @@ def build_engine(settings: ServeSettings) -> Engine:
     if settings.audit is not None:
         audit = AuditTrail(
             settings.audit,
-            detector.map_config,
+            detector.map_config,  # a detector is there: checked above
             keep_text=settings.audit_text,
             max_rows=settings.audit_max_rows,
             max_age_days=settings.audit_max_age_days,
@@ -334,7 +340,9 @@ class ServerState:
         self.metrics.queue_depth.set(self.batcher.depth)
         return future
 
-    def info(self, answer: Answer) -> ActmapInfo:
+    def info(self, answer: Answer) -> ActmapInfo | None:
+        if self.engine.detector is None:  # a plain generator: no actmap block
+            return None
         return ActmapInfo(
             p_correct=answer.p_correct,
             p_correct_raw=answer.p_correct_raw,
@@ -344,6 +352,10 @@ class ServerState:
             prevalence=answer.prevalence,
             shift=None if answer.shift is None else ShiftInfo(**answer.shift.to_json()),
         )
+
+
+def _detector_id(state: ServerState) -> str | None:
+    return state.engine.detector.id if state.engine.detector is not None else None
 
 
 # -- middleware: auth and body size -----------------------------------------------------------
@@ -453,7 +465,7 @@ def create_app(
         return {
             "status": "ok",
             "model": state.settings.model_name,
-            "detector": state.engine.detector.id,
+            "detector": _detector_id(state),
             "queue": state.batcher.depth,
         }
 
@@ -474,7 +486,7 @@ def create_app(
             id=state.settings.model_name,
             created=int(state.started_at),
             root=f"{source.name}@{source.revision}",
-            actmap_detector=state.engine.detector.id,
+            actmap_detector=_detector_id(state),
         )
         return ModelList(data=[card])
 

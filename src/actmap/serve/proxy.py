@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import Counter, Histogram
 
 from actmap.serve.answers import ScoreJob, answer_ids, strip_end_tokens
-from actmap.serve.metrics import LATENCY_BUCKETS
+from actmap.serve.prometheus import LATENCY_BUCKETS
 from actmap.serve.protocol import ActmapInfo, ErrorInfo, ErrorResponse, OpenAIBaseModel
 from actmap.serve.upstream import ProbeResult, Upstream, UpstreamFailure, UpstreamStatus
 
@@ -192,7 +192,7 @@ def _check(state, body, endpoint: str) -> JSONResponse | tuple[str, str]:
 
 
 def _answer_job(
-    state, prompt: str, audit_text: str, endpoint: str, text: str, ids, prompt_ids
+    state, prompt: str, audit_text: str, endpoint: str, text: str, ids, prompt_ids, counted=None
 ) -> tuple[ScoreJob, TokenInfo]:
     """The scoring job of an upstream answer, over its own ids where they are usable."""
     engine = state.engine
@@ -221,6 +221,13 @@ def _answer_job(
         notes.append("the upstream's ids do not decode to its answer text; read the text instead")
     else:
         notes.append("the upstream returned no token ids")
+        # its usage count may include the end token; any other difference is a mismatch
+        if isinstance(counted, int) and counted not in (len(retokenized), len(retokenized) + 1):
+            mismatch = True
+            notes.append(
+                f"the upstream counted {counted} answer tokens, re-tokenizing its text gives "
+                f"{len(retokenized)}"
+            )
     detail = "; ".join(notes)
     return ScoreJob(prompt, text, audit_text, endpoint), TokenInfo(
         source="retokenized", mismatch=mismatch, detail=detail
@@ -292,7 +299,8 @@ async def proxy_request(state, body, endpoint: str):
         text, ids, prompt_ids = _choice_text(out, endpoint)
     except UpstreamFailure as failure:
         return _failed(state, endpoint, failure)
-    job, tokens = _answer_job(state, prompt, audit_text, endpoint, text, ids, prompt_ids)
+    counted = (out.get("usage") or {}).get("completion_tokens")
+    job, tokens = _answer_job(state, prompt, audit_text, endpoint, text, ids, prompt_ids, counted)
     try:
         (answer,) = await submit_scoring(state, [job])
     except APIError:

@@ -133,6 +133,8 @@ def install_score_route(app: FastAPI) -> None:
 
         state = request.app.state.actmap
         started = time.perf_counter()
+        if state.engine.detector is None:
+            raise APIError(400, "this server has no detector (actmap serve --detector RUN)")
         if body.model is not None and body.model != state.settings.model_name:
             raise APIError(
                 404, f"The model '{body.model}' does not exist; this server serves "

@@ -185,17 +185,15 @@ def local_greedy(engine, prompt: str, n: int) -> tuple[list[int], list[int], lis
     ends = stop_ids(engine.model, engine.tokenizer)
     answer, logprobs = [], []
     with engine.lock, torch.inference_mode():
-        past = None
-        for _ in range(n):
-            out = engine.model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logp = torch.log_softmax(out.logits[0, -1].float(), -1)
+        for _ in range(n):  # a few whole passes: no cache to get wrong
+            logits = engine.model(input_ids=ids, use_cache=False).logits
+            logp = torch.log_softmax(logits[0, -1].float(), -1)
             token = int(logp.argmax())
             if token in ends:
                 break
             answer.append(token)
             logprobs.append(float(logp[token]))
-            ids = torch.tensor([[token]], device=device)
+            ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
     return prompt_ids, answer, logprobs
 
 
