@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actmap.errors import ActmapUserError
 from actmap.serve.answers import score_answers
+from actmap.serve.api_errors import APIError
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
 from actmap.serve.prometheus import ServeMetrics
@@ -104,31 +105,6 @@ class ServeSettings:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
-
-    def response(self, headers: dict | None = None) -> JSONResponse:
-        body = ErrorResponse(
-            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        )
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
 
 
 def build_engine(settings: ServeSettings) -> Engine:

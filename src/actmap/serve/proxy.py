@@ -258,12 +258,13 @@ def _choice_text(out: dict, endpoint: str) -> tuple[str, list | None, list | Non
 
 
 def _strip_added(out: dict) -> None:
-    """Remove what ``return_token_ids`` added (the client did not ask for it)."""
-    out.pop("prompt_token_ids", None)
-    for choice in out.get("choices") or []:
-        if isinstance(choice, dict):
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
+    """Undo what ``return_token_ids`` added (the client did not ask for it): the fields read
+    null, as the upstream sends them without it."""
+    targets = [out, *(c for c in out.get("choices") or [] if isinstance(c, dict))]
+    for target in targets:
+        for key in ("prompt_token_ids", "token_ids"):
+            if target.get(key) is not None:
+                target[key] = None
 
 
 def _block(state, answer, tokens: TokenInfo, upstream_s: float) -> dict:
@@ -274,7 +275,7 @@ def _block(state, answer, tokens: TokenInfo, upstream_s: float) -> dict:
 
 
 async def proxy_request(state, body, endpoint: str):
-    from actmap.serve.app import APIError
+    from actmap.serve.api_errors import APIError
     from actmap.serve.score_endpoint import submit_scoring
 
     started = time.perf_counter()

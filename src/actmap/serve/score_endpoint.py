@@ -55,7 +55,7 @@ class ScoreResponse(OpenAIBaseModel):
 
 
 def _item_job(item: ScoreItem, index: int, state) -> ScoreJob:
-    from actmap.serve.app import APIError
+    from actmap.serve.api_errors import APIError
 
     where = f"items[{index}]"
     engine = state.engine
@@ -102,7 +102,7 @@ def _item_job(item: ScoreItem, index: int, state) -> ScoreJob:
 
 async def submit_scoring(state, jobs: list[ScoreJob]) -> list:
     """Queue ``jobs`` on the scoring batcher and wait for their `Answer`s (504 on timeout)."""
-    from actmap.serve.app import APIError
+    from actmap.serve.api_errors import APIError
     from actmap.serve.batcher import QueueFull
 
     futures = []
@@ -129,7 +129,7 @@ async def submit_scoring(state, jobs: list[ScoreJob]) -> list:
 def install_score_route(app: FastAPI) -> None:
     @app.post("/v1/actmap/score")
     async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
-        from actmap.serve.app import APIError
+        from actmap.serve.api_errors import APIError
 
         state = request.app.state.actmap
         started = time.perf_counter()
