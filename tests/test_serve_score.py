@@ -192,3 +192,34 @@ def test_cli_score_writes_the_endpoints_scores(run, tmp_path, tiny_model_dir):
     bad.write_text('{"prompt": "the", "answer": "a"}\n{"prompt": "the"}\n')
     result = CliRunner().invoke(app, ["score", "--answers", str(bad), "--detector", str(run), "--model", str(tiny_model_dir), "--out", str(tmp_path / "x.csv")])  # fmt: skip
     assert result.exit_code != 0 and "line 2" in result.output and "answer" in result.output
+
+
+@pytest.mark.real_model
+def test_score_endpoint_on_smollm2(run, smollm2):
+    """A handful of answers on the real model: the endpoint equals capture_answers + detector,
+    and scoring a generated answer gives the score it was served with."""
+    from fastapi.testclient import TestClient
+
+    from actmap.serve.app import ServeSettings, create_app
+    from actmap.serve.engine import Engine
+    from actmap.serve.scoring import load_detector_run
+
+    model, tokenizer, source = smollm2
+    settings = ServeSettings(model="smollm2", detector=run, default_max_tokens=10)
+    factory = lambda: Engine(model, tokenizer, source, load_detector_run(run))  # noqa: E731
+    questions = ["What is the capital of France?", "Who wrote Hamlet?", "What is 2 plus 3?"]
+    with TestClient(create_app(settings, factory)) as client:
+        served = [
+            client.post("/v1/chat/completions", json={"model": "smollm2", "messages": [{"role": "user", "content": q}]}).json()
+            for q in questions
+        ]  # fmt: skip
+        rows = [{"messages": [{"role": "user", "content": q}], "answer": a} for q, a in
+                zip(questions, ["Paris", "William Shakespeare wrote it.", "5"], strict=True)]  # fmt: skip
+        rows += [{"messages": [{"role": "user", "content": q}], "answer": s["choices"][0]["message"]["content"]}
+                 for q, s in zip(questions, served, strict=True)]  # fmt: skip
+        results = client.post("/v1/actmap/score", json={"items": rows}).json()["results"]
+        expected = detector_on_capture(client.app.state.actmap.engine, rows)
+    for result, p_raw in zip(results, expected, strict=True):
+        assert result["p_correct_raw"] == pytest.approx(p_raw, abs=1e-5)
+    for result, answer in zip(results[3:], served, strict=True):
+        assert result["p_correct_raw"] == pytest.approx(answer["actmap"]["p_correct_raw"], abs=1e-4)
