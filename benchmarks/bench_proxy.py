@@ -252,6 +252,7 @@ def main() -> None:
             processes.append(start(command, env, work / "vllm.log"))
             upstream = f"http://127.0.0.1:{port}"
             wait_up(upstream + "/v1/models", processes[-1], work / "vllm.log", 1800)
+        result["upstream"] = {"url": upstream, "started_here": args.upstream is None}
         proxy_port = free_port()
         env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "actmap.cli", "serve", "--upstream", upstream + "/v1",
@@ -263,16 +264,20 @@ def main() -> None:
         wait_up(proxy + "/health", processes[-1], work / "proxy.log", 600)
         check_model(MODEL)
 
-        asked = questions(args.answers + 2 * args.requests)
-        load_questions, mismatch_questions = asked[: 2 * args.requests], asked[2 * args.requests :]
+        asked = questions(args.answers + 4 * args.requests)
+        load_questions, mismatch_questions = asked[: 4 * args.requests], asked[4 * args.requests :]
         bodies = [chat_body(q, args.max_tokens) for q in load_questions]
-        asyncio.run(load(upstream, bodies[:4], 4))  # warm both
-        asyncio.run(load(proxy, bodies[:4], 4))
+        warm = [chat_body(q, args.max_tokens) for q in asked[-4:]]
+        asyncio.run(load(upstream, warm, 4))  # warm both
+        asyncio.run(load(proxy, warm, 4))
         runs = []
+        # disjoint, interleaved questions for the two targets: a prompt seen once is not
+        # answered from the upstream's prefix cache the second time
+        split = {"upstream": bodies[0::2], "proxy": bodies[1::2]}
         for concurrency in (1, 16):
             n = args.requests if concurrency == 16 else max(8, args.requests // 2)
             for name, url in (("upstream", upstream), ("proxy", proxy)):
-                row = asyncio.run(load(url, bodies[:n], concurrency))
+                row = asyncio.run(load(url, split[name][:n], concurrency))
                 row["target"] = name
                 runs.append(row)
                 print(json.dumps(row), flush=True)

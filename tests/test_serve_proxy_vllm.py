@@ -2,7 +2,8 @@
 
 vLLM runs from its own virtual environment (``ACTMAP_VLLM_PYTHON``, default
 /work/venv-vllm/bin/python); the test is skipped, saying why, where that python
-cannot import vllm. vLLM reads a transformers folder: the de-quantized SmolLM2
+cannot import vllm. ``ACTMAP_VLLM_URL`` reuses a server already running (its start-up
+compiles for minutes on a small CPU). vLLM reads a transformers folder: the de-quantized SmolLM2
 folder `actmap.models.load_model` caches (safetensors, no quantization_config).
 """
 
@@ -59,6 +60,10 @@ def converted_folder(source) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_server(smollm2, tmp_path_factory):
+    running = os.environ.get("ACTMAP_VLLM_URL")  # a server already serving SmolLM2 as "smollm2"
+    if running:
+        yield running.rstrip("/")
+        return
     reason = vllm_missing()
     if reason:
         pytest.skip(reason)
