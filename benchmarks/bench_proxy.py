@@ -209,7 +209,7 @@ def fit_detector(folder: Path) -> Path:
     """A logreg fitted on random maps: the detector's own cost is a matrix product, negligible
     next to the teacher-forced pass; pass ``--detector`` to time a real one."""
     from actmap.detectors.base import CorrectnessDetector
-    from actmap.training import TrainConfig
+    from actmap.training.recipe import TrainConfig
 
     rng = np.random.default_rng(0)
     maps = rng.normal(size=(24, 12, 32, 128)).astype(np.float16)
@@ -232,7 +232,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-proxy.json"))
     args = parser.parse_args()
 
-    from actmap.models import cache_dir, check_model, load_model
+    from actmap.llm.models import cache_dir, check_model, load_model
 
     model, tokenizer, source = load_model(MODEL)  # also writes the de-quantized folder vLLM reads
     folder = cache_dir() / f"{Path(source.gguf_file).stem}-{source.revision}"

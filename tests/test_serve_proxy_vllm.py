@@ -29,7 +29,7 @@ from actmap.maps import build_map, to_float16  # noqa: E402
 from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 from actmap.serve.audit import AuditTrail  # noqa: E402
 from actmap.serve.engine import Engine  # noqa: E402
-from actmap.serve.scoring import load_detector_run  # noqa: E402
+from actmap.serve.loaded_run import load_detector_run  # noqa: E402
 from actmap.store import MapStore  # noqa: E402
 
 pytestmark = pytest.mark.real_model
@@ -51,7 +51,7 @@ def vllm_missing() -> str | None:
 
 def converted_folder(source) -> Path:
     """The de-quantized transformers folder `load_model` caches for a GGUF model."""
-    from actmap.models import cache_dir
+    from actmap.llm.models import cache_dir
 
     folder = cache_dir() / f"{Path(source.gguf_file).stem}-{source.revision}"
     assert (folder / "model.safetensors").is_file(), folder

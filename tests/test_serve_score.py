@@ -15,7 +15,7 @@ from serve_helpers import client_for, save_tiny_detector, tiny_engine  # noqa: E
 from actmap.capture import CaptureConfig  # noqa: E402
 from actmap.capture.forced import capture_answers  # noqa: E402
 from actmap.maps import build_map, to_float16  # noqa: E402
-from actmap.prior import shift_to_prevalence  # noqa: E402
+from actmap.scoring.prior import shift_to_prevalence  # noqa: E402
 from actmap.serve.audit import AuditTrail, open_audit_store, read_audit  # noqa: E402
 from actmap.serve.policy import Policy, PriorSetting, decide  # noqa: E402
 
@@ -202,7 +202,7 @@ def test_score_endpoint_on_smollm2(run, smollm2):
 
     from actmap.serve.app import ServeSettings, create_app
     from actmap.serve.engine import Engine
-    from actmap.serve.scoring import load_detector_run
+    from actmap.serve.loaded_run import load_detector_run
 
     model, tokenizer, source = smollm2
     settings = ServeSettings(model="smollm2", detector=run, default_max_tokens=10)
