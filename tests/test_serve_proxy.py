@@ -372,3 +372,26 @@ def test_upstream_down_then_back(run, tmp_path):
     with pytest.raises(ActmapUserError, match="could not list the upstream's models"):
         with TestClient(proxy_app(run, f"http://127.0.0.1:{free_port()}", tmp_path / "a2")):
             pass
+
+
+def test_cli_refuses_to_start_in_one_line(run, upstream, tmp_path):
+    """`actmap serve --upstream`: other weights upstream, or no upstream, is one red line and
+    exit code 2, before anything listens."""
+    from conftest import make_tiny_llama, make_word_tokenizer
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+
+    tokenizer = make_word_tokenizer()  # no chat template: the probe goes through /completions
+    folder = tmp_path / "other-weights"
+    make_tiny_llama(len(tokenizer), seed=5).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    base = ["serve", "--detector", str(run), "--model", str(folder), "--served-model-name", "tiny"]
+    result = CliRunner().invoke(app, [*base, "--upstream", upstream.url + "/v1", "--upstream-model", "tiny"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("error: the upstream") and "does not serve the weights" in line
+    assert "greedy probe" in line and "--allow-weights-mismatch" in line
+    closed = f"http://127.0.0.1:{free_port()}/v1"
+    result = CliRunner().invoke(app, [*base, "--upstream", closed])
+    assert result.exit_code == 2 and "could not list the upstream's models" in result.output

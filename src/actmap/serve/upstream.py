@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 PROBE_MESSAGES = (
     {"role": "user", "content": "Name the capital of France, then count from one to five."},
 )
+PROBE_PROMPT = "The capital of France is"  # for a model without a chat template (completions)
 PROBE_TOKENS = 8
 # float32 on two stacks (transformers eager vs the upstream's kernels) differ by ~1e-3 nats per
 # token; another checkpoint differs by whole nats
@@ -207,11 +208,14 @@ def probe_weights(engine, base_url: str, upstream_model: str, timeout: float) ->
     """Send the fixed greedy probe upstream and compare it with the local model's answer."""
     from actmap.serve.answers import strip_end_tokens
 
-    body = {
-        "model": upstream_model, "messages": list(PROBE_MESSAGES), "max_tokens": PROBE_TOKENS,
-        "temperature": 0, "logprobs": True, "return_token_ids": True,
-    }  # fmt: skip
-    url = base_url.rstrip("/") + "/chat/completions"
+    chat = bool(getattr(engine.tokenizer, "chat_template", None))
+    body = {"model": upstream_model, "max_tokens": PROBE_TOKENS, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    if chat:
+        body.update(messages=list(PROBE_MESSAGES), logprobs=True)
+    else:  # the completions API: its log-probs option is a count
+        body.update(prompt=PROBE_PROMPT, logprobs=1)
+    url = base_url.rstrip("/") + ("/chat/completions" if chat else "/completions")
     try:
         response = httpx.post(url, json=body, timeout=timeout)
         if 400 <= response.status_code < 500:  # a server that refuses the extra fields
@@ -220,17 +224,17 @@ def probe_weights(engine, base_url: str, upstream_model: str, timeout: float) ->
         response.raise_for_status()
         out = response.json()
         choice = out["choices"][0]
-        text = choice["message"]["content"] or ""
+        text = (choice["message"]["content"] if chat else choice["text"]) or ""
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
         raise UpstreamFailure(
             502, "probe", f"the weights probe to {url} failed: {type(error).__name__}: {error}"
         ) from None
-    prompt = engine.render_chat(list(PROBE_MESSAGES))
+    prompt = engine.render_chat(list(PROBE_MESSAGES)) if chat else PROBE_PROMPT
     prompt_ids, local_ids, local_logprobs = local_greedy(engine, prompt, PROBE_TOKENS)
     local_text = engine.tokenizer.decode(local_ids, skip_special_tokens=True)
     ids = choice.get("token_ids")
     problem = None
-    upstream_prompt = out.get("prompt_token_ids")
+    upstream_prompt = out.get("prompt_token_ids", choice.get("prompt_token_ids"))
     if upstream_prompt is not None and list(upstream_prompt) != prompt_ids:
         i = _first_difference(upstream_prompt, prompt_ids)
         problem = (
@@ -247,9 +251,11 @@ def probe_weights(engine, base_url: str, upstream_model: str, timeout: float) ->
     elif text.strip() != local_text.strip():
         problem = f"greedy probe answer is {text!r} upstream but {local_text!r} here"
     diff = None
-    content = (choice.get("logprobs") or {}).get("content") or []
-    if content and problem is None:
-        theirs = [float(c["logprob"]) for c in content[: len(local_logprobs)]]
+    returned = choice.get("logprobs") or {}
+    theirs = [c["logprob"] for c in returned.get("content") or []]  # chat
+    theirs = theirs or returned.get("token_logprobs") or []  # completions
+    if theirs and problem is None:
+        theirs = [float(v) for v in theirs[: len(local_logprobs)]]
         diff = max((abs(a - b) for a, b in zip(theirs, local_logprobs, strict=False)), default=0.0)
         if not math.isfinite(diff) or diff > PROBE_LOGPROB_TOLERANCE:
             problem = (
