@@ -443,6 +443,7 @@ def create_app(
             "model": state.settings.model_name,
             "detector": _detector_id(state),
             "queue": state.batcher.depth,
+            "upstream": state.settings.upstream,  # proxy mode's engine (None: generates here)
         }
 
     @app.get("/metrics")

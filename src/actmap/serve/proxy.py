@@ -39,6 +39,7 @@ from prometheus_client import Counter, Histogram
 from actmap.serve.answers import ScoreJob, answer_ids, strip_end_tokens
 from actmap.serve.prometheus import LATENCY_BUCKETS
 from actmap.serve.protocol import ActmapInfo, ErrorInfo, ErrorResponse, OpenAIBaseModel
+from actmap.serve.score_endpoint import submit_scoring
 from actmap.serve.upstream import ProbeResult, Upstream, UpstreamFailure, UpstreamStatus
 
 log = logging.getLogger(__name__)
@@ -275,9 +276,6 @@ def _block(state, answer, tokens: TokenInfo, upstream_s: float) -> dict:
 
 
 async def proxy_request(state, body, endpoint: str):
-    from actmap.serve.api_errors import APIError
-    from actmap.serve.score_endpoint import submit_scoring
-
     started = time.perf_counter()
     checked = _check(state, body, endpoint)
     if isinstance(checked, JSONResponse):
@@ -302,10 +300,7 @@ async def proxy_request(state, body, endpoint: str):
         return _failed(state, endpoint, failure)
     counted = (out.get("usage") or {}).get("completion_tokens")
     job, tokens = _answer_job(state, prompt, audit_text, endpoint, text, ids, prompt_ids, counted)
-    try:
-        (answer,) = await submit_scoring(state, [job])
-    except APIError:
-        raise
+    (answer,) = await submit_scoring(state, [job])  # busy or timed out: the APIError's 503/504
     if not asked_ids:
         _strip_added(out)
     out["actmap"] = _block(state, answer, tokens, upstream_s)
@@ -382,8 +377,6 @@ async def _proxy_stream(state, forward, endpoint, prompt, audit_text, asked_ids,
         job, tokens = _answer_job(
             state, prompt, audit_text, endpoint, text, ids if proxy.token_ids else None, prompt_ids
         )
-        from actmap.serve.score_endpoint import submit_scoring
-
         try:
             (answer,) = await submit_scoring(state, [job])
         except Exception as error:  # an APIError (busy, timeout) or a failed pass

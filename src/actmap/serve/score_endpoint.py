@@ -19,6 +19,8 @@ from fastapi import FastAPI, Request
 from pydantic import ConfigDict, Field
 
 from actmap.serve.answers import ScoreJob, answer_ids
+from actmap.serve.api_errors import APIError
+from actmap.serve.batcher import QueueFull
 from actmap.serve.protocol import ChatMessage, OpenAIBaseModel
 
 
@@ -55,8 +57,6 @@ class ScoreResponse(OpenAIBaseModel):
 
 
 def _item_job(item: ScoreItem, index: int, state) -> ScoreJob:
-    from actmap.serve.api_errors import APIError
-
     where = f"items[{index}]"
     engine = state.engine
     if (item.messages is None) == (item.prompt is None):
@@ -102,8 +102,6 @@ def _item_job(item: ScoreItem, index: int, state) -> ScoreJob:
 
 async def submit_scoring(state, jobs: list[ScoreJob]) -> list:
     """Queue ``jobs`` on the scoring batcher and wait for their `Answer`s (504 on timeout)."""
-    from actmap.serve.api_errors import APIError
-    from actmap.serve.batcher import QueueFull
 
     futures = []
     try:
@@ -129,8 +127,6 @@ async def submit_scoring(state, jobs: list[ScoreJob]) -> list:
 def install_score_route(app: FastAPI) -> None:
     @app.post("/v1/actmap/score")
     async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
-        from actmap.serve.api_errors import APIError
-
         state = request.app.state.actmap
         started = time.perf_counter()
         if state.engine.detector is None:
