@@ -28,7 +28,7 @@ from serve_helpers import (  # noqa: E402
 )
 
 from actmap.errors import ActmapUserError  # noqa: E402
-from actmap.maps import build_map, to_float16  # noqa: E402
+from actmap.maps import build_map, stored_form  # noqa: E402
 from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 from actmap.serve.audit import AuditTrail, open_audit_store, read_audit  # noqa: E402
 from actmap.serve.engine import Engine  # noqa: E402
@@ -158,7 +158,7 @@ def test_proxied_answer_map_and_score_equal_generation_time_capture(proxy, upstr
     maps = {}
     for batch, meta in store.iter_maps(batch_size=64, columns=("id",)):
         maps.update(zip(meta.column("id").to_pylist(), batch, strict=True))
-    expected = to_float16(build_map(gen.trajectory)).numpy().astype(np.float32)
+    expected = stored_form(build_map(gen.trajectory)).astype(np.float32)
     served = maps[block["map_id"]].astype(np.float32)
     assert np.abs(served - expected).max() <= 2e-3 * max(1.0, np.abs(expected).max())
 

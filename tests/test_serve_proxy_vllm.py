@@ -25,7 +25,7 @@ from serve_helpers import save_tiny_detector  # noqa: E402
 from test_serve_proxy import ServerThread, audit_rows, free_port  # noqa: E402
 
 from actmap.capture import CaptureConfig, generate_with_capture  # noqa: E402
-from actmap.maps import build_map, to_float16  # noqa: E402
+from actmap.maps import build_map, stored_form  # noqa: E402
 from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 from actmap.serve.audit import AuditTrail  # noqa: E402
 from actmap.serve.engine import Engine  # noqa: E402
@@ -141,7 +141,7 @@ def test_proxy_in_front_of_vllm_reads_the_generation_time_map(proxy, vllm_server
         config = CaptureConfig(max_new_tokens=MAX_TOKENS, max_context=2048, greybox=False)
         (gen,) = generate_with_capture(model, tokenizer, [prompt], config)
         assert gen.answer == out["choices"][0]["message"]["content"]
-        expected = to_float16(build_map(gen.trajectory)).numpy()
+        expected = stored_form(build_map(gen.trajectory))
         p_raw = float(engine.detector.detector.predict_proba(expected[None])[0])
         assert block["p_correct_raw"] == pytest.approx(p_raw, abs=1e-5)
         engine.audit.flush()

@@ -14,7 +14,7 @@ from serve_helpers import client_for, save_tiny_detector, tiny_engine  # noqa: E
 
 from actmap.capture import CaptureConfig  # noqa: E402
 from actmap.capture.forced import capture_answers  # noqa: E402
-from actmap.maps import build_map, to_float16  # noqa: E402
+from actmap.maps import build_map, stored_form  # noqa: E402
 from actmap.scoring.prior import shift_to_prevalence  # noqa: E402
 from actmap.serve.audit import AuditTrail, open_audit_store, read_audit  # noqa: E402
 from actmap.serve.policy import Policy, PriorSetting, decide  # noqa: E402
@@ -44,7 +44,7 @@ def detector_on_capture(engine, rows) -> list[float | None]:
         if record.n_tokens == 0:
             out.append(None)
             continue
-        stored = to_float16(build_map(record.trajectory)).numpy()[None]
+        stored = stored_form(build_map(record.trajectory))[None]
         out.append(float(engine.detector.detector.predict_proba(stored)[0]))
     return out
 
@@ -185,7 +185,7 @@ def test_cli_score_writes_the_endpoints_scores(run, tmp_path, tiny_model_dir):
         if record.n_tokens == 0:
             assert np.isnan(got.p_correct_raw) and got.decision == "abstain"
             continue
-        stored = to_float16(build_map(record.trajectory)).numpy()[None]
+        stored = stored_form(build_map(record.trajectory))[None]
         assert got.p_correct_raw == pytest.approx(float(engine.detector.predict_proba(stored)[0]), abs=1e-5)  # fmt: skip
         assert got.decision == decide(got.p_correct, Policy())
     bad = tmp_path / "bad.jsonl"
