@@ -170,7 +170,7 @@ def scoring_cost(detector_run: Path, prompts: list[str], answer_ids: list[list[i
 
     from actmap.capture.forced import capture_answers_batch
     from actmap.capture.records import CaptureConfig
-    from actmap.serve.answers import ScoreJob, score_answers
+    from actmap.serve.answers import ScoreJob, chat_prefix, score_answers
     from actmap.serve.app import ServeSettings, build_engine
 
     torch.set_num_threads(1)
@@ -178,13 +178,15 @@ def scoring_cost(detector_run: Path, prompts: list[str], answer_ids: list[list[i
     out = {}
     tokens = sum(len(a) for a in answer_ids)
     prompt_tokens = sum(engine.count_tokens(p) for p in prompts)  # the pass reads these too
-    for batch in (1, 16):
+    prefix = chat_prefix(engine)  # what the server runs once: the template's system turn
+    out["chat_prefix_tokens"] = 0 if prefix is None else len(prefix.ids)
+    for batch, shared in ((1, None), (1, prefix), (16, prefix)):
         started, cpu = time.perf_counter(), time.process_time()
         for i in range(0, len(prompts), batch):
             jobs = [ScoreJob(p, a) for p, a in zip(prompts[i : i + batch], answer_ids[i : i + batch], strict=True)]  # fmt: skip
-            score_answers(engine, jobs)
+            score_answers(engine, jobs, shared)
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-        out[f"batch_{batch}"] = {"answers": len(prompts), "answer_tokens": tokens,
+        out[f"batch_{batch}" + ("_prefix_cached" if shared is not None else "_full_pass")] = {"answers": len(prompts), "answer_tokens": tokens,
                                  "prompt_tokens": prompt_tokens,
                                  "ms_per_answer": 1000 * seconds / len(prompts),
                                  "ms_per_answer_token": 1000 * seconds / tokens,

@@ -223,3 +223,32 @@ def test_score_endpoint_on_smollm2(run, smollm2):
         assert result["p_correct_raw"] == pytest.approx(p_raw, abs=1e-5)
     for result, answer in zip(results[3:], served, strict=True):
         assert result["p_correct_raw"] == pytest.approx(answer["actmap"]["p_correct_raw"], abs=1e-4)
+
+
+def test_a_shared_chat_prefix_runs_once_and_gives_the_same_rows(run):
+    """A template whose system turn every prompt starts with: the pass over its cached prefix
+    gives the rows (and scores) of the full pass."""
+    from actmap.capture.forced import capture_answers_batch
+    from actmap.serve.answers import ScoreJob, chat_prefix, score_answers
+
+    engine = tiny_engine(run)
+    engine.tokenizer.chat_template = "the capital of the city is {% for m in messages %}{{ m['content'] }} {% endfor %}"  # fmt: skip
+    prefix = chat_prefix(engine)
+    assert prefix is not None and len(prefix.ids) == 6  # the template's six words
+    rows = logged_answers(12, seed=5)[1:]
+    prompts = [engine.render_chat(r["messages"]) for r in rows]
+    answers = [r["answer"] for r in rows]
+    config = CaptureConfig(max_context=engine.max_context, batch_size=11, greybox=False)
+    full = capture_answers_batch(engine.model, engine.tokenizer, prompts, answers, config)
+    cached = capture_answers_batch(engine.model, engine.tokenizer, prompts, answers, config, prefix=prefix)  # fmt: skip
+    for a, b in zip(full, cached, strict=True):
+        assert a.token_ids == b.token_ids and a.prompt_tokens == b.prompt_tokens
+        assert (a.trajectory - b.trajectory).abs().max() < 1e-4
+    jobs = [ScoreJob(p, a) for p, a in zip(prompts, answers, strict=True)]
+    with_prefix, _ = score_answers(engine, jobs, prefix)
+    without, _ = score_answers(engine, [ScoreJob(p, a) for p, a in zip(prompts, answers, strict=True)])  # fmt: skip
+    for a, b in zip(with_prefix, without, strict=True):
+        assert a.p_correct_raw == pytest.approx(b.p_correct_raw, abs=1e-6)
+    # a prompt that does not start with the prefix: the batch runs whole, same rows
+    odd = capture_answers_batch(engine.model, engine.tokenizer, ["what is two", *prompts[:2]], ["two", *answers[:2]], config, prefix=prefix)  # fmt: skip
+    assert [g.token_ids for g in odd[1:]] == [g.token_ids for g in full[:2]]

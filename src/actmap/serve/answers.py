@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from actmap.capture.forced import capture_answers_batch
+from actmap.capture.forced import ForcedPrefix, capture_answers_batch, forced_prefix
 from actmap.capture.generate import stop_ids
 from actmap.capture.records import CaptureConfig
 from actmap.serve.engine import Answer, BatchTimings, Engine
@@ -54,8 +54,29 @@ def strip_end_tokens(engine: Engine, ids: Sequence[int]) -> list[int]:
     return ids
 
 
-def score_answers(engine: Engine, jobs: list[ScoreJob]) -> tuple[list[Answer], BatchTimings]:
-    """One teacher-forced pass over a batch of existing answers -> scored `Answer`s."""
+def chat_prefix(engine: Engine) -> ForcedPrefix | None:
+    """The tokens every chat prompt of this template starts with (its system turn), run once:
+    each teacher-forced pass then reads only the conversation's own tokens. None without a
+    template or a shared start."""
+    if not getattr(engine.tokenizer, "chat_template", None):
+        return None
+    ids = [
+        engine.tokenizer(engine.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)["input_ids"]
+        for text in ("Which river is longest?", "2 + 2 =")
+    ]  # fmt: skip
+    n = next((i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b), min(map(len, ids)))
+    n -= 1  # the last shared token may merge with a message's first characters
+    if n < 1:
+        return None
+    with engine.lock:
+        return forced_prefix(engine.model, ids[0][:n])
+
+
+def score_answers(
+    engine: Engine, jobs: list[ScoreJob], prefix: ForcedPrefix | None = None
+) -> tuple[list[Answer], BatchTimings]:
+    """One teacher-forced pass over a batch of existing answers -> scored `Answer`s (over
+    ``prefix``'s cache when every prompt starts with it, `chat_prefix`)."""
     started = time.perf_counter()
     config = CaptureConfig(
         max_context=engine.max_context,
@@ -70,6 +91,7 @@ def score_answers(engine: Engine, jobs: list[ScoreJob]) -> tuple[list[Answer], B
             [j.answer for j in jobs],
             config,
             engine.layers_path,
+            prefix,
         )
     forced = time.perf_counter()
     answers = engine.score(jobs, generations, started)
@@ -87,6 +109,7 @@ def score_pairs(
     if len(prompts) != len(answers):
         raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
     out: list[Answer] = []
+    prefix = chat_prefix(engine)
     for start in range(0, len(prompts), batch_size):
         jobs = [
             ScoreJob(p, a, p, "score")
@@ -96,7 +119,7 @@ def score_pairs(
                 strict=True,
             )
         ]
-        out += score_answers(engine, jobs)[0]
+        out += score_answers(engine, jobs, prefix)[0]
         if progress is not None:
             progress(len(jobs))
     return out
