@@ -36,11 +36,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import Counter, Histogram
 
+from actmap.errors import ActmapUserError
 from actmap.serve.answers import ScoreJob, answer_ids, strip_end_tokens
 from actmap.serve.prometheus import LATENCY_BUCKETS
 from actmap.serve.protocol import ActmapInfo, ErrorInfo, ErrorResponse, OpenAIBaseModel
 from actmap.serve.score_endpoint import submit_scoring
-from actmap.serve.upstream import ProbeResult, Upstream, UpstreamFailure, UpstreamStatus
+from actmap.serve.upstream import (
+    ProbeResult,
+    Upstream,
+    UpstreamFailure,
+    UpstreamStatus,
+    probe_weights,
+    upstream_model_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +81,6 @@ class ProxyState:
 def probe_upstream(engine, settings) -> ProbeResult:
     """Which model the upstream serves and whether it is ours (`ActmapUserError`, one line, when
     it is not and ``allow_weights_mismatch`` is off, or when the upstream cannot be reached)."""
-    from actmap.errors import ActmapUserError
-    from actmap.serve.upstream import probe_weights, upstream_model_name
-
     timeout = settings.upstream_timeout_s
     try:
         name = upstream_model_name(
@@ -113,8 +118,6 @@ async def start_proxy(state) -> None:
 
 def check_probe(probe: ProbeResult, settings) -> None:
     """Refuse a weights mismatch (one line) unless ``allow_weights_mismatch``."""
-    from actmap.errors import ActmapUserError
-
     if probe.problem is None:
         log.info("upstream weights probe passed (max log-prob diff %s)", probe.max_logprob_diff)
         return

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import httpx
 import torch
 
+from actmap.capture.generate import stop_ids
+from actmap.serve.answers import strip_end_tokens
+
 log = logging.getLogger(__name__)
 
 PROBE_MESSAGES = (
@@ -177,8 +180,6 @@ class ProbeResult:
 
 def local_greedy(engine, prompt: str, n: int) -> tuple[list[int], list[int], list[float]]:
     """(prompt ids, greedy answer ids, their log-probs) of the local model, end token dropped."""
-    from actmap.capture.generate import stop_ids
-
     add_special = not getattr(engine.tokenizer, "chat_template", None)
     prompt_ids = engine.tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
     device = next(engine.model.parameters()).device
@@ -206,8 +207,6 @@ def _first_difference(a: Sequence, b: Sequence) -> int:
 
 def probe_weights(engine, base_url: str, upstream_model: str, timeout: float) -> ProbeResult:
     """Send the fixed greedy probe upstream and compare it with the local model's answer."""
-    from actmap.serve.answers import strip_end_tokens
-
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
     body = {"model": upstream_model, "max_tokens": PROBE_TOKENS, "temperature": 0,
             "return_token_ids": True}  # fmt: skip
