@@ -2,8 +2,8 @@
 
 vLLM runs from its own virtual environment (``ACTMAP_VLLM_PYTHON``, default
 /work/venv-vllm/bin/python); the test is skipped, saying why, where that python
-cannot import vllm. ``ACTMAP_VLLM_URL`` reuses a server already running (its start-up
-compiles for minutes on a small CPU). vLLM reads a transformers folder: the de-quantized SmolLM2
+cannot import vllm. It starts with ``--enforce-eager`` (no compilation: about two minutes
+on two busy cores instead of five); ``ACTMAP_VLLM_URL`` reuses a server already running. vLLM reads a transformers folder: the de-quantized SmolLM2
 folder `actmap.models.load_model` caches (safetensors, no quantization_config).
 """
 
@@ -76,7 +76,7 @@ def vllm_server(smollm2, tmp_path_factory):
         process = subprocess.Popen(
             [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model",
              str(converted_folder(source)), "--served-model-name", "smollm2", "--dtype", "float32",
-             "--port", str(port), "--max-model-len", "2048"],
+             "--port", str(port), "--max-model-len", "2048", "--enforce-eager"],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
