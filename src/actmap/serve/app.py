@@ -394,12 +394,12 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = engine_factory() if engine_factory else build_engine(settings)
         state = ServerState(settings, engine)
+        if settings.upstream is not None:  # probe first: a mismatch stops here, nothing started
+            state.upstream_probe = getattr(app.state, "upstream_probe", None)  # the CLI's
+            await start_proxy(state)
         await state.batcher.start()
         await state.scorer.start()
         app.state.actmap = state
-        if settings.upstream is not None:  # the CLI may have probed the weights already
-            state.upstream_probe = getattr(app.state, "upstream_probe", None)
-            await start_proxy(state)
         try:
             yield
         finally:
