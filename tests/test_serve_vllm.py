@@ -117,6 +117,16 @@ def test_openai_client_plain_stream_errors_and_audit(server, smollm2):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10_000)
 
+    # given answers are read by the transformers engine's teacher-forced pass: a clear 400 here
+    scored = httpx.post(
+        f"{base}/v1/actmap/score",
+        json={"items": [{"prompt": "2 + 2 =", "answer": " 4"}]},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert scored.status_code == 400, scored.text
+    assert "--engine local" in scored.json()["error"]["message"]
+
     # requests arriving while others run join the running batch; each gets its own answer
     questions = [f"What is {a} plus {a}?" for a in range(2, 8)]
     answers: dict[int, str] = {}

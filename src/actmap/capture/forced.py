@@ -17,9 +17,12 @@ step at a time, and `_split_rows` cuts them into records exactly as there.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +31,7 @@ from actmap.capture.generate import (
     _device,
     _eager_attention,
     _split_rows,
+    _unpadded,
     check_prompts,
     left_padded_positions,
     stop_ids,
@@ -36,6 +40,7 @@ from actmap.capture.generate import (
 from actmap.capture.hooks import StepRecorder, _first_tensor, recording
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig, Generation
+from actmap.llm.prefix_cache import cache_keyword, cache_of
 from actmap.maps import pool_hidden
 
 log = logging.getLogger(__name__)
@@ -97,6 +102,58 @@ class ForcedRecorder(StepRecorder):
         return hook
 
 
+def _logits_kept(model: nn.Module, config: CaptureConfig) -> dict:
+    """Map-only capture reads no logits: the head over the vocabulary (a fifth of a small
+    model's compute) then runs for the last position only."""
+    if config.greybox or "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return {}
+    return {"logits_to_keep": 1}
+
+
+@dataclass(frozen=True)
+class ForcedPrefix:
+    """Token ids many prompts start with (a chat template's system turn) and their key/value
+    cache, computed once: a pass over prompts that start with ``ids`` runs only the rest."""
+
+    ids: torch.Tensor  # (n,)
+    cache: Any  # the model's key/value cache of ``ids``, batch 1; copied, never extended
+
+
+@torch.inference_mode()
+def forced_prefix(model: nn.Module, ids: Sequence[int]) -> ForcedPrefix:
+    """Run ``ids`` once (no hooks) and keep their key/value cache."""
+    tensor = torch.tensor(list(ids), dtype=torch.long, device=_device(model))
+    out = model(input_ids=tensor[None], use_cache=True, **_logits_kept(model, CaptureConfig(greybox=False)))  # fmt: skip
+    return ForcedPrefix(tensor, cache_of(out))
+
+
+def _prefix_inputs(
+    prefix: ForcedPrefix | None, encoded: dict, config: CaptureConfig
+) -> dict | None:
+    """[tail | answer] inputs over ``prefix``'s cache when every row starts with its ids and
+    leaves one prompt token of its own; None when the batch cannot use it. The padding sits
+    between the prefix and each row's own tokens and takes no position (as in generation's
+    shared prefix), so each row sees exactly its own prompt."""
+    if prefix is None or config.attention_keys > 0 or config.keep_dense:
+        return None  # attention entries and dense states index the whole sequence
+    n = len(prefix.ids)
+    rows = _unpadded(encoded)
+    if not all(len(r) > n and torch.equal(r[:n], prefix.ids.to(r.device)) for r in rows):
+        return None
+    own = [r[n:] for r in rows]
+    width = max(len(o) for o in own)
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    pad = int(ids[mask == 0][0]) if (mask == 0).any() else 0
+    tail = torch.full((len(rows), width), pad, dtype=ids.dtype, device=ids.device)
+    tail_mask = torch.zeros((len(rows), width), dtype=mask.dtype, device=mask.device)
+    for i, o in enumerate(own):
+        tail[i, width - len(o) :] = o
+        tail_mask[i, width - len(o) :] = 1
+    cache = copy.deepcopy(prefix.cache)
+    cache.batch_repeat_interleave(len(rows))
+    return {"tail": tail, "tail_mask": tail_mask, "n": n, "cache": cache}
+
+
 def answer_token_ids(tokenizer, answers: Sequence[str | Sequence[int]]) -> list[list[int]]:
     """Token ids of each answer: text is tokenized on its own, without special tokens.
 
@@ -124,8 +181,12 @@ def capture_answers_batch(
     answers: Sequence[str | Sequence[int]],
     config: CaptureConfig = CaptureConfig(),
     layers_path: str | None = None,
+    prefix: ForcedPrefix | None = None,
 ) -> list[Generation]:
-    """One forward pass over each ``prompt + answer`` of a batch -> one `Generation` each."""
+    """One forward pass over each ``prompt + answer`` of a batch -> one `Generation` each.
+
+    With ``prefix`` (`forced_prefix`), prompts that all start with its ids run only the rest
+    on top of its key/value cache: the same rows to float rounding, fewer tokens per pass."""
     check_pairs(prompts, answers)
     device = _device(model)
     layers = find_decoder_layers(model, layers_path)
@@ -151,6 +212,14 @@ def capture_answers_batch(
     input_ids = torch.cat([encoded["input_ids"], fed], dim=1)  # (B, P + T)
     mask = torch.cat([encoded["attention_mask"], answer_mask], dim=1)
     positions = left_padded_positions(mask)
+    cached = {}
+    shared = _prefix_inputs(prefix, encoded, config)
+    if shared is not None:  # (B, W + T) after the n cached tokens
+        input_ids = torch.cat([shared["tail"], fed], dim=1)
+        mask = torch.cat([mask.new_ones((batch, shared["n"])), shared["tail_mask"], answer_mask], dim=1)  # fmt: skip
+        positions = left_padded_positions(mask)[:, shared["n"] :]
+        width = shared["tail"].shape[1]
+        cached = {cache_keyword(model): shared["cache"], "use_cache": True}
     text_config = getattr(model.config, "text_config", model.config)
     recorder = ForcedRecorder(
         chosen,
@@ -167,7 +236,13 @@ def capture_answers_batch(
         _eager_attention(model, config.attention_keys > 0),
         recording(model, recorder, layers_path),
     ):
-        model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **({"use_cache": False} | cached),
+            **_logits_kept(model, config),
+        )
     return _split_rows(recorder, chosen, encoded, prompts, tokenizer, ends)
 
 

@@ -18,6 +18,7 @@ from actmap.cli import monitor as _monitor  # noqa: F401
 from actmap.cli import product as _product  # noqa: F401
 from actmap.cli import report as _report  # noqa: F401
 from actmap.cli import reproduce as _reproduce  # noqa: F401
+from actmap.cli import score as _score  # noqa: F401
 from actmap.cli import serve as _serve  # noqa: F401
 from actmap.cli import store as _store  # noqa: F401
 from actmap.cli import train as _train  # noqa: F401

@@ -23,9 +23,9 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @app.command()
 def serve(
     detector: Path = typer.Option(
-        ...,
+        None,
         help="Run folder from `actmap train` (or one seed-<s>/); actmap-plus is the one to "
-        "deploy (`actmap train --detector actmap-plus`).",
+        "deploy (`actmap train --detector actmap-plus`). Without it: a plain generator.",
     ),
     model: str = typer.Option(
         "smollm2-135m-instruct", help="Generator: short name, .gguf, folder or hub id."
@@ -93,6 +93,22 @@ def serve(
         "this process, --batch-size requests in flight, a new request joins the running "
         "batch; pip install 'actmap[vllm]').",
     ),
+    max_score_items: int = typer.Option(64, min=1, help="Answers per /v1/actmap/score request."),
+    upstream: str = typer.Option(
+        None,
+        help="Proxy mode: forward chat/completion requests to this OpenAI-compatible server "
+        "(e.g. http://host:8001/v1) and score its answers with --model's weights.",
+    ),
+    upstream_model: str = typer.Option(
+        None, help="The model name the upstream serves (default: the one it lists)."
+    ),
+    upstream_timeout: float = typer.Option(60.0, help="Seconds per upstream request (then 504)."),
+    upstream_api_key: str = typer.Option(
+        None, envvar="ACTMAP_UPSTREAM_API_KEY", show_default=False, help="Bearer key upstream."
+    ),
+    allow_weights_mismatch: bool = typer.Option(
+        False, help="Serve although the upstream fails the start-up weights probe."
+    ),
 ) -> None:
     """Serve an OpenAI-compatible API whose every answer carries p(correct) and a decision."""
     with user_errors():
@@ -109,6 +125,9 @@ def serve(
             batch_window_ms=batch_window_ms, max_queue=queue_size, timeout_s=timeout,
             stream_scores=stream_scores, score_every=score_every, device=device, dtype=dtype,
             monitor=monitor, monitor_window=monitor_window, engine=engine,
+            max_score_items=max_score_items,
+            upstream=upstream, upstream_model=upstream_model, upstream_timeout_s=upstream_timeout,
+            upstream_api_key=upstream_api_key, allow_weights_mismatch=allow_weights_mismatch,
         )  # fmt: skip
         if engine == "vllm":
             from actmap.capture.vllm_engine import require_vllm
@@ -116,12 +135,21 @@ def serve(
             require_vllm()
         if host not in LOOPBACK and not settings.api_key:
             console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")
-        console.print(f"loading {model} and {detector} ...")
+        console.print(f"loading {model}" + (f" and {detector}" if detector else "") + " ...")
         engine = build_engine(settings)  # bad paths fail here, as one line
+        probe = None
+        if upstream is not None:  # a weights mismatch fails here, as one line
+            from actmap.serve.proxy import probe_upstream
+
+            probe = probe_upstream(engine, settings)
+    scored = f"with detector {engine.detector.id}" if engine.detector else "without a detector"
     console.print(
-        f"serving '{settings.model_name}' with detector {engine.detector.id} on http://{host}:{port}"
+        f"serving '{settings.model_name}' {scored} on http://{host}:{port}"
+        + (f", answers from {upstream} ({probe.upstream_model})" if probe else "")
     )
-    uvicorn.run(create_app(settings, lambda: engine), host=host, port=port, log_level="warning")
+    served = create_app(settings, lambda: engine)
+    served.state.upstream_probe = probe
+    uvicorn.run(served, host=host, port=port, log_level="warning")
 
 
 @policy_app.command("fit")

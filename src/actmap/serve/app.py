@@ -6,7 +6,9 @@ validated here (clear 4xx JSON errors in OpenAI's shape), rendered to prompts,
 and handed to the micro-batcher (`actmap.serve.batcher`), which runs
 `actmap.serve.engine.Engine.run` off the event loop. Endpoints:
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, and ``POST /v1/actmap/score``
+(existing answers, `actmap.serve.score_endpoint`). With ``upstream`` set, the two
+completion endpoints forward to that server instead (`actmap.serve.proxy`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request
@@ -26,6 +29,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actmap.errors import ActmapUserError
+from actmap.serve.answers import chat_prefix, score_answers
+from actmap.serve.api_errors import APIError
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
 from actmap.serve.prometheus import ServeMetrics
@@ -52,6 +57,8 @@ from actmap.serve.protocol import (
     UsageInfo,
     random_id,
 )
+from actmap.serve.proxy import install_proxy_routes, start_proxy, stop_proxy
+from actmap.serve.score_endpoint import install_score_route
 
 log = logging.getLogger(__name__)
 
@@ -90,35 +97,17 @@ class ServeSettings:
     # local: transformers + the micro-batcher; vllm: vLLM's scheduler in this process
     # (`actmap.serve.vllm_serving`; max_batch = requests in flight)
     engine: str = "local"
+    max_score_items: int = 64  # answers per POST /v1/actmap/score request
+    # proxy mode (`actmap.serve.proxy`): answers come from this OpenAI-compatible server
+    upstream: str | None = None  # its base URL, e.g. http://host:port/v1; None = generate here
+    upstream_model: str | None = None  # the model name the upstream serves; None = ask it
+    upstream_timeout_s: float = 60.0  # per upstream request; past it: 504
+    upstream_api_key: str | None = None  # bearer token the upstream wants
+    allow_weights_mismatch: bool = False  # serve although the start-up probe differs
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
-
-    def response(self, headers: dict | None = None) -> JSONResponse:
-        body = ErrorResponse(
-            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        )
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
 
 
 def build_engine(settings: ServeSettings) -> Engine:
@@ -127,12 +116,18 @@ def build_engine(settings: ServeSettings) -> Engine:
     from actmap.serve.loaded_run import load_detector_run
     from actmap.serve.policy import Policy, load_policy
 
-    if settings.detector is None:
-        raise ActmapUserError("a detector run folder is required (--detector RUN)")
+    if settings.detector is None:  # a plain generator: nothing to score, decide or audit
+        needs = [n for n in ("policy", "audit", "monitor", "upstream") if getattr(settings, n)]
+        if needs:
+            raise ActmapUserError(
+                "a detector run folder is required (--detector RUN) with --" + ", --".join(needs)
+            )
     policy = load_policy(settings.policy) if settings.policy else Policy()
-    detector = load_detector_run(settings.detector, settings.seed, settings.device)
-    dtype = settings.dtype or detector.dtype
-    if dtype != detector.dtype:
+    detector = None
+    if settings.detector is not None:
+        detector = load_detector_run(settings.detector, settings.seed, settings.device)
+    dtype = settings.dtype or (detector.dtype if detector is not None else "float32")
+    if detector is not None and dtype != detector.dtype:
         log.warning(
             "serving %s in %s, but detector %s was fit on maps captured in %s: scores may shift",
             settings.model,
@@ -143,10 +138,17 @@ def build_engine(settings: ServeSettings) -> Engine:
     monitor = load_streaming_monitor(settings.monitor, settings.monitor_window)
     if settings.engine not in ("local", "vllm"):
         raise ActmapUserError(f"--engine must be 'local' or 'vllm', got {settings.engine!r}")
+    if settings.engine == "vllm" and settings.upstream is not None:
+        raise ActmapUserError(
+            "--upstream reads the upstream's answers with the transformers engine: "
+            "leave --engine at local"
+        )
     if settings.engine == "vllm":
         from actmap.serve.vllm_serving import build_vllm_engine
 
-        return build_vllm_engine(settings, detector, policy, _audit(settings, detector), monitor, dtype)
+        return build_vllm_engine(
+            settings, detector, policy, _audit(settings, detector), monitor, dtype
+        )
     # no remote code
     model, tokenizer, source = load_model(settings.model, device=settings.device, dtype=dtype)
     limit = getattr(
@@ -318,6 +320,18 @@ class ServerState:
                 max_queue=settings.max_queue,
                 on_batch=self._on_batch,
             )
+        # existing answers are read by a teacher-forced pass of the transformers model; the
+        # vLLM engine holds none (POST /v1/actmap/score then answers 400)
+        self.scorer = None
+        if engine.model is not None:
+            self.scorer = MicroBatcher(
+                partial(
+                    score_answers, engine, prefix=chat_prefix(engine) if engine.detector else None
+                ),
+                max_batch=settings.max_batch,
+                window_s=settings.batch_window_ms / 1000,
+                max_queue=settings.max_queue,
+            )
         self.started_at = time.time()
 
     def _on_batch(self, jobs: list[Job], timings: BatchTimings) -> None:
@@ -332,7 +346,9 @@ class ServerState:
         self.metrics.queue_depth.set(self.batcher.depth)
         return future
 
-    def info(self, answer: Answer) -> ActmapInfo:
+    def info(self, answer: Answer) -> ActmapInfo | None:
+        if self.engine.detector is None:  # a plain generator: no actmap block
+            return None
         return ActmapInfo(
             p_correct=answer.p_correct,
             p_correct_raw=answer.p_correct_raw,
@@ -342,6 +358,10 @@ class ServerState:
             prevalence=answer.prevalence,
             shift=None if answer.shift is None else ShiftInfo(**answer.shift.to_json()),
         )
+
+
+def _detector_id(state: ServerState) -> str | None:
+    return state.engine.detector.id if state.engine.detector is not None else None
 
 
 # -- middleware: auth and body size -----------------------------------------------------------
@@ -404,12 +424,21 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = engine_factory() if engine_factory else build_engine(settings)
         state = ServerState(settings, engine)
+        if settings.upstream is not None:  # probe first: a mismatch stops here, nothing started
+            state.upstream_probe = getattr(app.state, "upstream_probe", None)  # the CLI's
+            await start_proxy(state)
         await state.batcher.start()
+        if state.scorer is not None:
+            await state.scorer.start()
         app.state.actmap = state
         try:
             yield
         finally:
+            if settings.upstream is not None:
+                await stop_proxy(state)
             await state.batcher.stop()
+            if state.scorer is not None:
+                await state.scorer.stop()
             if engine.audit is not None:
                 engine.audit.close()
 
@@ -444,8 +473,9 @@ def create_app(
         return {
             "status": "ok",
             "model": state.settings.model_name,
-            "detector": state.engine.detector.id,
+            "detector": _detector_id(state),
             "queue": state.batcher.depth,
+            "upstream": state.settings.upstream,  # proxy mode's engine (None: generates here)
         }
 
     @app.get("/metrics")
@@ -465,9 +495,15 @@ def create_app(
             id=state.settings.model_name,
             created=int(state.started_at),
             root=f"{source.name}@{source.revision}",
-            actmap_detector=state.engine.detector.id,
+            actmap_detector=_detector_id(state),
         )
         return ModelList(data=[card])
+
+    install_score_route(app)
+    if settings.upstream is not None:
+        install_proxy_routes(app)  # answers come from the upstream, read by teacher forcing
+        app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+        return app
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

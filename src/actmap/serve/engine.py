@@ -29,7 +29,7 @@ from actmap.capture.generate import generate_batch, stop_ids
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import stop_position
 from actmap.llm.models import ModelSource
-from actmap.maps import build_maps, stored_form
+from actmap.maps import MapConfig, build_maps, stored_form
 from actmap.monitor.stream import MapShift, StreamingMonitor
 from actmap.scoring.prior import em_prevalence
 from actmap.serve.loaded_run import LoadedDetector, answer_maps
@@ -122,7 +122,7 @@ class _StepWatch:
         self.aborted = [False] * len(jobs)
         self.sent = [""] * len(jobs)
         self.holdback = max((len(s) for s in jobs[0].stop), default=1) - 1
-        self.scalars = engine.detector.needs_scalars
+        self.scalars = engine.detector is not None and engine.detector.needs_scalars
 
     def __call__(self, recorder, generated: torch.Tensor) -> torch.Tensor:
         t = generated.shape[1]  # tokens so far; trajectory rows 0..t-1 are filled
@@ -142,7 +142,8 @@ class _StepWatch:
         scored = [
             i
             for i in live
-            if (self.jobs[i].stream_scores or self.jobs[i].abort_below is not None)
+            if self.engine.detector is not None
+            and (self.jobs[i].stream_scores or self.jobs[i].abort_below is not None)
             and (t % self.engine.score_every == 0 or t == self.jobs[i].max_tokens)
         ]
         running = {}
@@ -218,7 +219,7 @@ class Engine:
         model,
         tokenizer,
         source: ModelSource,
-        detector: LoadedDetector,
+        detector: LoadedDetector | None,  # None: a plain generator, answers go unscored
         policy: Policy = Policy(),
         max_context: int = 2048,
         score_every: int = 1,
@@ -229,13 +230,16 @@ class Engine:
         self.model, self.tokenizer, self.source = model, tokenizer, source
         self.monitor = monitor
         self.detector = detector
-        self.map_config = detector.map_config
+        self.map_config = detector.map_config if detector is not None else MapConfig()
         self.policy = policy
         self.max_context = max_context
         self.score_every = max(1, score_every)
         self.audit = audit
         self.layers_path = layers_path
         self.prevalence = PrevalenceTracker(policy.prior)
+        # one forward pass on the model at a time: generation and teacher-forced scoring
+        # (`actmap.serve.answers`) run in different worker threads and install hooks
+        self.lock = threading.Lock()
 
     # -- prompts ---------------------------------------------------------------------------
     def render_chat(self, messages: list[dict]) -> str:
@@ -259,17 +263,19 @@ class Engine:
             stop_strings=jobs[0].stop,
             max_context=self.max_context,
             batch_size=len(jobs),
-            greybox=self.detector.needs_scalars,  # map-only capture when maps are all it reads
+            # map-only capture when maps are all the detector reads
+            greybox=self.detector is not None and self.detector.needs_scalars,
         )
         watch = _StepWatch(self, jobs) if any(j.watched for j in jobs) else None
-        generations = generate_batch(
-            self.model,
-            self.tokenizer,
-            [j.prompt for j in jobs],
-            config,
-            self.layers_path,
-            on_step=watch,
-        )
+        with self.lock:
+            generations = generate_batch(
+                self.model,
+                self.tokenizer,
+                [j.prompt for j in jobs],
+                config,
+                self.layers_path,
+                on_step=watch,
+            )
         if watch is not None:
             generations = [watch.trim(i, g) for i, g in enumerate(generations)]
         generated = time.perf_counter()
@@ -277,7 +283,13 @@ class Engine:
         timings = BatchTimings(len(jobs), generated - started, time.perf_counter() - generated)
         return answers, timings
 
+    def score(self, jobs, generations: list[Generation], started: float) -> list[Answer]:
+        """Answers of captured ``generations`` (one per job): detector, prior, policy, audit."""
+        return self._score(jobs, generations, None, started)
+
     def _score(self, jobs, generations, watch, started) -> list[Answer]:
+        if self.detector is None:  # a plain generator (e.g. the upstream of a proxy)
+            return [_unscored(job, g, started) for job, g in zip(jobs, generations, strict=True)]
         scored = [i for i, g in enumerate(generations) if g.n_tokens > 0]
         raw = np.full(len(jobs), np.nan)
         maps = scalars = None
@@ -288,7 +300,9 @@ class Engine:
             raw[scored] = self.detector.predict_proba(maps, scalars)
         shifts = self.monitor.observe(maps) if self.monitor is not None and scored else None
         prevalence = self.prevalence.update(raw[scored])
-        corrected = correct_prior(raw, self.policy.prior, prevalence)
+        corrected = np.full(len(jobs), np.nan)  # an empty answer has no score to correct
+        if scored:
+            corrected[scored] = correct_prior(raw[scored], self.policy.prior, prevalence)
         answers, records = [], []
         map_index = {row: k for k, row in enumerate(scored)}
         for i, (job, g) in enumerate(zip(jobs, generations, strict=True)):
@@ -324,3 +338,19 @@ class Engine:
                 [self.audit.entry(job, a, self.source, self.detector.id) for job, a in records]
             )
         return answers
+
+
+def _unscored(job: Job, generation: Generation, started: float) -> Answer:
+    return Answer(
+        text=generation.answer,
+        n_tokens=generation.n_tokens,
+        prompt_tokens=generation.prompt_tokens,
+        finish_reason="stop" if generation.stopped else "length",
+        p_correct_raw=None,
+        p_correct=None,
+        decision="unscored",
+        prevalence=None,
+        map_id=None,
+        map=None,
+        queued_s=started - job.enqueued_at,
+    )

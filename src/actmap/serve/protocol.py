@@ -149,7 +149,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
-    actmap: ActmapInfo
+    actmap: ActmapInfo | None  # None: a server without a detector
 
 
 class CompletionChoice(OpenAIBaseModel):
@@ -166,7 +166,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
-    actmap: ActmapInfo
+    actmap: ActmapInfo | None  # None: a server without a detector
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -1,0 +1,125 @@
+"""Scoring answers that already exist: one teacher-forced pass each, then the server's scoring.
+
+`score_answers` is what the scoring batcher calls off the event loop for
+``POST /v1/actmap/score`` and for the proxy (`actmap.serve.proxy`): the
+``prompt + answer`` pairs of a batch go through `capture_answers_batch` together
+(one forward pass, no generation), which gives the same records generation-time
+capture gives for the same tokens; `Engine.score` then builds the maps and
+applies the detector, the prior correction, the policy and the audit trail
+exactly as for a generated answer. An answer is text (tokenized on its own, as
+``actmap capture --answers`` does) or the token ids the engine produced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from actmap.capture.forced import ForcedPrefix, capture_answers_batch, forced_prefix
+from actmap.capture.generate import stop_ids
+from actmap.capture.records import CaptureConfig
+from actmap.serve.engine import Answer, BatchTimings, Engine
+
+
+@dataclass(eq=False)
+class ScoreJob:
+    """One existing answer to score, as the scoring thread sees it."""
+
+    prompt: str  # fully rendered (chat template applied)
+    answer: str | list[int]  # text, or the answer's token ids (end token not included)
+    prompt_for_audit: str = ""  # the request's prompt text (hashed; kept only when asked)
+    endpoint: str = "score"
+    cancelled: bool = False
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    future: object = None  # the asyncio future the batcher resolves with the Answer
+
+    key = ("teacher-forced",)  # every scoring job can share a pass
+
+
+def answer_ids(engine: Engine, answer: str | Sequence[int]) -> list[int]:
+    """The token ids the map is read over: text tokenized on its own, ids as given."""
+    if isinstance(answer, str):
+        return engine.tokenizer(answer, add_special_tokens=False)["input_ids"]
+    return [int(t) for t in answer]
+
+
+def strip_end_tokens(engine: Engine, ids: Sequence[int]) -> list[int]:
+    """Token ids without trailing end-of-sequence tokens (engines count the stop token; capture
+    keeps no row for it)."""
+    ends = stop_ids(engine.model, engine.tokenizer)
+    ids = list(ids)
+    while ids and ids[-1] in ends:
+        ids.pop()
+    return ids
+
+
+def chat_prefix(engine: Engine) -> ForcedPrefix | None:
+    """The tokens every chat prompt of this template starts with (its system turn), run once:
+    each teacher-forced pass then reads only the conversation's own tokens. None without a
+    template or a shared start."""
+    if not getattr(engine.tokenizer, "chat_template", None):
+        return None
+    ids = [
+        engine.tokenizer(engine.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)["input_ids"]
+        for text in ("Which river is longest?", "2 + 2 =")
+    ]  # fmt: skip
+    n = next((i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b), min(map(len, ids)))
+    n -= 1  # the last shared token may merge with a message's first characters
+    if n < 1:
+        return None
+    with engine.lock:
+        return forced_prefix(engine.model, ids[0][:n])
+
+
+def score_answers(
+    engine: Engine, jobs: list[ScoreJob], prefix: ForcedPrefix | None = None
+) -> tuple[list[Answer], BatchTimings]:
+    """One teacher-forced pass over a batch of existing answers -> scored `Answer`s (over
+    ``prefix``'s cache when every prompt starts with it, `chat_prefix`)."""
+    started = time.perf_counter()
+    config = CaptureConfig(
+        max_context=engine.max_context,
+        batch_size=len(jobs),
+        greybox=engine.detector.needs_scalars,  # map-only capture when maps are all it reads
+    )
+    with engine.lock:
+        generations = capture_answers_batch(
+            engine.model,
+            engine.tokenizer,
+            [j.prompt for j in jobs],
+            [j.answer for j in jobs],
+            config,
+            engine.layers_path,
+            prefix,
+        )
+    forced = time.perf_counter()
+    answers = engine.score(jobs, generations, started)
+    return answers, BatchTimings(len(jobs), forced - started, time.perf_counter() - forced)
+
+
+def score_pairs(
+    engine: Engine,
+    prompts: list[str],
+    answers: list[str | list[int]],
+    batch_size: int = 16,
+    progress=None,
+) -> list[Answer]:
+    """Offline scoring (``actmap score``): ``prompts`` rendered, in batches of ``batch_size``."""
+    if len(prompts) != len(answers):
+        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+    out: list[Answer] = []
+    prefix = chat_prefix(engine)
+    for start in range(0, len(prompts), batch_size):
+        jobs = [
+            ScoreJob(p, a, p, "score")
+            for p, a in zip(
+                prompts[start : start + batch_size],
+                answers[start : start + batch_size],
+                strict=True,
+            )
+        ]
+        out += score_answers(engine, jobs, prefix)[0]
+        if progress is not None:
+            progress(len(jobs))
+    return out

@@ -1,0 +1,264 @@
+"""The upstream OpenAI-compatible server of proxy mode: the HTTP client and the weights probe.
+
+`Upstream` wraps one ``httpx.AsyncClient``: every failure becomes an
+`UpstreamFailure` carrying the OpenAI-style status the proxy answers with
+(connection refused, a 5xx or a malformed body: 502; a timeout: 504). Retries
+happen only where nothing can have been generated: httpx's transport retries a
+connection that could not be opened, never a request that was sent.
+
+`probe_weights` checks, before the proxy serves, that the upstream runs the
+weights the detector reads: one fixed greedy chat request, whose answer tokens
+(its ids when the upstream returns them, else its text) and log-probs (when it
+returns them) must match the local model's greedy answer. `ProbeResult.problem`
+is the one line that says what differed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from actmap.capture.generate import stop_ids
+from actmap.serve.answers import strip_end_tokens
+
+log = logging.getLogger(__name__)
+
+PROBE_MESSAGES = (
+    {"role": "user", "content": "Name the capital of France, then count from one to five."},
+)
+PROBE_PROMPT = "The capital of France is"  # for a model without a chat template (completions)
+PROBE_TOKENS = 8
+# float32 on two stacks (transformers eager vs the upstream's kernels) differ by ~1e-3 nats per
+# token; another checkpoint differs by whole nats
+PROBE_LOGPROB_TOLERANCE = 0.05
+
+
+class UpstreamFailure(Exception):
+    """The upstream did not give a usable answer; ``status`` is what the proxy returns."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+class Upstream:
+    """An async client of ``base_url`` (e.g. ``http://host:port/v1``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 60.0,
+        api_key: str | None = None,
+        connect_retries: int = 2,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url + "/",
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            headers=headers,
+            transport=httpx.AsyncHTTPTransport(retries=connect_retries),  # connect errors only
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+        self.timeout_s = timeout_s
+
+    def _failure(self, error: Exception) -> UpstreamFailure:
+        if isinstance(error, httpx.TimeoutException):
+            return UpstreamFailure(
+                504, "timeout", f"the upstream {self.base_url} did not answer within "
+                f"{self.timeout_s:g} s ({type(error).__name__})",
+            )  # fmt: skip
+        if isinstance(error, httpx.ConnectError):
+            return UpstreamFailure(
+                502, "unreachable", f"the upstream {self.base_url} is unreachable: {error}"
+            )
+        return UpstreamFailure(
+            502,
+            "transport",
+            f"the upstream {self.base_url} failed: {type(error).__name__}: {error}",
+        )
+
+    async def post_json(self, path: str, body: dict) -> tuple[int, dict]:
+        """(status, JSON body) of a POST; 5xx, non-JSON and transport errors raise."""
+        try:
+            response = await self.client.post(path, json=body)
+        except httpx.HTTPError as error:
+            raise self._failure(error) from None
+        return response.status_code, self.read_json(response, response.content)
+
+    def read_json(self, response: httpx.Response, content: bytes) -> dict:
+        if response.status_code >= 500:
+            raise UpstreamFailure(
+                502, "http_5xx", f"the upstream returned {response.status_code}: "
+                f"{content[:200].decode('utf-8', 'replace')}",
+            )  # fmt: skip
+        try:
+            body = json.loads(content)
+        except ValueError:
+            raise UpstreamFailure(
+                502, "malformed", f"the upstream's answer is not JSON (status "
+                f"{response.status_code}): {content[:80].decode('utf-8', 'replace')!r}",
+            ) from None  # fmt: skip
+        if not isinstance(body, dict):
+            raise UpstreamFailure(502, "malformed", "the upstream's answer is not a JSON object")
+        return body
+
+    async def open_stream(self, path: str, body: dict) -> httpx.Response:
+        """The streamed response once its headers arrived (the caller closes it)."""
+        request = self.client.build_request("POST", path, json=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as error:
+            raise self._failure(error) from None
+        if response.status_code >= 400:
+            try:
+                content = await response.aread()
+            except httpx.HTTPError as error:
+                raise self._failure(error) from None
+            finally:
+                await response.aclose()
+            raise UpstreamStatus(response.status_code, self.read_json(response, content))
+        return response
+
+    def failure(self, error: Exception) -> UpstreamFailure:
+        return self._failure(error)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class UpstreamStatus(Exception):
+    """The upstream refused a request with a 4xx: its own error body goes back to the client."""
+
+    def __init__(self, status: int, body: dict) -> None:
+        super().__init__(f"upstream status {status}")
+        self.status, self.body = status, body
+
+
+# -- which model, and are they the same weights -----------------------------------------------
+
+
+def upstream_model_name(base_url: str, wanted: str | None, local_name: str, timeout: float) -> str:
+    """The model id to send upstream: ``wanted``, else the one model ``GET /models`` lists."""
+    if wanted:
+        return wanted
+    url = base_url.rstrip("/") + "/models"
+    try:
+        listed = httpx.get(url, timeout=timeout).json()
+        ids = [m["id"] for m in listed["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+        raise UpstreamFailure(
+            502, "unreachable", f"could not list the upstream's models at {url}: {error}"
+        ) from None
+    if len(ids) == 1:
+        return ids[0]
+    if local_name in ids:
+        return local_name
+    raise UpstreamFailure(
+        502, "models", f"the upstream serves {ids}; choose one with --upstream-model"
+    )
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    upstream_model: str
+    token_ids: bool  # the upstream returns token ids (``return_token_ids``)
+    upstream_answer: str
+    local_answer: str
+    max_logprob_diff: float | None  # None: the upstream returned no log-probs
+    problem: str | None  # one line saying what differed; None = the same weights
+
+    def to_json(self) -> dict:
+        return self.__dict__.copy()
+
+
+def local_greedy(engine, prompt: str, n: int) -> tuple[list[int], list[int], list[float]]:
+    """(prompt ids, greedy answer ids, their log-probs) of the local model, end token dropped."""
+    add_special = not getattr(engine.tokenizer, "chat_template", None)
+    prompt_ids = engine.tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
+    device = next(engine.model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    ends = stop_ids(engine.model, engine.tokenizer)
+    answer, logprobs = [], []
+    with engine.lock, torch.inference_mode():
+        for _ in range(n):  # a few whole passes: no cache to get wrong
+            logits = engine.model(input_ids=ids, use_cache=False).logits
+            logp = torch.log_softmax(logits[0, -1].float(), -1)
+            token = int(logp.argmax())
+            if token in ends:
+                break
+            answer.append(token)
+            logprobs.append(float(logp[token]))
+            ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
+    return prompt_ids, answer, logprobs
+
+
+def _first_difference(a: Sequence, b: Sequence) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def probe_weights(engine, base_url: str, upstream_model: str, timeout: float) -> ProbeResult:
+    """Send the fixed greedy probe upstream and compare it with the local model's answer."""
+    chat = bool(getattr(engine.tokenizer, "chat_template", None))
+    body = {"model": upstream_model, "max_tokens": PROBE_TOKENS, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    if chat:
+        body.update(messages=list(PROBE_MESSAGES), logprobs=True)
+    else:  # the completions API: its log-probs option is a count
+        body.update(prompt=PROBE_PROMPT, logprobs=1)
+    url = base_url.rstrip("/") + ("/chat/completions" if chat else "/completions")
+    try:
+        response = httpx.post(url, json=body, timeout=timeout)
+        if 400 <= response.status_code < 500:  # a server that refuses the extra fields
+            body.pop("return_token_ids"), body.pop("logprobs")
+            response = httpx.post(url, json=body, timeout=timeout)
+        response.raise_for_status()
+        out = response.json()
+        choice = out["choices"][0]
+        text = (choice["message"]["content"] if chat else choice["text"]) or ""
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
+        raise UpstreamFailure(
+            502, "probe", f"the weights probe to {url} failed: {type(error).__name__}: {error}"
+        ) from None
+    prompt = engine.render_chat(list(PROBE_MESSAGES)) if chat else PROBE_PROMPT
+    prompt_ids, local_ids, local_logprobs = local_greedy(engine, prompt, PROBE_TOKENS)
+    local_text = engine.tokenizer.decode(local_ids, skip_special_tokens=True)
+    ids = choice.get("token_ids")
+    problem = None
+    upstream_prompt = out.get("prompt_token_ids", choice.get("prompt_token_ids"))
+    if upstream_prompt is not None and list(upstream_prompt) != prompt_ids:
+        i = _first_difference(upstream_prompt, prompt_ids)
+        problem = (
+            f"the upstream tokenizes the probe prompt differently ({len(upstream_prompt)} vs "
+            f"{len(prompt_ids)} tokens, first difference at token {i})"
+        )
+    elif ids is not None:
+        ids = strip_end_tokens(engine, ids)
+        if ids != local_ids:
+            i = _first_difference(ids, local_ids)
+            theirs = engine.tokenizer.decode(ids[i : i + 1]) if i < len(ids) else "<end>"
+            ours = engine.tokenizer.decode(local_ids[i : i + 1]) if i < len(local_ids) else "<end>"
+            problem = f"greedy probe token {i} is {theirs!r} upstream but {ours!r} here"
+    elif text.strip() != local_text.strip():
+        problem = f"greedy probe answer is {text!r} upstream but {local_text!r} here"
+    diff = None
+    returned = choice.get("logprobs") or {}
+    theirs = [c["logprob"] for c in returned.get("content") or []]  # chat
+    theirs = theirs or returned.get("token_logprobs") or []  # completions
+    if theirs and problem is None:
+        theirs = [float(v) for v in theirs[: len(local_logprobs)]]
+        diff = max((abs(a - b) for a, b in zip(theirs, local_logprobs, strict=False)), default=0.0)
+        if not math.isfinite(diff) or diff > PROBE_LOGPROB_TOLERANCE:
+            problem = (
+                f"greedy probe log-probs differ by up to {diff:.3f} nats "
+                f"(tolerance {PROBE_LOGPROB_TOLERANCE}): same tokens, other weights or dtype"
+            )
+    return ProbeResult(upstream_model, ids is not None, text, local_text, diff, problem)
