@@ -16,7 +16,7 @@ Targets (issue 46): proxy throughput >= 0.8x the upstream's; added p50 below the
 upstream's own p50. Both processes share this machine's cores: ``uptime`` is printed
 before and after, since the machine is shared with other work.
 
-    python benchmarks/bench_proxy.py --vllm-python /work/venv-vllm/bin/python --out runs/bench-proxy.json
+    python benchmarks/bench_proxy.py --out runs/bench-proxy.json
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def questions(n: int) -> list[str]:
     """TriviaQA questions of the project's train split (never the held-out test questions)."""
     from actmap.data.datasets import TriviaQATask
 
-    examples = TriviaQATask(data_dir="/work/shared/data").load("train")
+    examples = TriviaQATask().load("train")  # ../shared/data, as every command reads it
     if len(examples) < n:
         sys.exit(f"only {len(examples)} train questions")
     return [e.question for e in examples[:n]]
@@ -229,7 +229,9 @@ def fit_detector(folder: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
+    parser.add_argument(
+        "--vllm-python", default=sys.executable, help="a python that imports vllm (default: this one)"
+    )
     parser.add_argument("--upstream", help="an already running upstream base URL (no /v1)")
     parser.add_argument("--detector", type=Path, help="detector run (default: a fitted logreg)")
     parser.add_argument("--requests", type=int, default=32, help="requests per load run")

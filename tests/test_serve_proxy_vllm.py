@@ -1,10 +1,10 @@
 """Proxy mode in front of a real vLLM OpenAI server (the CPU build, float32 SmolLM2) on loopback.
 
-vLLM runs from its own virtual environment (``ACTMAP_VLLM_PYTHON``, default
-/work/venv-vllm/bin/python); the test is skipped, saying why, where that python
-cannot import vllm. It starts with ``--enforce-eager`` (no compilation: about two minutes
+vLLM runs from this interpreter (`make test` installs ``actmap[vllm]``) or from another
+virtual environment named by ``ACTMAP_VLLM_PYTHON``; the test is skipped, saying why, where
+that python cannot import vllm. It starts with ``--enforce-eager`` (no compilation: about two minutes
 on two busy cores instead of five); ``ACTMAP_VLLM_URL`` reuses a server already running. vLLM reads a transformers folder: the de-quantized SmolLM2
-folder `actmap.models.load_model` caches (safetensors, no quantization_config).
+folder `actmap.llm.models.load_model` caches (safetensors, no quantization_config).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from actmap.serve.loaded_run import load_detector_run  # noqa: E402
 from actmap.store import MapStore  # noqa: E402
 
 pytestmark = pytest.mark.real_model
-VLLM_PYTHON = os.environ.get("ACTMAP_VLLM_PYTHON", "/work/venv-vllm/bin/python")
+VLLM_PYTHON = os.environ.get("ACTMAP_VLLM_PYTHON", sys.executable)
 QUESTIONS = ("What is the capital of France?", "Who wrote Hamlet? Answer in a few words.")
 MAX_TOKENS = 12
 
