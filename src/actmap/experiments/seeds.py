@@ -23,7 +23,6 @@ import torch
 
 from actmap.artifacts import package_version, write_json
 from actmap.capture.answer_scalars import scalars_from_store
-from actmap.detectors import load_detector
 from actmap.detectors.base import CorrectnessDetector
 from actmap.experiments.compare_product import plus_scored, store_rows
 from actmap.scoring import metrics
@@ -289,6 +288,8 @@ def frozen_scores(
     (an opened MapStore, only read): ``{seed: (N,) probabilities}``. The maps are read and
     scored ``chunk`` rows at a time (a transfer target's every row would not fit in memory;
     each row's score does not depend on the others)."""
+    from actmap.stacked import StackedPlus, stack_rows
+    from actmap.stacked import load_any_detector as load_detector  # actmap-plus v2 too
 
     checked = read_run(Path(run))
     detectors = {str(seed): load_detector(folder) for seed, folder in checked.seed_dirs.items()}
@@ -301,7 +302,11 @@ def frozen_scores(
         for seed, detector in detectors.items():
             if "scalars" in detector.requires and scalars is None:
                 scalars = scalars_from_store(store, part)  # read once per chunk, when needed
-            parts[seed].append(detector.predict_proba(maps, scalars))
+            if isinstance(detector, StackedPlus):  # positions and attention from the store
+                rows = stack_rows(store, part, "attention" in detector.requires, maps, scalars)
+                parts[seed].append(detector.predict_proba(rows))
+            else:
+                parts[seed].append(detector.predict_proba(maps, scalars))
     return {
         seed: np.concatenate(p) if p else np.zeros(0, dtype=np.float32) for seed, p in parts.items()
     }
