@@ -33,6 +33,7 @@ from actmap.baselines.runner import run_baselines
 from actmap.detectors import all_detectors
 from actmap.errors import ActmapUserError
 from actmap.experiments.seeds import PLUS_SEED, recipe_config, train_on_store, train_plus_run
+from actmap.experiments.stacked import train_stacked_run
 from actmap.report.assemble import build_report
 from actmap.report.inputs import find_runs, read_judge_checks, store_refs
 from actmap.report.registry import select_sections
@@ -496,8 +497,6 @@ def plus_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: P
     out = run_path(config, spec, detector.replace(":", "-"))
 
     def work(progress: Progress) -> None:
-        from actmap.experiments.stacked import train_stacked_run
-        from actmap.training.run_folder import prepare_run_folder
 
         prepare_run_folder(out, "actmap-plus", None, overwrite=True)
         progress(0, 1, detector)

@@ -38,9 +38,18 @@ from typing import Any
 
 import numpy as np
 
+from actmap.artifacts import package_version, write_json
+from actmap.atomic import atomic_path
+from actmap.baselines.rauq import RAUQ
+from actmap.baselines.tad import TAD
+from actmap.capture.answer_scalars import scalars_from_store
+from actmap.capture.from_store import read_generations
 from actmap.capture.positions import POSITION_NAMES
+from actmap.detectors import load_detector
+from actmap.detectors.plus import ActMapPlus
 from actmap.scoring import metrics
 from actmap.scoring.prior import shift_to_prevalence, sigmoid
+from actmap.store.derived import read_arrays
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +127,10 @@ def lookback_features(generations: Sequence, keys: int) -> np.ndarray:
 
 
 def rauq_confidences(generations: Sequence) -> np.ndarray:
-    from actmap.baselines.rauq import RAUQ
-
     return np.asarray(RAUQ().score(generations).confidence, dtype=np.float64).reshape(-1, 1)
 
 
 def _tad(keys: int, **choices):
-    from actmap.baselines.tad import TAD
-
     return TAD(n_previous=keys, **choices)
 
 
@@ -423,9 +428,6 @@ class StackedPlus:
         """Write model.safetensors (every fitted array) and config.json into ``directory``."""
         from safetensors.numpy import save_file
 
-        from actmap.artifacts import package_version, write_json
-        from actmap.atomic import atomic_path
-
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         arrays = {"pca.mean": self.pca_[0], "pca.components": self.pca_[1]}
@@ -528,7 +530,6 @@ def _read_config(src: Path) -> dict:
 
 def load_plus(directory: str | Path):
     """A saved actmap-plus of either version: v1 (`ActMapPlus`) or v2 (`StackedPlus`)."""
-    from actmap.detectors.plus import ActMapPlus
 
     cfg = _read_config(Path(directory))
     if cfg.get("schema_version") == SCHEMA_VERSION:
@@ -538,7 +539,6 @@ def load_plus(directory: str | Path):
 
 def load_any_detector(directory: str | Path, device: str | None = None):
     """`actmap.detectors.load_detector`, plus the stacked actmap-plus."""
-    from actmap.detectors import load_detector
 
     config = Path(directory) / "config.json"
     if config.is_file():
@@ -554,9 +554,6 @@ def load_any_detector(directory: str | Path, device: str | None = None):
 def stack_rows(store, ids: Sequence[str], attention: bool, maps=None, scalars=None) -> StackRows:
     """The inputs of ``ids`` from a store: maps, scalars, positions when stored, and (with
     ``attention``) the generations with their attention weights when stored."""
-    from actmap.capture.answer_scalars import scalars_from_store
-    from actmap.capture.from_store import read_generations
-    from actmap.store.derived import read_arrays
 
     ids = list(ids)
     if maps is None:

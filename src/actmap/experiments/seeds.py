@@ -26,6 +26,7 @@ from actmap.capture.answer_scalars import scalars_from_store
 from actmap.detectors.base import CorrectnessDetector
 from actmap.experiments.compare_product import plus_scored, store_rows
 from actmap.scoring import metrics
+from actmap.stacked import StackedPlus, load_any_detector, stack_rows
 from actmap.store import MapStore
 from actmap.store.rows import Rows, balanced_rows, rows_to_score, with_empty_answers
 from actmap.training.recipe import ProgressCallback, TrainConfig
@@ -288,11 +289,9 @@ def frozen_scores(
     (an opened MapStore, only read): ``{seed: (N,) probabilities}``. The maps are read and
     scored ``chunk`` rows at a time (a transfer target's every row would not fit in memory;
     each row's score does not depend on the others)."""
-    from actmap.stacked import StackedPlus, stack_rows
-    from actmap.stacked import load_any_detector as load_detector  # actmap-plus v2 too
 
     checked = read_run(Path(run))
-    detectors = {str(seed): load_detector(folder) for seed, folder in checked.seed_dirs.items()}
+    detectors = {str(seed): load_any_detector(folder) for seed, folder in checked.seed_dirs.items()}
     ids, step = list(ids), chunk or FROZEN_CHUNK
     parts: dict[str, list[np.ndarray]] = {seed: [] for seed in detectors}
     for start in range(0, len(ids), step):

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from actmap.artifacts import write_json
 from actmap.experiments.compare_product import (
     SINGLE_PASS_BASELINES,
     GenerationReader,
@@ -34,9 +35,11 @@ from actmap.experiments.compare_product import (
     score_test_once,
     store_rows,
 )
+from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs
 from actmap.scoring import metrics
 from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
 from actmap.stacked import PRESETS, StackConfig, StackedPlus, stack_rows
+from actmap.store import MapStore
 from actmap.store.rows import Rows
 
 log = logging.getLogger(__name__)
@@ -107,9 +110,6 @@ def train_stacked_run(store_path: str | Path, out: str | Path, preset: str) -> d
 
     Writes ``<out>/seed-0/{model.safetensors, config.json, test_scores.parquet, metrics.json}``
     and ``<out>/summary.json``, the layout `actmap train` writes."""
-    from actmap.artifacts import write_json
-    from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs
-    from actmap.store import MapStore
 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
