@@ -49,7 +49,7 @@ from actmap.detectors import load_detector
 from actmap.detectors.plus import ActMapPlus
 from actmap.scoring import metrics
 from actmap.scoring.prior import shift_to_prevalence, sigmoid
-from actmap.store.derived import read_arrays
+from actmap.store import decode_array
 
 log = logging.getLogger(__name__)
 
@@ -551,6 +551,20 @@ def load_any_detector(directory: str | Path, device: str | None = None):
 # --- store rows ------------------------------------------------------------------------------
 
 
+def read_positions(store, ids: Sequence[str]) -> np.ndarray:
+    """(N, 4, L, D) float16 position states of ``ids`` (only those rows are read)."""
+    table = store.read_latest("positions", ids=ids)
+    index = {k: i for i, k in enumerate(table.column("id").to_pylist())}
+    missing = [k for k in ids if k not in index]
+    if missing:
+        raise ValueError(
+            f"{store.root}: {len(missing)} rows have no position states, e.g. {missing[:3]} "
+            "(scripts/add_positions.py adds them)"
+        )
+    shapes, blobs = table.column("shape"), table.column("positions")
+    return np.stack([decode_array(blobs[index[k]].as_py(), shapes[index[k]].as_py()) for k in ids])
+
+
 def stack_rows(store, ids: Sequence[str], attention: bool, maps=None, scalars=None) -> StackRows:
     """The inputs of ``ids`` from a store: maps, scalars, positions when stored, and (with
     ``attention``) the generations with their attention weights when stored."""
@@ -562,8 +576,7 @@ def stack_rows(store, ids: Sequence[str], attention: bool, maps=None, scalars=No
         scalars = scalars_from_store(store, ids)
     positions = None
     if store.has_table("positions"):
-        arrays = read_arrays(store, "positions", ids)
-        positions = np.stack([arrays[k] for k in ids])  # (N, 4, L, D) float16
+        positions = read_positions(store, ids)
     gens = None
     if attention and store.has_table("attention"):
         gens = read_generations(store, ids)
