@@ -81,3 +81,27 @@ def test_train_evaluate_and_serve_a_preset(preset, store_path, tmp_path):
     assert (gen.attention is not None) == ("attention" in needs)
     want = detector.detector.predict_proba(stacked_rows(maps, scalars, [gen]))[0]
     assert out["actmap"]["p_correct_raw"] == pytest.approx(float(want), rel=1e-5)
+
+
+def test_the_comparison_reads_only_rows_with_positions(store_path, tmp_path):
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from actmap.experiments.compare_product import store_rows
+    from actmap.experiments.stacked import with_positions_only
+
+    root = tmp_path / "store"
+    shutil.copytree(store_path, root)
+    store = MapStore.open(root)
+    shard = store.shards("positions")[0]
+    table = pq.read_table(shard)
+    dropped = set(table.column("id").to_pylist()[:5])
+    pq.write_table(table.slice(5), shard)  # as if add_positions had not reached these rows yet
+    sets = with_positions_only(MapStore.open(root), store_rows(MapStore.open(root)))
+    full = store_rows(MapStore.open(root))
+    for name, rows in sets.items():
+        assert not dropped & set(rows.ids)
+        kept = [i for i, k in enumerate(full[name].ids) if k not in dropped]
+        np.testing.assert_array_equal(rows.maps, full[name].maps[kept])
+        np.testing.assert_array_equal(rows.labels, full[name].labels[kept])

@@ -197,6 +197,27 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
+def with_positions_only(store, sets: dict[str, Rows]) -> dict[str, Rows]:
+    """``sets`` cut to the rows with position states (all of them when every row has them)."""
+    if not store.has_table("positions"):
+        return sets
+    have = store.ids("positions")
+    out = {}
+    for name, rows in sets.items():
+        keep = [i for i, k in enumerate(rows.ids) if k in have]
+        if len(keep) == len(rows.ids):
+            out[name] = rows
+            continue
+        log.warning("%s: %d of %d rows have position states", name, len(keep), len(rows.ids))
+        out[name] = Rows(
+            [rows.ids[i] for i in keep],
+            np.asarray(rows.labels)[keep],
+            np.asarray(rows.maps)[keep],
+            None if rows.scalars is None else np.asarray(rows.scalars)[keep],
+        )
+    return out
+
+
 def compare_stacked(
     store,
     presets: Sequence[str] = ("deployable", "full"),
@@ -204,8 +225,12 @@ def compare_stacked(
     n_resamples: int = 2000,
     with_v1: bool = True,
 ) -> StackedComparison:
-    """Both presets vs every single-pass baseline (and actmap-plus v1), choices on validation."""
-    sets = store_rows(store)
+    """Both presets vs every single-pass baseline (and actmap-plus v1), choices on validation.
+
+    Every method reads the same rows: when the store's ``positions`` table covers only part
+    of them (`scripts/add_positions.py` still running), each row set keeps the rows it covers
+    (logged), so no method sees a row another does not."""
+    sets = with_positions_only(store, store_rows(store))
     stacked = presets_scored(store, sets, presets)
     gens = GenerationReader(store)
     others = []
