@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
-from actmap.experiments.reproduce import link_copy
 
 from actmap.capture.forced import capture_answers_batch
 from actmap.capture.records import CaptureConfig
 from actmap.llm.models import load_model
+from actmap.reproduce import link_copy
 from actmap.store import MapStore, encode_array
 
 log = logging.getLogger("add_positions")
