@@ -101,7 +101,9 @@ def test_thirty_two_in_flight_with_preemption(engine, reference):
     """32 requests share the steps and do not fit the KV cache together: rows do not depend
     on what else was batched, and preempted requests get the rows they get alone."""
     # 23-25 token prompts fill one 32-token block each, then need a second while decoding
-    quiz = "Here is a short arithmetic quiz for a school class. Question: what is {} times {}? Answer:"
+    quiz = (
+        "Here is a short arithmetic quiz for a school class. Question: what is {} times {}? Answer:"
+    )
     prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
     prompts += [quiz.format(a, a + 3) for a in range(2, 32)]
     recomputed_before = engine.recorder.recomputed
@@ -237,7 +239,9 @@ def test_store_run_killed_and_resumed_matches_the_local_engine(engine, smollm2, 
     assert store.ids("skipped") == local.ids("skipped")
 
 
-def test_cli_capture_engine_vllm_writes_a_resumable_store(engine, embedded_gguf, tmp_path, monkeypatch):
+def test_cli_capture_engine_vllm_writes_a_resumable_store(
+    engine, embedded_gguf, tmp_path, monkeypatch
+):
     """`actmap capture --engine vllm` end to end (the module's engine stands in for the one
     the command would build: one engine per process): a store with the engine recorded, and
     a second run finds nothing left to do."""
@@ -259,8 +263,21 @@ def test_cli_capture_engine_vllm_writes_a_resumable_store(engine, embedded_gguf,
     prompts = tmp_path / "prompts.jsonl"
     questions = ["What is the capital of Italy?", "Name a fruit.", "What is 3 + 4?"]
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in questions))
-    args = ["capture", "--prompts", str(prompts), "--model", str(embedded_gguf), "--engine",
-            "vllm", "--batch-size", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "s")]
+    args = [
+        "capture",
+        "--prompts",
+        str(prompts),
+        "--model",
+        str(embedded_gguf),
+        "--engine",
+        "vllm",
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--out",
+        str(tmp_path / "s"),
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert built == [(str(embedded_gguf), "float32", 2, True)]

@@ -166,3 +166,18 @@ def test_two_way_finder_finds_packages_that_import_each_other():
 
 def test_no_two_packages_import_each_other(graph):
     assert two_way_pairs(graph) == []
+
+
+def test_the_stacked_detector_lives_outside_the_detectors(graph):
+    """actmap-plus v2 (`actmap.stacked`) stacks RAUQ's and TAD's scores, so it lives outside
+    `actmap.detectors`: it may import those two baselines and nothing else of the baselines,
+    and no module of `actmap.detectors` imports it (the paper's detectors stay baseline-free)."""
+    assert {d for d in graph["actmap.stacked"] if d.startswith("actmap.baselines")} <= {
+        "actmap.baselines.rauq",
+        "actmap.baselines.tad",
+    }
+    assert not [
+        m
+        for m, deps in graph.items()
+        if m.startswith("actmap.detectors") and "actmap.stacked" in deps
+    ]

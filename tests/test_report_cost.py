@@ -86,6 +86,24 @@ def test_cost_quality_points_add_capture_overhead_to_actmap():
     assert points["perplexity"] == (0.01, 0.6, 2) and "tad" not in points
 
 
+def test_cost_quality_points_count_each_methods_capture():
+    scoring = [ScoringCost("actmap-mlp", 256, 3, 0.05, 20000.0, None, "cpu")]
+    capture = CaptureCost(
+        "m", 16, 32, [1.0], [1.1], 1.1, True, 200.0, {"greybox": 1.2, "attention": 1.5}
+    )
+    points = cost_quality_points(
+        {"actmap-mlp": (0.8, 2), "perplexity": (0.6, 2), "tad": (0.7, 1), "actvit": (0.7, 1)},
+        {"perplexity": 0.01, "tad": 0.1, "actvit": 0.3},
+        scoring,
+        capture,
+    )
+    assert points["actmap-mlp"][0] == pytest.approx(0.1 * 200.0 + 0.05)  # map-only capture
+    assert points["perplexity"][0] == pytest.approx(0.2 * 200.0 + 0.01)  # grey-box capture
+    assert points["tad"][0] == pytest.approx(0.5 * 200.0 + 0.1)  # attention weights
+    assert points["actvit"][0] == pytest.approx(0.3)  # dense capture not measured: adds 0
+    assert capture.added_ms("dense") is None and capture.added_ms("map-only") == pytest.approx(20)
+
+
 def test_cost_section_renders_the_cost_quality_plot(tmp_path):
     root = synthetic_store(tmp_path / "s", signal=2.0)
     ids = rows_to_score(MapStore.open(root), "balanced").ids

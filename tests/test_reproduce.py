@@ -440,3 +440,27 @@ def test_reproduce_trains_actmap_plus_like_any_registered_detector(tmp_path, tin
     assert metrics["auroc"] == pytest.approx(roc_auc_score(scores["label"], scores["p_correct"]))
     again = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
     assert again.exit_code == 0 and "train/tiny/actmap-plus: skipped" in again.output
+
+
+def test_reproduce_trains_the_stacked_presets_and_reports_them(tmp_path, tiny_model_dir):
+    config = tiny_config(
+        tmp_path,
+        tiny_model_dir,
+        seeds=[1],
+        name="tiny-stacked",
+        baselines=["perplexity"],
+        sections=["in_domain"],
+    )
+    text = config.read_text()
+    text = text.replace('detectors = ["logreg"]', 'detectors = ["actmap-plus:deployable"]')
+    config.write_text(text.replace("batch_size = 16", "batch_size = 16\nkeep_positions = true"))
+    result = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "out" / "runs" / "tiny-stacked" / "actmap-plus-deployable"
+    saved = json.loads((run / "seed-0" / "config.json").read_text())
+    assert saved["schema_version"] == 2 and saved["stack_config"]["preset"] == "deployable"
+    assert any(b.startswith("probe:") for b in saved["selected"])  # the positions were captured
+    report = (tmp_path / "out" / "report" / "report.md").read_text()
+    assert "actmap-plus-deployable" in report
+    again = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
+    assert "train/tiny-stacked/actmap-plus:deployable: skipped (done before)" in again.output

@@ -101,7 +101,9 @@ def test_openai_client_plain_stream_errors_and_audit(server, smollm2):
 
     # abort_below above any score: ended after the first scored token, abstain_early
     early = client.chat.completions.create(
-        model=MODEL, messages=messages, extra_body={"actmap": {"abort_below": 1.0}},
+        model=MODEL,
+        messages=messages,
+        extra_body={"actmap": {"abort_below": 1.0}},
     )
     assert early.actmap["decision"] == "abstain_early" and early.usage.completion_tokens == 1
 

@@ -33,6 +33,7 @@ from actmap.baselines.runner import run_baselines
 from actmap.detectors import all_detectors
 from actmap.errors import ActmapUserError
 from actmap.experiments.seeds import PLUS_SEED, recipe_config, train_on_store, train_plus_run
+from actmap.experiments.stacked import train_stacked_run
 from actmap.report.assemble import build_report
 from actmap.report.inputs import find_runs, read_judge_checks, store_refs
 from actmap.report.registry import select_sections
@@ -50,6 +51,8 @@ CaptureFn = Callable[[Path, Mapping[str, Any]], None]
 
 DETECTORS = ("vit", "mlp", "logreg")
 SINGLE_PASS = ("perplexity", "mean_token_entropy", "answer_length", "rauq", "tad")
+# the stacked actmap-plus's presets, trained once (seed-0) each (`actmap.experiments.stacked`)
+PLUS_PRESETS = ("actmap-plus:deployable", "actmap-plus:full")
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
     detectors = _tuple(raw.get("detectors", list(DETECTORS)), "detectors")
 
     known = all_detectors()
-    bad = [d for d in detectors if d not in known]
+    bad = [d for d in detectors if d not in known and d not in PLUS_PRESETS]
     if bad:
         raise ActmapUserError(
             f"reproduce config: unknown detector(s) {bad}; known: {', '.join(known)}"
@@ -412,6 +415,8 @@ TRAIN_KEY = "stage-key.json"  # in a train stage's run folder: what its finished
 def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: Path) -> Stage:
     out = run_path(config, spec, detector)
 
+    if detector in PLUS_PRESETS:
+        return plus_stage(config, spec, detector, state)
     plus = detector == "actmap-plus"  # one fit, settings chosen on validation: no seeds, no recipe
 
     def seeds() -> tuple[int, ...]:
@@ -485,6 +490,29 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
         ready=ready,
         store=spec.name,
     )
+
+
+def plus_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: Path) -> Stage:
+    """One stacked actmap-plus preset on a store's copy: no epochs, no seeds (seed-0)."""
+    out = run_path(config, spec, detector.replace(":", "-"))
+
+    def work(progress: Progress) -> None:
+
+        prepare_run_folder(out, "actmap-plus", None, overwrite=True)
+        progress(0, 1, detector)
+        train_stacked_run(copy_path(config, spec), out, detector.split(":", 1)[1])
+        write_json(out / TRAIN_KEY, {"source": source_content(spec.path)})
+        progress(1, 1, "")
+
+    def ready() -> bool:
+        key = read_json(out / TRAIN_KEY)
+        return (
+            key is not None
+            and key.get("source") == source_content(spec.path)
+            and seed_finished(out, 0)
+        )
+
+    return Stage(f"train/{spec.name}/{detector}", dict, work, state, ready=ready, store=spec.name)
 
 
 def report_context(config: ReproduceConfig):

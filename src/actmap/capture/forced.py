@@ -34,8 +34,10 @@ from actmap.capture.generate import (
     _unpadded,
     check_prompts,
     left_padded_positions,
+    shared_prefix_length,
     stop_ids,
     tokenize_prompts,
+    with_shared_prefix,
 )
 from actmap.capture.hooks import StepRecorder, _first_tensor, recording
 from actmap.capture.layers import find_decoder_layers
@@ -53,10 +55,11 @@ class ForcedRecorder(StepRecorder):
     answer tokens, then its end token, so step ``s`` scores ``chosen[:, s]``.
     """
 
-    def __init__(self, chosen: torch.Tensor, start: int, **buffers) -> None:
+    def __init__(self, chosen: torch.Tensor, start: int, key_offset: int = 0, **buffers) -> None:
         batch, steps = chosen.shape
         super().__init__(batch=batch, max_steps=steps, device=chosen.device, **buffers)
         self.chosen, self.start, self.steps = chosen, start, steps
+        self.key_offset = key_offset  # keys of a shared prefix in the cache, before the queries
         self.calls = 0
 
     def _rows(self, per_position: torch.Tensor) -> torch.Tensor:
@@ -83,6 +86,8 @@ class ForcedRecorder(StepRecorder):
             self.pooled[:, index] = pool_hidden(hidden, self.pooled.shape[-1])
             if self.dense is not None:
                 self.dense[:, index] = hidden[:, : self.dense_steps].to(torch.float16)
+            if self.states is not None:
+                self.states[:, index] = hidden.to(torch.float16)
 
         return hook
 
@@ -96,7 +101,7 @@ class ForcedRecorder(StepRecorder):
             for k in range(min(self.attention_keys, self.steps - 1)):
                 steps = torch.arange(k + 1, self.steps, device=weights.device)
                 query = self.start + steps
-                picked = weights[:, :, query, query - k]  # (B, H, S - k - 1)
+                picked = weights[:, :, query, query + self.key_offset - k]  # (B, H, S - k - 1)
                 self.attention[:, k + 1 :, index, :, k] = picked.permute(0, 2, 1).float()
 
         return hook
@@ -220,10 +225,22 @@ def capture_answers_batch(
         positions = left_padded_positions(mask)[:, shared["n"] :]
         width = shared["tail"].shape[1]
         cached = {cache_keyword(model): shared["cache"], "use_cache": True}
+    key_offset = 0
+    n_shared = shared_prefix_length(encoded) if config.share_prefix and batch > 1 else 0
+    if shared is None and config.share_prefix and n_shared >= config.share_prefix:
+        # the few-shot block every prompt of this batch shares runs once (no hooks), as in
+        # generation; attention entries then index keys past its n_shared cached ones
+        joint = with_shared_prefix(model, encoded, n_shared)
+        input_ids = torch.cat([joint["input_ids"], fed], dim=1)[:, n_shared:]
+        mask = torch.cat([joint["attention_mask"], answer_mask], dim=1)
+        positions = left_padded_positions(mask)[:, n_shared:]
+        width, key_offset = joint["input_ids"].shape[1] - n_shared, n_shared
+        cached = {cache_keyword(model): joint[cache_keyword(model)], "use_cache": True}
     text_config = getattr(model.config, "text_config", model.config)
     recorder = ForcedRecorder(
         chosen,
         start=width - 1,
+        key_offset=key_offset,
         n_layers=len(layers),
         pooled_dim=config.pooled_dim,
         attention_keys=config.attention_keys,
@@ -231,6 +248,7 @@ def capture_answers_batch(
         dense_steps=min(config.dense_max_tokens, longest + 1) if config.keep_dense else 0,
         hidden_size=getattr(text_config, "hidden_size", 0),
         greybox=config.greybox,
+        keep_positions=config.keep_positions,
     )
     with (
         _eager_attention(model, config.attention_keys > 0),

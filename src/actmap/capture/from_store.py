@@ -12,13 +12,18 @@ from actmap.store import MapStore, StoreError, decode_array
 
 
 def read_generations(
-    store: MapStore, ids: Sequence[str], with_trajectories: bool = False
+    store: MapStore,
+    ids: Sequence[str],
+    with_trajectories: bool = False,
+    with_positions: bool = False,
 ) -> list[Generation]:
     """Rebuild `Generation` records (attention when stored; trajectories when asked) for scorers."""
     maps_meta = store.metadata().set_index("id")
     tables = {  # only the rows asked for: a long-form store's attention table holds gigabytes
         name: store.read_latest(name, ids=ids)
-        for name in ("generations", "attention") + (("trajectories",) if with_trajectories else ())
+        for name in ("generations", "attention")
+        + (("trajectories",) if with_trajectories else ())
+        + (("positions",) if with_positions else ())
         if store.has_table(name)
     }
     if "generations" not in tables:
@@ -65,6 +70,7 @@ def read_generations(
                 stopped=get("stopped"),
                 prompt_tokens=get("prompt_tokens"),
                 attention=tensor("attention", "attention", key),
+                positions=tensor("positions", "positions", key),
                 extras=extras,
             )
         )

@@ -12,6 +12,8 @@ from torch import nn
 from actmap.capture.attention import prompt_pass_without_weights, weights_implementation
 from actmap.capture.hooks import StepRecorder, recording
 from actmap.capture.layers import find_decoder_layers
+from actmap.capture.lookback import lookback_attention, supports_lookback
+from actmap.capture.positions import position_states
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import cut_at_stop, stop_criteria
 from actmap.llm.prefix_cache import cache_keyword, cache_of
@@ -171,6 +173,14 @@ def _eager_attention(model: nn.Module, needed: bool) -> Iterator[None]:
         model.set_attn_implementation(current)
 
 
+def _attention_for(model: nn.Module, config: CaptureConfig):
+    """The attention the capture needs: lookback weights beside the fused kernel when asked
+    and the family is supported, else eager attention when weights are kept at all."""
+    if config.attention_keys > 0 and config.lookback_attention and supports_lookback(model):
+        return lookback_attention(model, config.attention_keys)
+    return _eager_attention(model, config.attention_keys > 0)
+
+
 @torch.inference_mode()
 def generate_plain(
     model: nn.Module, tokenizer, prompts: Sequence[str], config: CaptureConfig
@@ -231,13 +241,14 @@ def generate_batch(
         dense_steps=min(config.dense_max_tokens, config.max_new_tokens) if config.keep_dense else 0,
         hidden_size=getattr(text_config, "hidden_size", 0),
         greybox=config.greybox,
+        keep_positions=config.keep_positions,
     )
     prompt_len = encoded["input_ids"].shape[1]
     kwargs = _generate_kwargs(model, tokenizer, config, prompt_len)
     if on_step is not None:
         _with_step_callback(kwargs, on_step, recorder, prompt_len)
     with (
-        _eager_attention(model, config.attention_keys > 0),
+        _attention_for(model, config),
         prompt_pass_without_weights(),
         recording(model, recorder, layers_path),
     ):
@@ -277,6 +288,7 @@ def _split_rows(
         "entropies": recorder.entropies[:, :steps].cpu() if greybox else None,
         "attention": None if recorder.attention is None else recorder.attention[:, :steps].cpu(),
         "dense": None if recorder.dense is None else recorder.dense.cpu(),
+        "states": None if recorder.states is None else recorder.states[:, :, :steps].cpu(),
     }
     records = []
     for row, prompt in enumerate(prompts):
@@ -315,6 +327,9 @@ def _split_rows(
                 dense=None
                 if host["dense"] is None
                 else host["dense"][row, :, : min(n, host["dense"].shape[2])].clone(),
+                positions=None
+                if host["states"] is None or n == 0
+                else position_states(host["states"][row], n),
                 extras=extras,
             )
         )

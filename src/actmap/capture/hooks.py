@@ -45,6 +45,7 @@ class StepRecorder:
         dense_steps: int = 0,
         hidden_size: int = 0,
         greybox: bool = True,
+        keep_positions: bool = False,
     ) -> None:
         self.step = -1
         self.max_steps = max_steps
@@ -70,6 +71,12 @@ class StepRecorder:
             if dense_steps
             else None
         )  # (B, L, N, D)
+        # (B, L, T, D) float16 state of every step, for `positions.position_states`
+        self.states = (
+            torch.zeros(batch, n_layers, max_steps, hidden_size, device=device, dtype=torch.float16)
+            if keep_positions
+            else None
+        )
 
     # -- hooks -------------------------------------------------------------------------------
     def on_model_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -110,6 +117,8 @@ class StepRecorder:
         self.pooled[:, :, self.step] = pool_hidden(self._step_hidden, self.pooled.shape[-1])
         if self.dense is not None and self.step < self.dense_steps:
             self.dense[:, :, self.step] = self._step_hidden.to(torch.float16)
+        if self.states is not None:
+            self.states[:, :, self.step] = self._step_hidden.to(torch.float16)
         if self.entropies is None:  # map-only capture: nothing over the vocabulary
             return
         logits = output.logits if hasattr(output, "logits") else _first_tensor(output)

@@ -43,7 +43,7 @@ from actmap.maps import MapConfig
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'actmap[ray]'"
-TENSORS = ("trajectory", "logprobs", "entropies", "attention", "dense")
+TENSORS = ("trajectory", "logprobs", "entropies", "attention", "dense", "positions")
 
 
 def require_ray():
@@ -124,6 +124,7 @@ def decode_generations(batch: dict) -> list[Generation]:
                 prompt_tokens=int(batch["prompt_tokens"][i]),
                 attention=tensors.get("attention"),
                 dense=tensors.get("dense"),
+                positions=tensors.get("positions"),
                 extras=json.loads(batch["extras"][i]),
             )
         )
@@ -201,7 +202,9 @@ class VllmCaptureReplica:
         import pyarrow as pa
 
         if batch["answer"][0] is not None:
-            raise ActmapUserError("vLLM replicas generate answers; teacher forcing needs transformers")
+            raise ActmapUserError(
+                "vLLM replicas generate answers; teacher forcing needs transformers"
+            )
         prompts = [str(p) for p in batch["prompt"]]
         started = time.perf_counter()
         records = self.engine.generate(prompts, self.capture)

@@ -39,11 +39,16 @@ class CaptureConfig:
     max_context: int = CONTEXT_LENGTH  # prompt + answer tokens; longer prompts are left-truncated
     # K previous generated keys kept per head (TAD uses 10, RAUQ 1); 0 = none
     attention_keys: int = 0
+    # read those K weights beside the fused attention kernel (`actmap.capture.lookback`)
+    # instead of switching to eager attention; same weights, map-only capture's tokens
+    lookback_attention: bool = False
     # per-step log-probs and entropies over the vocabulary (the grey-box baselines, RAUQ,
     # TAD); False = map-only capture: the hooks pool layer states and nothing else
     greybox: bool = True
     keep_dense: bool = False  # keep full (unpooled) hidden states for ACT-ViT
     dense_max_tokens: int = 100  # ACT-ViT's N_max: dense states kept for the first tokens only
+    # full-width states at four named positions, every layer (`actmap.capture.positions`)
+    keep_positions: bool = False
     batch_size: int = 32
     # tokenizer special tokens (e.g. BOS) for plain prompts; None = only when the tokenizer
     # has no chat template (templated text already carries them)
@@ -86,6 +91,9 @@ class Generation:
     attention: torch.Tensor | None = None
     # (L, min(T, dense_max_tokens), D) float16 unpooled states; None unless keep_dense.
     dense: torch.Tensor | None = None
+    # (4, L, D) float16 states at `actmap.capture.positions.POSITION_NAMES`; None unless
+    # keep_positions
+    positions: torch.Tensor | None = None
     extras: dict[str, float] = field(default_factory=dict)
 
     @property

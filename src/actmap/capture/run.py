@@ -66,6 +66,10 @@ def store_config(
         del settings["share_prefix"]
     if settings["greybox"]:
         del settings["greybox"]
+    if not settings["lookback_attention"]:
+        del settings["lookback_attention"]
+    if not settings["keep_positions"]:
+        del settings["keep_positions"]
     model = {"name": source.name, "revision": source.revision, "gguf_file": source.gguf_file}
     if dtype != "float32":
         model["dtype"] = dtype
@@ -165,6 +169,10 @@ def commit_batch(
         # ACT-ViT's layer max-pooling to 8 groups, done once here (L/8 smaller)
         dense = [pool_layers(r.dense.float()) for r in records]  # (8, N, D)
         store.write_table("dense", _array_table(ids, dense, "dense"))
+    if records[0].positions is not None:  # (4, L, D) float16 each
+        store.write_table(
+            "positions", _array_table(ids, [r.positions for r in records], "positions")
+        )
     store.write_maps(  # last: the commit of this batch
         [
             MapRecord(

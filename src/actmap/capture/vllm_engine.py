@@ -362,7 +362,9 @@ class VllmCapture:
         if extra.get("speculative_config"):
             raise ActmapUserError("capture does not support speculative decoding yet")
         if extra.get("tensor_parallel_size", 1) != 1 or extra.get("pipeline_parallel_size", 1) != 1:
-            raise ActmapUserError("capture runs one vLLM worker in-process: no tensor/pipeline parallel")
+            raise ActmapUserError(
+                "capture runs one vLLM worker in-process: no tensor/pipeline parallel"
+            )
         if options.block_size is not None:
             extra["block_size"] = options.block_size
         if options.num_kv_blocks is not None:
@@ -407,7 +409,9 @@ class VllmCapture:
         pairs = zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
         return [ids[mask.bool()].tolist() for ids, mask in pairs]
 
-    def submit(self, prompt: str, config: CaptureConfig, prompt_ids: list[int] | None = None) -> str:
+    def submit(
+        self, prompt: str, config: CaptureConfig, prompt_ids: list[int] | None = None
+    ) -> str:
         """Add one request; returns its key. It joins the running batch at the next step."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind

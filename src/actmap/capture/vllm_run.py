@@ -72,7 +72,10 @@ def run_capture_vllm(
 
 
 def _captured(
-    engine: VllmCapture, plan: CapturePlan, capture: CaptureConfig, ahead: int,
+    engine: VllmCapture,
+    plan: CapturePlan,
+    capture: CaptureConfig,
+    ahead: int,
     keys: list[list[str]],
 ) -> Iterator[tuple[list[Example], list[Generation], float]]:
     """(examples, generations, seconds) per planned batch, in plan order; ``keys`` collects
@@ -100,4 +103,3 @@ def _captured(
             committed += 1
         if not engine.busy and committed < len(keys):
             raise RuntimeError("vLLM finished without answering every request")
-

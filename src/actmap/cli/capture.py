@@ -128,6 +128,17 @@ def capture(
     keep_dense: bool = typer.Option(
         False, help="Keep unpooled states of the first 100 tokens (ACT-ViT)."
     ),
+    lookback_attention: bool = typer.Option(
+        False,
+        help="With --attention-keys: compute the K weights beside the fused attention kernel "
+        "(exact log-sum-exp) instead of eager attention; llama/mistral/qwen2/qwen3/gemma.",
+    ),
+    keep_positions: bool = typer.Option(
+        False,
+        help="Keep full-width states at the last prompt token, the first and last answer "
+        "tokens and the answer mean, every layer (float16, 8 x layers x hidden bytes a row; "
+        "the stacked actmap-plus reads them).",
+    ),
     greybox: bool = typer.Option(
         None,
         "--greybox/--no-greybox",
@@ -244,12 +255,15 @@ def capture(
             batch_size=batch_size,
             stop_strings=stop_strings(the_task, stop, no_stop),
             share_prefix=resolve_share_prefix(out, share_prefix),
+            keep_positions=keep_positions,
+            lookback_attention=lookback_attention,
             **wanted_capture,
         )
         keep = {
             "trajectories": keep_trajectories,
             "attention_keys": attention_keys,
             "dense": keep_dense,
+            **({"positions": True} if keep_positions else {}),
         }
         # a missing path, an unreachable hub id or an absent device: refused before any write
         check_dtype(dtype)
@@ -330,7 +344,9 @@ def capture(
                 from actmap.capture.vllm_run import run_capture_vllm
 
                 del common["layers_path"]
-                summary = run_capture_vllm(lm, tokenizer, source, the_task, examples, store, **common)
+                summary = run_capture_vllm(
+                    lm, tokenizer, source, the_task, examples, store, **common
+                )
             else:
                 summary = run_capture(lm, tokenizer, source, the_task, examples, store, **common)
         console.print(

@@ -65,7 +65,14 @@ def train(
     detector: str = typer.Option(
         "vit",
         help="vit | mlp | mlp4x | logreg (the paper's), or actmap-plus (the one to deploy: "
-        "map PCA + per-answer scalars, settings chosen on validation; ignores seeds/epochs).",
+        "a stacked detector, see --preset; choices on validation; ignores seeds/epochs).",
+    ),
+    preset: str = typer.Option(
+        "v1",
+        help="actmap-plus only: v1 (map PCA + six scalars) | full (the stacked version: map, "
+        "scalars, position probes, lookback attention, RAUQ, TAD; what the store holds) | "
+        "deployable (stacked, no attention weights: what vLLM gives). `actmap policy fit` "
+        "reads v1 runs only for now.",
     ),
     seeds: str = typer.Option("42,123,456", help="Comma-separated seeds."),
     max_epochs: int = typer.Option(
@@ -90,11 +97,17 @@ def train(
             from actmap.experiments.seeds import train_plus_run
 
             prepare_run_folder(out, detector, None, overwrite)
-            summary, details = train_plus_run(store, out)
-            console.print(
-                f"actmap-plus: {details['selected']} on {details['train_rows']} rows "
-                f"(validation AUROC {details['validation_auroc']:.3f})"
-            )
+            if preset == "v1":
+                summary, details = train_plus_run(store, out)
+                console.print(
+                    f"actmap-plus: {details['selected']} on {details['train_rows']} rows "
+                    f"(validation AUROC {details['validation_auroc']:.3f})"
+                )
+            else:
+                from actmap.experiments.stacked import train_stacked_run
+
+                summary = train_stacked_run(store, out, preset)
+                console.print(f"actmap-plus ({preset}): blocks {', '.join(summary['selected'])}")
             print_summary(summary)
             console.print(f"run written to {out}")
             return

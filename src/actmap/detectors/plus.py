@@ -272,6 +272,11 @@ class ActMapPlus:
             if not (src / name).is_file():
                 raise FileNotFoundError(f"{src / name} does not exist")
         cfg = json.loads((src / "config.json").read_text())
+        if cfg.get("detector") == NAME and cfg.get("schema_version") == 2:
+            raise ValueError(
+                f"{src} holds a stacked {NAME} (schema 2): load it with "
+                "actmap.stacked.load_plus (serving and `actmap evaluate` do)"
+            )
         if cfg.get("detector") != NAME or cfg.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(
                 f"{src / 'config.json'} is not an {NAME} artifact of schema {SCHEMA_VERSION} "

@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -218,18 +218,67 @@ class CaptureCost:
     median_ratio: float  # hooked / plain, median over repeats
     identical_tokens: bool
     plain_ms_per_answer: float  # median plain time per answer
+    # capture variant -> median hooked/plain ratio, beyond map-only (`median_ratio`):
+    # "greybox" (per-step log-probs and entropies), "attention" (+ K attention weights per
+    # head), "dense" (+ ACT-ViT's dense states); what the baselines' capture costs
+    variants: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def added_ms(self, variant: str) -> float | None:
+        """Capture time added per answer by ``variant`` over plain generation (>= 0); None
+        when that variant was not measured."""
+        ratio = self.median_ratio if variant == "map-only" else self.variants.get(variant)
+        return None if ratio is None else max(0.0, (ratio - 1.0) * self.plain_ms_per_answer)
+
+
+# What each capture variant keeps (`CaptureConfig` fields, beyond map-only capture)
+CAPTURE_VARIANTS = {
+    "greybox": dict(greybox=True),
+    "attention": dict(greybox=True, attention_keys=10, lookback_attention=True),
+    "dense": dict(greybox=True, keep_dense=True),
+}
+
+
+def capture_variant(method: str) -> str:
+    """The capture a method's scores need: map-only for ActMap's detectors, else what the
+    baseline reads (attention weights, dense states, or the grey-box statistics)."""
+    if method.startswith("actmap-"):
+        return "map-only"
+    try:
+        from actmap.baselines.registry import create_baseline
+
+        requires = set(getattr(create_baseline(method), "requires", ()))
+    except Exception:  # not a registered baseline: its recorded latency is all we know
+        return "greybox"
+    if "dense" in requires:
+        return "dense"
+    if "attention" in requires:
+        return "attention"
+    return "greybox"
+
 
 def capture_overhead(
-    model, tokenizer, name: str, prompts: Sequence[str], new_tokens: int = 32, repeats: int = 3
+    model,
+    tokenizer,
+    name: str,
+    prompts: Sequence[str],
+    new_tokens: int = 32,
+    repeats: int = 3,
+    variants: Sequence[str] = (),
 ) -> CaptureCost:
-    """Hooked (map-only: what ActMap needs) vs plain generation of one batch, interleaved."""
+    """Hooked (map-only: what ActMap needs) vs plain generation of one batch, interleaved;
+    and each of ``variants`` (`CAPTURE_VARIANTS`) the same way."""
 
     config = CaptureConfig(max_new_tokens=new_tokens, batch_size=len(prompts), greybox=False)
     measured = measure_overhead(model, tokenizer, prompts, config, repeats)
+    ratios = {
+        v: measure_overhead(
+            model, tokenizer, prompts, replace(config, **CAPTURE_VARIANTS[v]), repeats
+        ).median_ratio
+        for v in variants
+    }
     return CaptureCost(
         name,
         len(prompts),
@@ -239,6 +288,7 @@ def capture_overhead(
         measured.median_ratio,
         measured.identical_tokens,
         1e3 * statistics.median(measured.plain_s) / len(prompts),
+        ratios,
     )
 
 
@@ -274,17 +324,21 @@ def cost_quality_points(
     scoring: Sequence[ScoringCost],
     capture: CaptureCost | None,
 ) -> dict[str, tuple[float, float, int]]:
-    """Added latency per answer and mean AUROC per method. ActMap adds its capture overhead
-    (hooked minus plain time per answer, at least 0) and its detector's scoring time;
-    a baseline adds what its run recorded (its own passes and scoring)."""
+    """Added latency per answer and mean AUROC per method: the capture its scores need
+    (`capture_variant`: hooked minus plain time per answer, at least 0; map-only for ActMap,
+    attention weights for RAUQ/TAD, dense states for ACT-ViT, the grey-box statistics for the
+    others) plus ActMap's detector scoring time, or what a baseline's run recorded (its own
+    passes, samples included, and scoring). A capture variant not measured adds 0."""
     per_map = {s.name: s.ms_per_map for s in scoring}
-    capture_ms = 0.0
-    if capture is not None:
-        capture_ms = max(0.0, (capture.median_ratio - 1.0) * capture.plain_ms_per_answer)
+
+    def capture_ms(method: str) -> float:
+        added = None if capture is None else capture.added_ms(capture_variant(method))
+        return 0.0 if added is None else added
+
     points = {}
     for method, (auroc, n) in mean_auroc.items():
         if method.startswith("actmap-") and method in per_map:
-            points[method] = (capture_ms + per_map[method], auroc, n)
+            points[method] = (capture_ms(method) + per_map[method], auroc, n)
         elif method in baseline_latency:
-            points[method] = (baseline_latency[method], auroc, n)
+            points[method] = (capture_ms(method) + baseline_latency[method], auroc, n)
     return points

@@ -23,10 +23,10 @@ import torch
 
 from actmap.artifacts import package_version, write_json
 from actmap.capture.answer_scalars import scalars_from_store
-from actmap.detectors import load_detector
 from actmap.detectors.base import CorrectnessDetector
 from actmap.experiments.compare_product import plus_scored, store_rows
 from actmap.scoring import metrics
+from actmap.stacked import StackedPlus, load_any_detector, stack_rows
 from actmap.store import MapStore
 from actmap.store.rows import Rows, balanced_rows, rows_to_score, with_empty_answers
 from actmap.training.recipe import ProgressCallback, TrainConfig
@@ -291,7 +291,7 @@ def frozen_scores(
     each row's score does not depend on the others)."""
 
     checked = read_run(Path(run))
-    detectors = {str(seed): load_detector(folder) for seed, folder in checked.seed_dirs.items()}
+    detectors = {str(seed): load_any_detector(folder) for seed, folder in checked.seed_dirs.items()}
     ids, step = list(ids), chunk or FROZEN_CHUNK
     parts: dict[str, list[np.ndarray]] = {seed: [] for seed in detectors}
     for start in range(0, len(ids), step):
@@ -301,7 +301,11 @@ def frozen_scores(
         for seed, detector in detectors.items():
             if "scalars" in detector.requires and scalars is None:
                 scalars = scalars_from_store(store, part)  # read once per chunk, when needed
-            parts[seed].append(detector.predict_proba(maps, scalars))
+            if isinstance(detector, StackedPlus):  # positions and attention from the store
+                rows = stack_rows(store, part, "attention" in detector.requires, maps, scalars)
+                parts[seed].append(detector.predict_proba(rows))
+            else:
+                parts[seed].append(detector.predict_proba(maps, scalars))
     return {
         seed: np.concatenate(p) if p else np.zeros(0, dtype=np.float32) for seed, p in parts.items()
     }

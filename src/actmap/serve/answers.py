@@ -81,7 +81,9 @@ def score_answers(
     config = CaptureConfig(
         max_context=engine.max_context,
         batch_size=len(jobs),
-        greybox=engine.detector.needs_scalars,  # map-only capture when maps are all it reads
+        # map-only capture when maps are all the detector reads (positions and attention
+        # weights too for a stacked actmap-plus)
+        **engine.detector.capture_settings(),
     )
     with engine.lock:
         generations = capture_answers_batch(

@@ -139,10 +139,11 @@ class _StepWatch:
                 end[i] = True
             else:
                 live.append(i)
-        scored = [
+        scored = [  # a detector of whole answers (positions, attention) gives no running score
             i
             for i in live
             if self.engine.detector is not None
+            and not self.engine.detector.needs_generations
             and (self.jobs[i].stream_scores or self.jobs[i].abort_below is not None)
             and (t % self.engine.score_every == 0 or t == self.jobs[i].max_tokens)
         ]
@@ -264,7 +265,11 @@ class Engine:
             max_context=self.max_context,
             batch_size=len(jobs),
             # map-only capture when maps are all the detector reads
-            greybox=self.detector is not None and self.detector.needs_scalars,
+            **(
+                self.detector.capture_settings()
+                if self.detector is not None
+                else {"greybox": False}
+            ),
         )
         watch = _StepWatch(self, jobs) if any(j.watched for j in jobs) else None
         with self.lock:
@@ -297,7 +302,8 @@ class Engine:
             maps = answer_maps([generations[i].trajectory for i in scored], self.map_config)
             if self.detector.needs_scalars:
                 scalars = scalars_of_generations([generations[i] for i in scored])
-            raw[scored] = self.detector.predict_proba(maps, scalars)
+            gens = [generations[i] for i in scored] if self.detector.needs_generations else None
+            raw[scored] = self.detector.predict_proba(maps, scalars, gens)
         shifts = self.monitor.observe(maps) if self.monitor is not None and scored else None
         prevalence = self.prevalence.update(raw[scored])
         corrected = np.full(len(jobs), np.nan)  # an empty answer has no score to correct

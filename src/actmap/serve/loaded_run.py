@@ -24,6 +24,7 @@ import torch
 from actmap.detectors.plus import ActMapPlus
 from actmap.llm.models import file_digest
 from actmap.maps import MapConfig, build_maps, build_maps_from_list, stored_form
+from actmap.stacked import StackedPlus, StackRows
 from actmap.training.run_folder import seed_folders
 
 log = logging.getLogger(__name__)
@@ -41,16 +42,53 @@ class LoadedDetector:
 
     @property
     def requires(self) -> tuple[str, ...]:
-        """What the detector reads per answer: ("maps",) or ("maps", "scalars")."""
+        """What the detector reads per answer: "maps", and "scalars", "positions", "attention"
+        (the stacked actmap-plus, `actmap.stacked`)."""
         return tuple(self.detector.requires)
 
     @property
     def needs_scalars(self) -> bool:
         return "scalars" in self.requires
 
-    def predict_proba(self, maps: np.ndarray, scalars: np.ndarray | None = None) -> np.ndarray:
-        """(N, C, H, W) float16 maps (+ (N, 6) scalars when required) -> (N,) raw p(correct)."""
+    @property
+    def needs_generations(self) -> bool:
+        """True when scoring reads more than maps and scalars (positions, attention): the
+        whole answer's `Generation` records; no running scores over answer prefixes then."""
+        return bool({"positions", "attention"} & set(self.requires))
+
+    def capture_settings(self) -> dict:
+        """`CaptureConfig` fields the generation pass needs for this detector."""
+        need = set(self.requires)
+        settings = {"greybox": bool({"scalars", "attention"} & need)}
+        if "positions" in need:
+            settings["keep_positions"] = True
+        if "attention" in need:
+            keys = self.detector.config.tad_previous
+            settings.update(attention_keys=keys, lookback_attention=True)
+        return settings
+
+    def predict_proba(
+        self, maps: np.ndarray, scalars: np.ndarray | None = None, generations=None
+    ) -> np.ndarray:
+        """(N, C, H, W) float16 maps (+ (N, 6) scalars when required, + the `Generation`
+        records for a stacked actmap-plus) -> (N,) raw p(correct)."""
+        if isinstance(self.detector, StackedPlus):
+            if generations is None:
+                raise ValueError(
+                    f"{self.id} (stacked actmap-plus) reads {', '.join(self.requires)}: score "
+                    "it from the generations of a capture pass (the server does), not maps alone"
+                )
+            rows = stacked_rows(maps, scalars, generations)
+            return self.detector.predict_proba(rows).astype(np.float64)
         return self.detector.predict_proba(maps, scalars).astype(np.float64)
+
+
+def stacked_rows(maps: np.ndarray, scalars: np.ndarray | None, generations) -> StackRows:
+    """The stacked detector's inputs of captured answers (positions and attention when kept)."""
+    positions = None
+    if all(g.positions is not None for g in generations):
+        positions = np.stack([g.positions.numpy() for g in generations])
+    return StackRows(maps, scalars, positions, list(generations))
 
 
 def _seed_folder(run: Path, seed: int | None) -> Path:
@@ -82,15 +120,15 @@ def load_detector_run(
     run: str | Path, seed: int | None = None, device: str | None = "cpu"
 ) -> LoadedDetector:
     """The detector of a run folder: ``seed`` when given, else the best validation AUROC."""
-    from actmap.detectors import load_detector
     from actmap.llm.models import stored_dtype
+    from actmap.stacked import load_any_detector as load_detector
 
     run = Path(run)
     if not run.exists():
         raise FileNotFoundError(f"detector run {run} does not exist")
     folder = _seed_folder(run, seed)
     detector = load_detector(folder, device=device)
-    kind = detector.name if isinstance(detector, ActMapPlus) else detector.detector
+    kind = detector.name if isinstance(detector, ActMapPlus | StackedPlus) else detector.detector
     store_config = detector.metadata_.get("inputs", {}).get("store_config") or {}
     map_config = MapConfig(**store_config.get("map", {}))
     dtype = stored_dtype(store_config)

@@ -192,9 +192,7 @@ class StepLoop:
         running = {}
         if scored:
             maps = stored_form(
-                build_maps_from_list(
-                    [r.states[:, :t] for _, r, t in scored], engine.map_config
-                )
+                build_maps_from_list([r.states[:, :t] for _, r, t in scored], engine.map_config)
             )
             scalars = None
             if engine.detector.needs_scalars:

@@ -43,7 +43,7 @@ from actmap.atomic import TMP_PREFIX
 from actmap.store import QUARANTINE, MapStore, maps_schema
 from actmap.store.lock import holder_is_writing
 
-CAPTURE_TABLES = ("generations", "trajectories", "attention", "dense")
+CAPTURE_TABLES = ("generations", "trajectories", "attention", "dense", "positions")
 EXAMPLES = 5  # ids named per finding
 
 

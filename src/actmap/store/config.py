@@ -20,6 +20,9 @@ SWITCHES = (
     ("capture", "attention_keys"),
     ("capture", "keep_dense"),
     ("capture", "share_prefix"),
+    ("keep", "positions"),
+    ("capture", "keep_positions"),
+    ("capture", "lookback_attention"),
 )
 
 

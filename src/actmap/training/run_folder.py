@@ -59,8 +59,10 @@ def _seed_identity(folder: Path) -> tuple[str, dict[str, Any]]:
     path = folder / "config.json"
     try:
         cfg = json.loads(path.read_text())
-        # the paper's detectors save their TrainConfig; actmap-plus its PlusConfig
-        return str(cfg["detector"]), recipe_of(cfg.get("train_config") or cfg["plus_config"])
+        # the paper's detectors save their TrainConfig; actmap-plus its PlusConfig (v1) or
+        # StackConfig (v2, the stacked one)
+        recipe = cfg.get("train_config") or cfg.get("plus_config") or cfg["stack_config"]
+        return str(cfg["detector"]), recipe_of(recipe)
     except FileNotFoundError:
         raise ActmapUserError(f"{path} does not exist; {folder} is not a finished seed") from None
     except (ValueError, KeyError, TypeError, AttributeError) as error:

@@ -55,6 +55,7 @@ def _capture(context: ReportContext, notes: list[str]):
         prompts,
         int(context.option("cost", "capture_new_tokens", 32)),
         int(context.option("cost", "capture_repeats", 3)),
+        tuple(context.option("cost", "capture_variants", ("greybox", "attention", "dense"))),
     )
 
 
@@ -124,6 +125,16 @@ def render(result: CostResult, figure_dir: Path) -> str:
             f"{', '.join(f'{t:.2f}' for t in c.hooked_s)} s; identical tokens "
             f"{c.identical_tokens}.\n"
         )
+        if c.variants:
+            each = "; ".join(
+                f"{v} {r:.3f} ({c.added_ms(v):.2f} ms/answer)" for v, r in c.variants.items()
+            )
+            lines.append(
+                f"Capture a baseline needs, hooked/plain (added ms per answer): {each}. The "
+                "cost-quality figure adds each method's capture to its scoring time (map-only for "
+                "ActMap, attention for RAUQ/TAD, dense states for ACT-ViT, grey-box for the "
+                "others).\n"
+            )
     lines += [
         "**Bytes per generation** (float16)\n",
         "| store | map | pooled trajectory (mean) | ACT-ViT tensor | d_model |",

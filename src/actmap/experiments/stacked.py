@@ -1,0 +1,276 @@
+"""The stacked actmap-plus on a store: train a run, and compare both presets with every
+single-pass baseline.
+
+    train_stacked_run(store, out, preset)    ->  the run folder `actmap train` writes
+    compare_stacked(store)                   ->  StackedComparison (to_json, to_markdown)
+
+The stacked detector trains on every labelled training row (class-weighted), makes every choice
+on the balanced validation rows, and scores the balanced test rows once. The baselines are
+fit and chosen exactly as in `actmap.experiments.compare_product` (the strongest single-pass baseline: the best
+balanced-validation AUROC). Each method gets its balanced-test AUROC with a 95% bootstrap
+interval, each preset the paired interval of its difference to every method, and on every
+labelled test row (natural prevalence) AUROC and ECE, raw and prior-corrected to the
+training split's accuracy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from actmap.artifacts import write_json
+from actmap.experiments.compare_product import (
+    SINGLE_PASS_BASELINES,
+    GenerationReader,
+    Scored,
+    baseline_scored,
+    natural_metrics,
+    plus_scored,
+    score_test_once,
+    store_rows,
+)
+from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs
+from actmap.scoring import metrics
+from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
+from actmap.stacked import PRESETS, StackConfig, StackedPlus, stack_rows
+from actmap.store import MapStore
+from actmap.store.rows import Rows
+
+log = logging.getLogger(__name__)
+
+TRAIN_ROWS = "train_all"  # every labelled training row; class weights balance them
+
+
+def fit_stacked(store, sets: dict[str, Rows], preset: str) -> tuple[StackedPlus, Any]:
+    """(fitted detector, row-set -> StackRows) on a store's row sets (`comparison.store_rows`)."""
+    cache: dict[tuple[str, ...], Any] = {}
+
+    def inputs(rows: Rows):
+        key = tuple(rows.ids)
+        if key not in cache:
+            cache[key] = stack_rows(
+                store, list(rows.ids), preset == "full", rows.maps, rows.scalars
+            )
+        return cache[key]
+
+    train, val = sets[TRAIN_ROWS], sets["validation"]
+    est = StackedPlus(StackConfig(preset=preset)).fit(
+        inputs(train), train.labels, inputs(val), val.labels
+    )
+    log.info(
+        "stacked %s: %s (validation AUROC %.4f)", preset, est.selected_, est.validation_["stack"]
+    )
+    return est, inputs
+
+
+def stacked_scored(store, sets: dict[str, Rows], preset: str) -> Scored:
+    est, inputs = fit_stacked(store, sets, preset)
+    return scored_of(est, inputs, sets, preset)
+
+
+def presets_scored(store, sets: dict[str, Rows], presets: Sequence[str]) -> list[Scored]:
+    """Every preset of ``presets``; one full fit gives the deployable preset too
+    (`StackedPlus.restricted`: the same blocks, re-stacked on the subset)."""
+    if "full" not in presets:
+        return [stacked_scored(store, sets, p) for p in presets]
+    full, inputs = fit_stacked(store, sets, "full")
+    fits = {p: full if p == "full" else full.restricted(p) for p in presets}
+    return [scored_of(fits[p], inputs, sets, p) for p in presets]
+
+
+def scored_of(est: StackedPlus, inputs, sets: dict[str, Rows], preset: str) -> Scored:
+    val = est.predict_proba(inputs(sets["validation"]))
+    return Scored(
+        f"actmap-plus {preset}",
+        val,
+        calibrated_prevalence=est.calibrated_prevalence_,
+        details={
+            "validation_auroc": metrics.auroc(val, sets["validation"].labels),
+            "selected": est.selected_,
+            "blocks": {b: est.validation_.get(b) for b in est.blocks_},
+            "layers": {
+                b: blk.choices.get("layer") for b, blk in est.blocks_.items() if blk.choices
+            },
+            "train_rows": TRAIN_ROWS,
+            "n_train": est.n_train_,
+        },
+        score_test=lambda rows: est.predict_proba(inputs(rows)),
+        estimator=est,
+    )
+
+
+def train_stacked_run(store_path: str | Path, out: str | Path, preset: str) -> dict[str, Any]:
+    """Fit the stacked actmap-plus on a store, save it, score the balanced test rows once.
+
+    Writes ``<out>/seed-0/{model.safetensors, config.json, test_scores.parquet, metrics.json}``
+    and ``<out>/summary.json``, the layout `actmap train` writes."""
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    store = MapStore.open(store_path)
+    sets = store_rows(store)
+    scored = stacked_scored(store, sets, preset)
+    est, test, out = scored.estimator, sets["test"], Path(out)
+    folder = out / "seed-0"
+    inputs = {"store_config": store.manifest.get("config")}  # the map settings serving reads
+    details = {"store": str(store_path), "inputs": inputs, "preset": preset, **scored.details}
+    details["validation_auroc"] = scored.validation_auroc
+    est.save(folder, metadata=details)
+    rows = stack_rows(store, list(test.ids), "attention" in est.requires, test.maps, test.scalars)
+    logits = est.decision_function(rows)
+    scores = RowScores(
+        list(test.ids),
+        test.labels,
+        logits.astype(np.float32),
+        est.predict_proba(rows).astype(np.float32),
+    )
+    scores.write_parquet(folder / "test_scores.parquet")
+    result = scoring_metrics(scores)
+    write_json(folder / "metrics.json", result)
+    summary = summarize_runs([SimpleNamespace(seed=0, test_metrics=result)])
+    write_json(out / "summary.json", {"detector": "actmap-plus", **summary, **details})
+    return {**summary, "detector": f"actmap-plus ({preset})", "selected": est.selected_}
+
+
+# --- the comparison -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StackedRow:
+    method: str
+    role: str  # "preset" | "strongest baseline" | "baseline" | "actmap-plus v1"
+    validation_auroc: float
+    test_auroc: Interval  # balanced test rows
+    vs: dict[str, Interval]  # preset name -> preset minus this method, paired, balanced test
+    natural_auroc: float
+    natural_ece: float | None
+    natural_ece_corrected: float | None
+    details: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StackedComparison:
+    store: str
+    n_test: int
+    n_test_all: int
+    test_prevalence: float
+    deployment_prevalence: float
+    rows: list[StackedRow]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def to_markdown(self) -> str:
+        presets = [r.method for r in self.rows if r.role == "preset"]
+        head = " | ".join(
+            f"{p.removeprefix('actmap-plus ')} - method [95%, paired]" for p in presets
+        )
+        lines = [
+            f"store {self.store}: balanced test n={self.n_test}; all test n={self.n_test_all} "
+            f"({self.test_prevalence:.1%} correct); prior correction to the training split's "
+            f"{self.deployment_prevalence:.1%}",
+            "",
+            f"| method | role | val AUROC | test AUROC [95%] | {head} | natural AUROC "
+            "| natural ECE raw | natural ECE corrected |",
+            "|---|---|---|---|" + "---|" * len(presets) + "---|---|---|",
+        ]
+        for r in self.rows:
+            diffs = " | ".join(str(r.vs[p]) if p in r.vs else "" for p in presets)
+            lines.append(
+                f"| {r.method} | {r.role} | {r.validation_auroc:.3f} | {r.test_auroc} | {diffs} "
+                f"| {r.natural_auroc:.3f} | {_fmt(r.natural_ece)} | {_fmt(r.natural_ece_corrected)} |"
+            )
+        for r in self.rows:
+            if r.role == "preset":
+                lines.append(f"\n{r.method}: blocks {r.details['selected']}, layers "
+                             f"{r.details['layers']}")  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def with_positions_only(store, sets: dict[str, Rows]) -> dict[str, Rows]:
+    """``sets`` cut to the rows with position states (all of them when every row has them)."""
+    if not store.has_table("positions"):
+        return sets
+    have = store.ids("positions")
+    out = {}
+    for name, rows in sets.items():
+        keep = [i for i, k in enumerate(rows.ids) if k in have]
+        if len(keep) == len(rows.ids):
+            out[name] = rows
+            continue
+        log.warning("%s: %d of %d rows have position states", name, len(keep), len(rows.ids))
+        out[name] = Rows(
+            [rows.ids[i] for i in keep],
+            np.asarray(rows.labels)[keep],
+            np.asarray(rows.maps)[keep],
+            None if rows.scalars is None else np.asarray(rows.scalars)[keep],
+        )
+    return out
+
+
+def compare_stacked(
+    store,
+    presets: Sequence[str] = ("deployable", "full"),
+    baselines: Sequence[str] = SINGLE_PASS_BASELINES,
+    n_resamples: int = 2000,
+    with_v1: bool = True,
+) -> StackedComparison:
+    """Both presets vs every single-pass baseline (and actmap-plus v1), choices on validation.
+
+    Every method reads the same rows: when the store's ``positions`` table covers only part
+    of them (`scripts/add_positions.py` still running), each row set keeps the rows it covers
+    (logged), so no method sees a row another does not."""
+    sets = with_positions_only(store, store_rows(store))
+    stacked = presets_scored(store, sets, presets)
+    gens = GenerationReader(store)
+    others = []
+    for method in baselines:
+        try:
+            others.append(baseline_scored(store, sets, method, gens))
+        except Exception as err:  # e.g. no attention stored: the others still compare
+            log.warning("%s cannot run on %s: %s", method, store.root, err)
+    if not others:
+        raise ValueError(f"{store.root}: none of the baselines {', '.join(baselines)} could run")
+    strongest = max(others, key=lambda m: m.validation_auroc)
+    v1 = [plus_scored(sets)] if with_v1 else []
+    for m in v1:
+        m.name = "actmap-plus v1"
+    methods = stacked + [strongest] + [m for m in others if m is not strongest] + v1
+    score_test_once(methods, sets)  # every choice above saw validation rows only
+    y, y_all = sets["test"].labels, sets["test_all"].labels
+    deploy = sets["train_all"].prevalence
+    rows = []
+    for m in methods:
+        role = (
+            "preset" if any(m is s for s in stacked)
+            else "strongest baseline" if m is strongest
+            else "actmap-plus v1" if any(m is s for s in v1)
+            else "baseline"
+        )  # fmt: skip
+        vs = {
+            s.name: paired_bootstrap(s.test, m.test, y, n_resamples=n_resamples)
+            for s in stacked
+            if s is not m
+        }
+        rows.append(
+            StackedRow(
+                m.name,
+                role,
+                m.validation_auroc,
+                bootstrap(m.test, y, n_resamples=n_resamples),
+                vs,
+                *natural_metrics(m, y_all, deploy),
+                {k: v for k, v in m.details.items() if k != "grid"},
+            )
+        )
+    return StackedComparison(str(store.root), len(y), len(y_all), float(y_all.mean()), deploy, rows)

@@ -1,0 +1,583 @@
+"""actmap-plus, version 2: one stacked detector over every signal of the single pass.
+
+Candidate blocks, each a standardised L2 logistic regression on one kind of input:
+
+    map                 the map's first principal components (actmap-plus v1's input)
+    scalars             the six per-answer scalars (`actmap.capture.answer_scalars`)
+    probe:<position>    the full-width state at one named position (`actmap.capture.positions`),
+                        at the layer chosen on validation
+    lookback            per head, the mean attention to the previous answer token and to the
+                        K previous answer tokens (Lookback-Lens-like; needs attention weights)
+    rauq                RAUQ's confidence (needs attention weights)
+    tad                 TAD's confidence (needs attention weights; TAD is trained itself)
+
+Each block is fit on the training rows; its out-of-fold logits on those rows (stratified
+folds, `out_of_fold_logits`) train a logistic regression that stacks them. Every choice is made
+on validation rows only: each probe's layer, each block's L2 strength, and which blocks enter
+the stack (greedy forward selection by validation AUROC). Two presets:
+
+    deployable   map, scalars, probes: what any engine gives (vLLM included), no attention
+    full         everything, attention weights included
+
+The artifact is actmap-plus's: ``model.safetensors`` (every fitted array) + ``config.json``
+(``detector: actmap-plus``, ``schema_version: 2``), loaded by `load` (or `load_plus`, which
+opens either version). It lives outside `actmap.detectors` because it reads the RAUQ and TAD
+baselines (tests/test_imports.py states the rule).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from actmap.artifacts import package_version, write_json
+from actmap.atomic import atomic_path
+from actmap.baselines.rauq import RAUQ
+from actmap.baselines.tad import TAD
+from actmap.capture.answer_scalars import scalars_from_store
+from actmap.capture.from_store import read_generations
+from actmap.capture.positions import POSITION_NAMES
+from actmap.detectors import load_detector
+from actmap.detectors.plus import ActMapPlus
+from actmap.scoring import metrics
+from actmap.scoring.prior import shift_to_prevalence, sigmoid
+from actmap.store import decode_array
+
+log = logging.getLogger(__name__)
+
+NAME = "actmap-plus"
+SCHEMA_VERSION = 2
+ATTENTION_BLOCKS = ("lookback", "rauq", "tad")
+PROBES = tuple(f"probe:{p}" for p in POSITION_NAMES)
+PRESETS = {
+    "deployable": ("map", "scalars", *PROBES),
+    "full": ("map", "scalars", *PROBES, *ATTENTION_BLOCKS),
+}
+STRENGTHS = (1e-3, 1e-2, 1e-1, 1.0)  # inverse L2 strengths tried per block on validation
+LAYER_SEARCH_C = 1e-2  # a probe's layer is chosen at this strength, then its C
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Settings of one stacked fit."""
+
+    preset: str = "full"  # "deployable" (no attention weights) | "full"
+    map_components: int = 64  # principal components of the map block
+    folds: int = 5  # stratified folds of the out-of-fold logits
+    seed: int = 0
+    class_weight: str | None = "balanced"  # every logistic regression; "balanced" -> p at 0.5
+    # "all": every block of the preset enters the stack (its weights are fit on the training
+    # rows' out-of-fold logits); "greedy": forward selection by validation AUROC
+    selection: str = "all"
+    min_gain: float = 0.002  # greedy: validation AUROC a block must add to enter the stack
+    tad_previous: int = 10  # K of TAD and of the lookback block
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        if self.selection not in ("all", "greedy"):
+            raise ValueError(f"selection must be 'all' or 'greedy', got {self.selection!r}")
+
+
+@dataclass
+class StackRows:
+    """What the stacked detector reads for N answers.
+
+    maps (N, C, H, W); scalars (N, 6); positions (N, 4, L, D) float16 or None;
+    generations: `Generation` records with ``attention`` (full preset) or None.
+    """
+
+    maps: np.ndarray
+    scalars: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    generations: list | None = None
+
+    def __len__(self) -> int:
+        return len(self.maps)
+
+
+# --- features of each block ---------------------------------------------------------------------
+
+
+def lookback_features(generations: Sequence, keys: int) -> np.ndarray:
+    """(N, 2 * L * H): per head, the mean over answer steps t >= 1 of the attention to the
+    previous answer token, then of the summed attention to the ``keys`` previous ones."""
+    rows = []
+    for g in generations:
+        if g.attention is None:
+            raise ValueError(
+                "the lookback block needs attention weights (capture --attention-keys)"
+            )
+        a = np.asarray(g.attention, dtype=np.float64)  # (T, L, H, K)
+        steps = a[1:] if len(a) > 1 else np.zeros((1, *a.shape[1:]))
+        rows.append(
+            np.concatenate(
+                [steps[..., 0].mean(0).ravel(), steps[..., :keys].sum(-1).mean(0).ravel()]
+            )
+        )
+    return np.stack(rows)
+
+
+def rauq_confidences(generations: Sequence) -> np.ndarray:
+    return np.asarray(RAUQ().score(generations).confidence, dtype=np.float64).reshape(-1, 1)
+
+
+def _tad(keys: int, **choices):
+    return TAD(n_previous=keys, **choices)
+
+
+def tad_confidences(tad, generations: Sequence) -> np.ndarray:
+    return np.asarray(tad.score(generations).confidence, dtype=np.float64).reshape(-1, 1)
+
+
+def flat_maps(maps: np.ndarray) -> np.ndarray:
+    x = np.asarray(maps, dtype=np.float32)
+    return x.reshape(len(x), -1)
+
+
+def position_slice(rows: StackRows, position: str, layer: int) -> np.ndarray:
+    if rows.positions is None:
+        raise ValueError(
+            "the probe blocks read position states; capture with --keep-positions "
+            "(or add them with scripts/add_positions.py)"
+        )
+    return np.asarray(rows.positions[:, POSITION_NAMES.index(position), layer], dtype=np.float64)
+
+
+# --- one block: standardised L2 logistic regression ----------------------------------------------
+
+
+def _logreg(C: float, class_weight):
+    from sklearn.linear_model import LogisticRegression
+
+    return LogisticRegression(C=C, class_weight=class_weight, max_iter=5000)
+
+
+def out_of_fold_logits(x: np.ndarray, y: np.ndarray, C: float, class_weight, folds) -> np.ndarray:
+    """(N,) logits of a standardised L2 logistic regression, each row scored by the model fit
+    on the folds without it (sklearn's cross_val_predict over ``folds``)."""
+    from sklearn.model_selection import cross_val_predict
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    model = make_pipeline(StandardScaler(), _logreg(C, class_weight))
+    return cross_val_predict(model, x, y, cv=folds, method="decision_function")
+
+
+@dataclass
+class LinearBlock:
+    """Learned state of one block: standardisation, coefficients, its choices."""
+
+    name: str
+    C: float
+    mean: np.ndarray
+    scale: np.ndarray
+    coef: np.ndarray
+    intercept: float
+    choices: dict[str, Any] = field(default_factory=dict)  # layer, position, PCA size ...
+
+    @classmethod
+    def fit(cls, name: str, x: np.ndarray, y: np.ndarray, C: float, class_weight, **choices):
+        mean, scale = x.mean(0), x.std(0)
+        scale = np.where(scale > 0, scale, 1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = _logreg(C, class_weight).fit((x - mean) / scale, y)
+        return cls(
+            name, C, mean, scale, model.coef_.ravel().copy(), float(model.intercept_[0]), choices
+        )
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        return ((x - self.mean) / self.scale) @ self.coef + self.intercept
+
+
+class StackedPlus:
+    """actmap-plus v2: blocks fit on training rows, stacked on their out-of-fold logits.
+
+    Learned state: ``blocks_`` (name -> `LinearBlock`), ``pca_`` (map mean and components),
+    ``tad_`` (the fitted TAD, full preset), ``selected_`` (blocks in the stack, in order),
+    ``meta_`` (the stacking `LinearBlock`), ``validation_`` (every choice's validation AUROC),
+    ``calibrated_prevalence_``, ``n_train_``, ``metadata_``.
+    """
+
+    name = NAME
+    schema_version = SCHEMA_VERSION
+
+    def __init__(self, config: StackConfig | None = None) -> None:
+        self.config = config or StackConfig()
+
+    # --- which inputs ----------------------------------------------------------------------
+
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """What a row must carry: "maps", "scalars", "positions", "attention"."""
+        used = getattr(self, "selected_", PRESETS[self.config.preset])
+        need = ["maps"]
+        if "scalars" in used:
+            need.append("scalars")
+        if any(b.startswith("probe:") for b in used):
+            need.append("positions")
+        if any(b in ATTENTION_BLOCKS for b in used):
+            need.append("attention")
+        return tuple(need)
+
+    def _features(self, block: str, rows: StackRows, layer: int | None = None) -> np.ndarray:
+        if block == "map":
+            return (flat_maps(rows.maps) - self.pca_[0]) @ self.pca_[1].T
+        if block == "scalars":
+            if rows.scalars is None:
+                raise ValueError(
+                    "the scalars block needs the per-answer scalars (grey-box capture)"
+                )
+            return np.asarray(rows.scalars, dtype=np.float64)
+        if block.startswith("probe:"):
+            if layer is None:
+                layer = self.blocks_[block].choices["layer"]
+            return position_slice(rows, block.split(":", 1)[1], layer)
+        if rows.generations is None:
+            raise ValueError(f"the {block} block needs the generations with attention weights")
+        if block == "lookback":
+            return lookback_features(rows.generations, self.config.tad_previous)
+        if block == "rauq":
+            return rauq_confidences(rows.generations)
+        if block == "tad":
+            return tad_confidences(self.tad_, rows.generations)
+        raise ValueError(f"unknown block {block!r}")
+
+    # --- fitting ---------------------------------------------------------------------------
+
+    def fit(self, train: StackRows, y: Any, val: StackRows, y_val: Any) -> StackedPlus:
+        """Fit every block of the preset on ``train``, choose on ``val``, stack; returns self."""
+        from sklearn.decomposition import PCA
+        from sklearn.model_selection import StratifiedKFold
+
+        cfg = self.config
+        if train.generations and train.generations[0].attention is not None:
+            stored = int(train.generations[0].attention.shape[-1])  # K the capture kept
+            if stored < cfg.tad_previous:
+                log.warning("TAD and lookback read K=%d previous tokens (stored)", stored)
+                cfg = self.config = replace(cfg, tad_previous=stored)
+        y, y_val = _labels(y, len(train)), _labels(y_val, len(val))
+        folds = StratifiedKFold(cfg.folds, shuffle=True, random_state=cfg.seed)
+        weight = cfg.class_weight
+        x_map = flat_maps(train.maps)
+        k = min(cfg.map_components, len(x_map) - 1, x_map.shape[1])
+        pca = PCA(n_components=k, svd_solver="randomized", random_state=cfg.seed).fit(x_map)
+        self.pca_ = (pca.mean_.astype(np.float32), pca.components_.astype(np.float32))
+        self.blocks_, self.validation_, self.tad_ = {}, {}, None
+        oof, val_logits = {}, {}
+        available = [b for b in PRESETS[cfg.preset] if self._has_inputs(b, train)]
+        for block in available:
+            if block == "tad":
+                self._fit_tad(train, y, val, y_val, folds)
+            layer = (
+                self._choose_layer(block, train, y, val, y_val)
+                if block.startswith("probe:")
+                else None
+            )
+            x = self.tad_oof_ if block == "tad" else self._features(block, train, layer)
+            xv = self._features(block, val, layer)
+            best = max(
+                STRENGTHS,
+                key=lambda C: metrics.auroc(
+                    LinearBlock.fit(block, x, y, C, weight).logits(xv), y_val
+                ),
+            )
+            fitted = LinearBlock.fit(block, x, y, best, weight)
+            if layer is not None:
+                fitted.choices.update(layer=layer, position=block.split(":", 1)[1])
+            self.blocks_[block] = fitted
+            val_logits[block] = fitted.logits(xv)
+            oof[block] = out_of_fold_logits(x, y, best, weight, folds)
+            self.validation_[block] = metrics.auroc(val_logits[block], y_val)
+            log.info("block %s: validation AUROC %.4f (C=%g)", block, self.validation_[block], best)
+        # kept in memory (not saved): `restricted` re-stacks a subset without refitting blocks
+        self.oof_, self.val_logits_, self.y_, self.y_val_ = oof, val_logits, y, y_val
+        self.all_blocks_, self.all_tad_ = dict(self.blocks_), self.tad_
+        self._finish(list(oof))
+        self.n_train_ = len(y)
+        self.train_prevalence_ = float(y.mean())
+        self.calibrated_prevalence_ = 0.5 if weight == "balanced" else float(y.mean())
+        self.metadata_: dict[str, Any] = {}
+        return self
+
+    def _has_inputs(self, block: str, rows: StackRows) -> bool:
+        if block == "scalars":
+            return rows.scalars is not None
+        if block.startswith("probe:"):
+            return rows.positions is not None
+        if block in ATTENTION_BLOCKS:
+            gens = rows.generations
+            return gens is not None and all(g.attention is not None for g in gens)
+        return True
+
+    def _choose_layer(self, block, train, y, val, y_val) -> int:
+        n_layers = train.positions.shape[2]
+        aucs = [
+            metrics.auroc(
+                LinearBlock.fit(block, self._features(block, train, layer), y, LAYER_SEARCH_C,
+                                self.config.class_weight).logits(self._features(block, val, layer)),
+                y_val,
+            )
+            for layer in range(n_layers)
+        ]  # fmt: skip
+        self.validation_[f"{block} layers"] = [round(a, 4) for a in aucs]
+        return int(np.argmax(aucs))
+
+    def _fit_tad(self, train, y, val, y_val, folds) -> None:
+        """TAD with its choices made on validation; its out-of-fold confidences on training rows
+        come from refits (same choices) on the folds without each row."""
+        gens = train.generations
+        tad = _tad(self.config.tad_previous).fit(gens, y, val.generations, y_val)
+        self.tad_ = tad
+        oof = np.zeros((len(gens), 1))
+        for fit_idx, held in folds.split(np.zeros(len(y)), y):
+            part = tad.fixed_choices().fit([gens[i] for i in fit_idx], y[fit_idx])
+            oof[held] = tad_confidences(part, [gens[i] for i in held])
+        self.tad_oof_ = oof
+
+    def _stack(self, logits: dict[str, np.ndarray], blocks: Sequence[str]) -> np.ndarray:
+        return np.column_stack([logits[b] for b in blocks])
+
+    def _finish(self, candidates: list[str]) -> None:
+        """Choose the stacked blocks among ``candidates`` and fit the stack."""
+        oof = {b: self.oof_[b] for b in candidates}
+        val = {b: self.val_logits_[b] for b in candidates}
+        if self.config.selection == "greedy":
+            self.selected_ = self._select(oof, val, self.y_, self.y_val_)
+        else:
+            self.selected_ = list(candidates)
+        self.meta_ = self._meta(oof, self.y_)
+        self.validation_["stack"] = metrics.auroc(
+            self.meta_.logits(self._stack(val, self.selected_)), self.y_val_
+        )
+        self.blocks_ = {b: self.blocks_[b] for b in self.selected_}
+        if "tad" not in self.selected_:
+            self.tad_ = None
+
+    def restricted(self, preset: str) -> StackedPlus:
+        """This fit re-stacked on ``preset``'s blocks only (no block is refit): the deployable
+        preset of a full fit, the same as fitting it alone."""
+        import copy
+
+        if not hasattr(self, "oof_"):
+            raise ValueError("restricted() needs a fit of this session (out-of-fold logits)")
+        other = copy.copy(self)
+        other.config = replace(self.config, preset=preset)
+        other.validation_ = {k: v for k, v in self.validation_.items() if not k.startswith("stack")}
+        other.blocks_, other.tad_ = dict(self.all_blocks_), self.all_tad_
+        other._finish([b for b in self.oof_ if b in PRESETS[preset]])
+        return other
+
+    def _meta(self, oof: dict[str, np.ndarray], y: np.ndarray, blocks=None) -> LinearBlock:
+        blocks = list(self.selected_ if blocks is None else blocks)
+        return LinearBlock.fit("stack", self._stack(oof, blocks), y, 1.0, self.config.class_weight)
+
+    def _select(self, oof, val_logits, y, y_val) -> list[str]:
+        """Greedy forward selection: add the block that most raises the stack's validation
+        AUROC, while it adds at least ``min_gain``."""
+        chosen: list[str] = []
+        best = -np.inf
+        while True:
+            trials = {
+                b: metrics.auroc(
+                    self._meta(oof, y, chosen + [b]).logits(self._stack(val_logits, chosen + [b])),
+                    y_val,
+                )
+                for b in oof
+                if b not in chosen
+            }
+            if not trials:
+                break
+            block = max(trials, key=trials.get)
+            if chosen and trials[block] < best + self.config.min_gain:
+                break
+            chosen.append(block)
+            best = trials[block]
+            self.validation_[f"stack+{block}"] = best
+        return chosen
+
+    # --- scoring ---------------------------------------------------------------------------
+
+    def decision_function(self, rows: StackRows) -> np.ndarray:
+        """(N,) logits at ``calibrated_prevalence_``; higher = more likely correct."""
+        if not hasattr(self, "meta_"):
+            from sklearn.exceptions import NotFittedError
+
+            raise NotFittedError("this StackedPlus is not fitted; call fit() or load()")
+        logits = {b: self.blocks_[b].logits(self._features(b, rows)) for b in self.selected_}
+        return self.meta_.logits(self._stack(logits, self.selected_))
+
+    def predict_proba(self, rows: StackRows, prevalence: float | None = None) -> np.ndarray:
+        p = sigmoid(self.decision_function(rows))
+        if prevalence is None:
+            return p
+        return shift_to_prevalence(p, prevalence, self.calibrated_prevalence_)
+
+    # --- persistence -----------------------------------------------------------------------
+
+    def save(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+        """Write model.safetensors (every fitted array) and config.json into ``directory``."""
+        from safetensors.numpy import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        arrays = {"pca.mean": self.pca_[0], "pca.components": self.pca_[1]}
+        blocks = {}
+        for name, b in [*self.blocks_.items(), ("stack", self.meta_)]:
+            arrays.update(
+                {f"{name}.mean": b.mean, f"{name}.scale": b.scale, f"{name}.coef": b.coef}
+            )
+            blocks[name] = {"C": b.C, "intercept": b.intercept, "choices": b.choices}
+        tad = None
+        if self.tad_ is not None:
+            # the Ridge's own dtypes (float32 features): the loaded TAD scores to the bit
+            arrays["tad.ridge_coef"] = np.asarray(self.tad_.model_.coef_)
+            arrays["tad.ridge_intercept"] = np.atleast_1d(np.asarray(self.tad_.model_.intercept_))
+            tad = {
+                "n_previous": self.tad_.n_previous,
+                "alpha": self.tad_.alpha_,
+                "stage1_alpha": self.tad_.stage1_alpha_,
+                "aggregation": self.tad_.aggregation_,
+                "ridge_intercept": float(self.tad_.model_.intercept_),
+                "n_features_in": int(self.tad_.n_features_in_),
+            }
+        with atomic_path(out / "model.safetensors") as tmp:
+            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
+        write_json(
+            out / "config.json",
+            {
+                "schema_version": SCHEMA_VERSION,
+                "actmap_version": package_version(),
+                "detector": NAME,
+                "stack_config": asdict(self.config),
+                "requires": list(self.requires),
+                "selected": self.selected_,
+                "blocks": blocks,
+                "tad": tad,
+                "validation": self.validation_,
+                "n_train": self.n_train_,
+                "train_prevalence": self.train_prevalence_,
+                "calibrated_prevalence": self.calibrated_prevalence_,
+                "metadata": {**self.metadata_, **(metadata or {})},
+            },
+        )
+        return out
+
+    @classmethod
+    def load(cls, directory: str | Path) -> StackedPlus:
+        """Restore a saved stacked actmap-plus; it scores exactly as the one saved."""
+        from safetensors.numpy import load_file
+
+        src = Path(directory)
+        cfg = _read_config(src)
+        if cfg.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"{src / 'config.json'} is not a stacked {NAME} (schema 2)")
+        arrays = load_file(src / "model.safetensors")
+        est = cls(StackConfig(**cfg["stack_config"]))
+        est.pca_ = (arrays["pca.mean"], arrays["pca.components"])
+
+        def block(name: str) -> LinearBlock:
+            b = cfg["blocks"][name]
+            return LinearBlock(
+                name, b["C"], arrays[f"{name}.mean"], arrays[f"{name}.scale"],
+                arrays[f"{name}.coef"], b["intercept"], b["choices"],
+            )  # fmt: skip
+
+        est.selected_ = list(cfg["selected"])
+        est.blocks_ = {name: block(name) for name in est.selected_}
+        est.meta_ = block("stack")
+        est.tad_ = None
+        if cfg.get("tad"):
+            t = cfg["tad"]
+            est.tad_ = _tad(t["n_previous"], alpha=t["alpha"], aggregation=t["aggregation"],
+                            stage1_alpha=t["stage1_alpha"])  # fmt: skip
+            est.tad_.model_ = SimpleNamespace(
+                coef_=arrays["tad.ridge_coef"], intercept_=arrays["tad.ridge_intercept"][0]
+            )
+            est.tad_.alpha_, est.tad_.aggregation_ = t["alpha"], t["aggregation"]
+            est.tad_.stage1_alpha_, est.tad_.n_features_in_ = t["stage1_alpha"], t["n_features_in"]
+        est.validation_ = cfg.get("validation", {})
+        est.n_train_, est.train_prevalence_ = cfg["n_train"], cfg["train_prevalence"]
+        est.calibrated_prevalence_ = cfg["calibrated_prevalence"]
+        est.metadata_ = cfg.get("metadata", {})
+        return est
+
+    from_pretrained = load
+
+
+def _labels(y: Any, n: int) -> np.ndarray:
+    y = np.asarray(y)
+    if y.shape != (n,) or not np.isin(y, (0, 1)).all() or len(np.unique(y)) < 2:
+        raise ValueError(f"labels must be {n} values of 0/1 holding both classes")
+    return y.astype(np.int64)
+
+
+def _read_config(src: Path) -> dict:
+    for name in ("config.json", "model.safetensors"):
+        if not (src / name).is_file():
+            raise FileNotFoundError(f"{src / name} does not exist")
+    return json.loads((src / "config.json").read_text())
+
+
+def load_plus(directory: str | Path):
+    """A saved actmap-plus of either version: v1 (`ActMapPlus`) or v2 (`StackedPlus`)."""
+
+    cfg = _read_config(Path(directory))
+    if cfg.get("schema_version") == SCHEMA_VERSION:
+        return StackedPlus.load(directory)
+    return ActMapPlus.from_pretrained(directory)
+
+
+def load_any_detector(directory: str | Path, device: str | None = None):
+    """`actmap.detectors.load_detector`, plus the stacked actmap-plus."""
+
+    config = Path(directory) / "config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        if cfg.get("detector") == NAME and cfg.get("schema_version") == SCHEMA_VERSION:
+            return StackedPlus.load(directory)
+    return load_detector(directory, device=device)
+
+
+# --- store rows ------------------------------------------------------------------------------
+
+
+def read_positions(store, ids: Sequence[str]) -> np.ndarray:
+    """(N, 4, L, D) float16 position states of ``ids`` (only those rows are read)."""
+    table = store.read_latest("positions", ids=ids)
+    index = {k: i for i, k in enumerate(table.column("id").to_pylist())}
+    missing = [k for k in ids if k not in index]
+    if missing:
+        raise ValueError(
+            f"{store.root}: {len(missing)} rows have no position states, e.g. {missing[:3]} "
+            "(scripts/add_positions.py adds them)"
+        )
+    shapes, blobs = table.column("shape"), table.column("positions")
+    return np.stack([decode_array(blobs[index[k]].as_py(), shapes[index[k]].as_py()) for k in ids])
+
+
+def stack_rows(store, ids: Sequence[str], attention: bool, maps=None, scalars=None) -> StackRows:
+    """The inputs of ``ids`` from a store: maps, scalars, positions when stored, and (with
+    ``attention``) the generations with their attention weights when stored."""
+
+    ids = list(ids)
+    if maps is None:
+        maps, _ = store.load_maps(ids)
+    if scalars is None:
+        scalars = scalars_from_store(store, ids)
+    positions = None
+    if store.has_table("positions"):
+        positions = read_positions(store, ids)
+    gens = None
+    if attention and store.has_table("attention"):
+        gens = read_generations(store, ids)
+    return StackRows(maps, scalars, positions, gens)
