@@ -15,7 +15,7 @@ from actmap.capture.layers import find_decoder_layers
 from actmap.capture.lookback import lookback_attention, supports_lookback
 from actmap.capture.positions import position_states
 from actmap.capture.records import CaptureConfig, Generation
-from actmap.capture.stopping import cut_at_stop, stop_criteria
+from actmap.capture.stopping import end_answer, stop_criteria
 from actmap.llm.prefix_cache import cache_keyword, cache_of
 
 log = logging.getLogger(__name__)
@@ -293,20 +293,11 @@ def _split_rows(
     records = []
     for row, prompt in enumerate(prompts):
         n = int(first_stop[row])
-        stopped = n < steps  # here: row n is the end-of-sequence token's step
-        token_ids = generated[row, :n].tolist()
-        if stop_strings:
-            kept, answer, cut = cut_at_stop(
-                token_ids, tokenizer, stop_strings, skip_leading_whitespace=True
-            )
-            # row `kept` is the stop string's first token, unless the last answer token
-            # carries the stop string too (then no step produced a stop token)
-            stopped = stopped or cut
-            has_stop_step = kept < n or (not cut and stopped)
-            n, token_ids = kept, token_ids[:kept]
-        else:
-            answer = tokenizer.decode(token_ids, skip_special_tokens=True)
-            has_stop_step = stopped
+        # n < steps: row n is the end-of-sequence token's step
+        token_ids, answer, stopped, has_stop_step = end_answer(
+            generated[row, :n].tolist(), n < steps, tokenizer, stop_strings
+        )
+        n = len(token_ids)
         extras = {}
         if has_stop_step and greybox:
             extras = {

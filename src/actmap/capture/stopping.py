@@ -62,6 +62,28 @@ def cut_at_stop(
     return kept, text[:cut], True
 
 
+def end_answer(
+    token_ids: Sequence[int], ended: bool, tokenizer, stop_strings: Sequence[str] | None
+) -> tuple[list[int], str, bool, bool]:
+    """Where one generated answer ends: (answer tokens, answer text, stopped, has_stop_step).
+
+    ``token_ids`` are the tokens before any end-of-sequence token and ``ended`` says whether
+    one followed. A stop string cuts the answer at its first token; ``has_stop_step`` says
+    whether a generated step beyond the answer produced the stop (an end token, or a stop
+    string's first token), so its statistics are kept - unless the last answer token
+    carries the stop string itself, when no step produced a stop token.
+    """
+    token_ids = list(token_ids)
+    if not stop_strings:
+        return token_ids, tokenizer.decode(token_ids, skip_special_tokens=True), ended, ended
+    kept, answer, cut = cut_at_stop(
+        token_ids, tokenizer, stop_strings, skip_leading_whitespace=True
+    )
+    stopped = ended or cut
+    has_stop_step = kept < len(token_ids) or (not cut and stopped)
+    return token_ids[:kept], answer, stopped, has_stop_step
+
+
 def stop_criteria(
     tokenizer,
     stop_strings: Sequence[str],

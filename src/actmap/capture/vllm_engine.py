@@ -59,7 +59,7 @@ from torch import nn
 from actmap.capture.generate import check_prompts, tokenize_prompts
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.records import CaptureConfig, Generation
-from actmap.capture.stopping import cut_at_stop, stop_position
+from actmap.capture.stopping import end_answer, stop_position
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, cache_dir, check_dtype, check_model, load_model
 from actmap.maps import pool_hidden
@@ -573,19 +573,10 @@ def _record(request: _Request, tokenizer, ends: set[int]) -> Generation:
     generated = request.token_ids
     steps = len(generated)
     n = next((k for k, tok in enumerate(generated) if tok in ends), steps)
-    stopped = n < steps
-    token_ids = generated[:n]
-    stop_strings = request.config.stop_strings
-    if stop_strings:
-        kept, answer, cut = cut_at_stop(
-            token_ids, tokenizer, stop_strings, skip_leading_whitespace=True
-        )
-        stopped = stopped or cut
-        has_stop_step = kept < n or (not cut and stopped)
-        n, token_ids = kept, token_ids[:kept]
-    else:
-        answer = tokenizer.decode(token_ids, skip_special_tokens=True)
-        has_stop_step = stopped
+    token_ids, answer, stopped, has_stop_step = end_answer(
+        generated[:n], n < steps, tokenizer, request.config.stop_strings
+    )
+    n = len(token_ids)
     if request.recorded < min(n + has_stop_step, steps):
         raise RuntimeError(
             f"request {request.key}: {request.recorded} rows recorded for {steps} tokens"
