@@ -119,7 +119,7 @@ def test_policy_fit_scores_a_stacked_run_from_the_store(preset, store_path, tmp_
     from actmap.experiments.stacked import train_stacked_run
     from actmap.serve.fit import natural_scores, store_p_raw
     from actmap.serve.loaded_run import load_detector_run
-    from actmap.stacked import StackedPlus, stack_inputs, stack_rows
+    from actmap.stacked import StackedPlus, stack_inputs
 
     run = tmp_path / f"plus-{preset}"
     train_stacked_run(store_path, run, preset)
@@ -147,9 +147,12 @@ def test_policy_fit_scores_a_stacked_run_from_the_store(preset, store_path, tmp_
     )
     again = frozen_scores(run, store, list(rows.ids))["0"]
     np.testing.assert_allclose(scores.p_raw, again, rtol=1e-5)
-    # one row by hand: its own stack_rows call
-    one = stack_rows(store, [rows.ids[3]], preset == "full")
-    assert detector.detector.predict_proba(one)[0] == pytest.approx(want[3], rel=1e-6)
+    # by hand, around stack_rows: position states and scalars decoded from the tables' own
+    # Parquet rows (the store's last write per id), the attention weights' generations rebuilt
+    np.testing.assert_allclose(
+        detector.detector.predict_proba(hand_built_inputs(store, list(rows.ids), preset == "full")),
+        want, rtol=1e-6, atol=1e-9,
+    )  # fmt: skip
 
     out = tmp_path / "policy.toml"
     args = ["policy", "fit", "--run", str(run), "--store", str(store_path), "--out", str(out)]
@@ -168,6 +171,35 @@ def test_policy_fit_scores_a_stacked_run_from_the_store(preset, store_path, tmp_
     corrected = correct_prior(scores.p_raw, policy.prior)
     expected = threshold_for_risk(corrected, scores.labels, 0.9)[0]
     assert np.isfinite(policy.accept) and policy.accept == pytest.approx(expected)
+
+
+def test_policy_fit_of_a_v1_run_on_the_same_store(store_path, tmp_path):
+    """A v1 actmap-plus (maps + scalars) still fits through the same path, on the same rows."""
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+    from actmap.detectors.plus import ActMapPlus, PlusConfig
+    from actmap.experiments.compare_product import store_rows
+    from actmap.serve.fit import natural_scores
+    from actmap.serve.loaded_run import load_detector_run
+
+    # too few rows for `actmap train`'s 5 folds: fit as tests/test_serve_plus.py does
+    store = MapStore.open(store_path)
+    sets = store_rows(store)
+    train, rows = sets["train_all"], sets["validation_all"]
+    run = tmp_path / "plus-v1"
+    plus = ActMapPlus(PlusConfig(n_components=3, n_strengths=2, cv_folds=2))
+    plus.fit(train.maps, train.labels, train.scalars).save(run / "seed-0")
+    detector = load_detector_run(run)
+    assert isinstance(detector.detector, ActMapPlus)
+    scores = natural_scores(store, detector, "validation")
+    want = detector.detector.predict_proba(rows.maps, rows.scalars)
+    np.testing.assert_allclose(scores.p_raw, want, rtol=1e-6, atol=1e-9)
+    out = tmp_path / "policy.toml"
+    args = ["policy", "fit", "--run", str(run), "--store", str(store_path), "--out", str(out)]
+    result = CliRunner().invoke(app, [*args, "--target-risk", "0.9", "--resamples", "0"])
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and detector.id in out.read_text()
 
 
 def test_policy_fit_names_missing_position_states(store_path, tmp_path):
@@ -191,3 +223,28 @@ def test_policy_fit_names_missing_position_states(store_path, tmp_path):
     assert result.exit_code == 2, result.output
     assert "positions" in result.output and "add_positions" in result.output
     assert not out.exists()
+
+
+def hand_built_inputs(store, ids, attention):
+    """`actmap.stacked.StackRows` of ``ids`` read without `stack_rows`: the positions and
+    generations tables' Parquet shards read whole, their last row per id decoded by hand."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actmap.capture.answer_scalars import answer_scalars
+    from actmap.capture.from_store import read_generations
+    from actmap.stacked import StackRows
+
+    def last_rows(table):
+        whole = pa.concat_tables([pq.read_table(s) for s in store.shards(table)]).to_pylist()
+        return {r["id"]: r for r in whole}  # a later row of an id supersedes an earlier one
+
+    positions, gens = last_rows("positions"), last_rows("generations")
+    states = np.stack([
+        np.frombuffer(positions[k]["positions"], np.float16).reshape(positions[k]["shape"])
+        for k in ids
+    ])  # fmt: skip
+    scalars = np.stack([answer_scalars(gens[k]["logprobs"], gens[k]["entropies"]) for k in ids])
+    maps, _ = store.load_maps(ids)
+    generations = read_generations(store, ids) if attention else None
+    return StackRows(maps, scalars, states, generations)
