@@ -105,3 +105,146 @@ def test_the_comparison_reads_only_rows_with_positions(store_path, tmp_path):
         kept = [i for i, k in enumerate(full[name].ids) if k not in dropped]
         np.testing.assert_array_equal(rows.maps, full[name].maps[kept])
         np.testing.assert_array_equal(rows.labels, full[name].labels[kept])
+
+
+@pytest.mark.parametrize("preset", ["deployable", "full"])
+def test_policy_fit_scores_a_stacked_run_from_the_store(preset, store_path, tmp_path):
+    """`actmap policy fit` on a stacked run: the fit's p_raw of the validation rows is the
+    estimator's own predict_proba on the inputs compare-stacked builds for those rows."""
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+    from actmap.experiments.compare_product import store_rows
+    from actmap.experiments.seeds import frozen_scores
+    from actmap.experiments.stacked import train_stacked_run
+    from actmap.serve.fit import natural_scores, store_p_raw
+    from actmap.serve.loaded_run import load_detector_run
+    from actmap.stacked import StackedPlus, stack_inputs
+
+    run = tmp_path / f"plus-{preset}"
+    train_stacked_run(store_path, run, preset)
+    detector = load_detector_run(run)
+    assert isinstance(detector.detector, StackedPlus)
+    assert ("attention" in detector.requires) == (preset == "full")
+    store = MapStore.open(store_path)
+    scores = natural_scores(store, detector, "validation")
+    # reference: compare-stacked's row sets (every labelled validation row, scalars read by
+    # with_scalars) and its input builder (`fit_stacked` reads each row set with stack_inputs,
+    # attention for the full preset), scored by the saved estimator itself
+    sets = store_rows(store)
+    rows = sets["validation_all"]
+    assert scores.ids == list(rows.ids)
+    np.testing.assert_array_equal(scores.labels, rows.labels)
+    assert rows.scalars is not None
+    want = detector.detector.predict_proba(stack_inputs(store, rows, preset == "full"))
+    np.testing.assert_allclose(scores.p_raw, want, rtol=1e-6, atol=1e-9)
+    assert 0 < scores.p_raw.min() and scores.p_raw.max() < 1 and np.ptp(scores.p_raw) > 0
+    # scoring in chunks, in another row order, and from ids alone (frozen_scores) agree row by row
+    order = np.random.default_rng(0).permutation(len(rows))
+    shuffled = type(rows)([rows.ids[i] for i in order], rows.labels[order], rows.maps[order])
+    np.testing.assert_allclose(
+        store_p_raw(store, detector, shuffled, chunk=7), want[order], rtol=1e-6, atol=1e-9
+    )
+    again = frozen_scores(run, store, list(rows.ids))["0"]
+    np.testing.assert_allclose(scores.p_raw, again, rtol=1e-5)
+    # by hand, around stack_rows: position states and scalars decoded from the tables' own
+    # Parquet rows (the store's last write per id), the attention weights' generations rebuilt
+    np.testing.assert_allclose(
+        detector.detector.predict_proba(hand_built_inputs(store, list(rows.ids), preset == "full")),
+        want, rtol=1e-6, atol=1e-9,
+    )  # fmt: skip
+
+    out = tmp_path / "policy.toml"
+    args = ["policy", "fit", "--run", str(run), "--store", str(store_path), "--out", str(out)]
+    result = CliRunner().invoke(app, [*args, "--target-risk", "0.9", "--resamples", "50"])
+    assert result.exit_code == 0, result.output
+    assert f"{len(rows)} validation rows" in result.output
+    assert detector.id in out.read_text()
+    from actmap.serve.policy import correct_prior, load_policy, threshold_for_risk
+
+    policy = load_policy(out)
+    # (risk 0.9: above the tiny model's error rate, so a finite threshold exists) the written
+    # threshold is the risk-coverage threshold of the fit's scores, corrected as
+    # the file says (temperature, then the shift to the split's accuracy)
+    assert policy.prior.method == "known" and policy.fitted["split"] == "validation"
+    assert policy.prior.deployment_accuracy == pytest.approx(scores.accuracy)
+    corrected = correct_prior(scores.p_raw, policy.prior)
+    expected = threshold_for_risk(corrected, scores.labels, 0.9)[0]
+    assert np.isfinite(policy.accept) and policy.accept == pytest.approx(expected)
+
+
+def test_policy_fit_of_a_v1_run_on_the_same_store(store_path, tmp_path):
+    """A v1 actmap-plus (maps + scalars) still fits through the same path, on the same rows."""
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+    from actmap.detectors.plus import ActMapPlus, PlusConfig
+    from actmap.experiments.compare_product import store_rows
+    from actmap.serve.fit import natural_scores
+    from actmap.serve.loaded_run import load_detector_run
+
+    # too few rows for `actmap train`'s 5 folds: fit as tests/test_serve_plus.py does
+    store = MapStore.open(store_path)
+    sets = store_rows(store)
+    train, rows = sets["train_all"], sets["validation_all"]
+    run = tmp_path / "plus-v1"
+    plus = ActMapPlus(PlusConfig(n_components=3, n_strengths=2, cv_folds=2))
+    plus.fit(train.maps, train.labels, train.scalars).save(run / "seed-0")
+    detector = load_detector_run(run)
+    assert isinstance(detector.detector, ActMapPlus)
+    scores = natural_scores(store, detector, "validation")
+    want = detector.detector.predict_proba(rows.maps, rows.scalars)
+    np.testing.assert_allclose(scores.p_raw, want, rtol=1e-6, atol=1e-9)
+    out = tmp_path / "policy.toml"
+    args = ["policy", "fit", "--run", str(run), "--store", str(store_path), "--out", str(out)]
+    result = CliRunner().invoke(app, [*args, "--target-risk", "0.9", "--resamples", "0"])
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and detector.id in out.read_text()
+
+
+def test_policy_fit_names_missing_position_states(store_path, tmp_path):
+    import shutil
+
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+    from actmap.experiments.stacked import train_stacked_run
+
+    run = tmp_path / "plus"
+    train_stacked_run(store_path, run, "deployable")
+    root = tmp_path / "store"
+    shutil.copytree(store_path, root)
+    shard = MapStore.open(root).shards("positions")[0]
+    pq.write_table(pq.read_table(shard).slice(len(pq.read_table(shard)) // 2), shard)
+    out = tmp_path / "policy.toml"
+    args = ["policy", "fit", "--run", str(run), "--store", str(root), "--out", str(out)]
+    result = CliRunner().invoke(app, [*args, "--target-risk", "0.3", "--resamples", "0"])
+    assert result.exit_code == 2, result.output
+    assert "positions" in result.output and "add_positions" in result.output
+    assert not out.exists()
+
+
+def hand_built_inputs(store, ids, attention):
+    """`actmap.stacked.StackRows` of ``ids`` read without `stack_rows`: the positions and
+    generations tables' Parquet shards read whole, their last row per id decoded by hand."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actmap.capture.answer_scalars import answer_scalars
+    from actmap.capture.from_store import read_generations
+    from actmap.stacked import StackRows
+
+    def last_rows(table):
+        whole = pa.concat_tables([pq.read_table(s) for s in store.shards(table)]).to_pylist()
+        return {r["id"]: r for r in whole}  # a later row of an id supersedes an earlier one
+
+    positions, gens = last_rows("positions"), last_rows("generations")
+    states = np.stack([
+        np.frombuffer(positions[k]["positions"], np.float16).reshape(positions[k]["shape"])
+        for k in ids
+    ])  # fmt: skip
+    scalars = np.stack([answer_scalars(gens[k]["logprobs"], gens[k]["entropies"]) for k in ids])
+    maps, _ = store.load_maps(ids)
+    generations = read_generations(store, ids) if attention else None
+    return StackRows(maps, scalars, states, generations)

@@ -581,3 +581,10 @@ def stack_rows(store, ids: Sequence[str], attention: bool, maps=None, scalars=No
     if attention and store.has_table("attention"):
         gens = read_generations(store, ids)
     return StackRows(maps, scalars, positions, gens)
+
+
+def stack_inputs(store, rows, attention: bool) -> StackRows:
+    """`stack_rows` of a `actmap.store.rows.Rows` set of ``store``: its maps and scalars (read
+    from the store when ``rows`` holds none), the rest from the store's side tables. Training,
+    compare-stacked and the policy fit (`actmap.serve.fit.store_p_raw`) all read inputs here."""
+    return stack_rows(store, rows.row_ids(), attention, rows.maps, rows.scalars)

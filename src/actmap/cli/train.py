@@ -71,8 +71,7 @@ def train(
         "v1",
         help="actmap-plus only: v1 (map PCA + six scalars) | full (the stacked version: map, "
         "scalars, position probes, lookback attention, RAUQ, TAD; what the store holds) | "
-        "deployable (stacked, no attention weights: what vLLM gives). `actmap policy fit` "
-        "reads v1 runs only for now.",
+        "deployable (stacked, no attention weights: what vLLM gives).",
     ),
     seeds: str = typer.Option("42,123,456", help="Comma-separated seeds."),
     max_epochs: int = typer.Option(

@@ -38,7 +38,7 @@ from actmap.experiments.compare_product import (
 from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs
 from actmap.scoring import metrics
 from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
-from actmap.stacked import PRESETS, StackConfig, StackedPlus, stack_rows
+from actmap.stacked import PRESETS, StackConfig, StackedPlus, stack_inputs
 from actmap.store import MapStore
 from actmap.store.rows import Rows
 
@@ -54,9 +54,7 @@ def fit_stacked(store, sets: dict[str, Rows], preset: str) -> tuple[StackedPlus,
     def inputs(rows: Rows):
         key = tuple(rows.ids)
         if key not in cache:
-            cache[key] = stack_rows(
-                store, list(rows.ids), preset == "full", rows.maps, rows.scalars
-            )
+            cache[key] = stack_inputs(store, rows, preset == "full")
         return cache[key]
 
     train, val = sets[TRAIN_ROWS], sets["validation"]
@@ -122,7 +120,7 @@ def train_stacked_run(store_path: str | Path, out: str | Path, preset: str) -> d
     details = {"store": str(store_path), "inputs": inputs, "preset": preset, **scored.details}
     details["validation_auroc"] = scored.validation_auroc
     est.save(folder, metadata=details)
-    rows = stack_rows(store, list(test.ids), "attention" in est.requires, test.maps, test.scalars)
+    rows = stack_inputs(store, test, "attention" in est.requires)
     logits = est.decision_function(rows)
     scores = RowScores(
         list(test.ids),

@@ -47,6 +47,7 @@ from actmap.serve.policy import (
     fit_policy,
     policy_intervals,
 )
+from actmap.stacked import StackedPlus, stack_inputs
 from actmap.store import MapStore
 from actmap.store.rows import Rows, balanced_rows, natural_rows
 
@@ -57,7 +58,9 @@ log = logging.getLogger(__name__)
 MIN_POLICY_ROWS = 100
 # log T ~ N(0, sigma^2) a priori (T within [0.37, 2.7] at 95%): a few rows cannot move T far
 TEMPERATURE_PRIOR_SIGMA = 0.5
-_LOG_T_BOUND = 7.0  # search log T in [-7, 7], as `actmap.scoring.metrics.fit_temperature`
+_LOG_T_BOUND = 7.0
+# rows a stacked actmap-plus scores at once (their position states: ~0.3 MB a row at 1.5B)
+STACKED_CHUNK = 512  # search log T in [-7, 7], as `actmap.scoring.metrics.fit_temperature`
 
 
 @dataclass(frozen=True)
@@ -89,12 +92,58 @@ def balanced_scores(store: MapStore, detector, split: str = "validation") -> Nat
 
 
 def scored(store: MapStore, detector, rows: Rows, split: str) -> NaturalScores:
-    """``rows`` with the detector's raw p(correct): their maps, and their per-answer scalars
-    (from the store's ``generations`` table) when the detector reads them."""
+    """``rows`` with the detector's raw p(correct) (`store_p_raw`)."""
+    p_raw = store_p_raw(store, detector, rows)
+    return NaturalScores(rows.row_ids(), rows.labels, p_raw, split)
+
+
+def store_p_raw(store: MapStore, detector, rows: Rows, chunk: int = STACKED_CHUNK) -> np.ndarray:
+    """(N,) raw p(correct) of ``rows`` of ``store`` by ``detector`` (a `LoadedDetector`),
+    from what it reads: the maps, and the per-answer scalars (the store's ``generations``
+    table) when it reads them. A stacked actmap-plus (`actmap.stacked`) also reads position
+    states and, with attention blocks, the generations' attention weights: read from the
+    store's side tables by `actmap.stacked.stack_inputs` (as training and compare-stacked read
+    them), ``chunk`` rows at a time."""
+    inner = getattr(detector, "detector", None)
+    if isinstance(inner, StackedPlus):
+        attention = "attention" in inner.requires
+        _check_stacked_inputs(store, inner.requires, rows.row_ids(), detector)
+        parts = [
+            inner.predict_proba(stack_inputs(store, _row_slice(rows, start, chunk), attention))
+            for start in range(0, len(rows), chunk)
+        ]
+        return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
     if detector.needs_scalars:
         rows = with_scalars(store, rows)
-    p_raw = detector.predict_proba(rows.maps, rows.scalars)
-    return NaturalScores(rows.row_ids(), rows.labels, np.asarray(p_raw), split)
+    return np.asarray(detector.predict_proba(rows.maps, rows.scalars))
+
+
+def _row_slice(rows: Rows, start: int, size: int) -> Rows:
+    part = slice(start, start + size)
+    scalars = None if rows.scalars is None else rows.scalars[part]
+    return Rows(rows.row_ids()[part], rows.labels[part], rows.maps[part], scalars)
+
+
+def _check_stacked_inputs(store: MapStore, requires, ids: list, detector) -> None:
+    """A clear error when the store lacks what a stacked actmap-plus reads for ``ids``."""
+    name = getattr(detector, "id", "the stacked actmap-plus")
+    for need, table, how in (
+        ("positions", "positions", "capture with --keep-positions or run scripts/add_positions.py"),
+        ("attention", "attention", "capture with --attention-keys and --lookback-attention"),
+    ):
+        if need not in requires:
+            continue
+        if not store.has_table(table):
+            raise ActmapUserError(
+                f"{name} reads {need}, but {store.root} has no '{table}' table ({how})"
+            )
+        have = store.ids(table)
+        missing = [k for k in ids if k not in have]
+        if missing:
+            raise ActmapUserError(
+                f"{name} reads {need}, but {len(missing)} of the {len(ids)} rows to score have "
+                f"none in {store.root}'s '{table}' table, e.g. {missing[:3]} ({how})"
+            )
 
 
 def detector_train_prevalence(detector) -> float:

@@ -76,7 +76,8 @@ class LoadedDetector:
             if generations is None:
                 raise ValueError(
                     f"{self.id} (stacked actmap-plus) reads {', '.join(self.requires)}: score "
-                    "it from the generations of a capture pass (the server does), not maps alone"
+                    "it from the generations of a capture pass (the server does) or from a store "
+                    "(actmap.serve.fit.store_p_raw), not maps alone"
                 )
             rows = stacked_rows(maps, scalars, generations)
             return self.detector.predict_proba(rows).astype(np.float64)
