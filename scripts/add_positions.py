@@ -3,7 +3,7 @@ pass per stored answer: prefill only, the stored prompt and the stored answer to
 tokens are the same by construction (as `actmap capture --answers` reads answers).
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/add_positions.py \
-        --source /work/lane-data/stores/qwen-1.5b-triviaqa-bf16 \
+        --source stores/qwen-1.5b-triviaqa-bf16 \
         --out stores/qwen-1.5b-triviaqa-bf16-pos \
         --model $(../shared/models/get-model qwen2.5-coder-1.5b-instruct) --dtype bfloat16
 

@@ -9,9 +9,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONPATH=${PYTHONPATH:-src}
-PY=${PY:-/work/main/.venv/bin/python}
-A=${ACTMAP:-/work/main/.venv/bin/actmap}
-LANE=${LANE:-/work/lane-data/stores}
+PY=${PY:-.venv/bin/python}
+A=${ACTMAP:-.venv/bin/actmap}
+LANE=${LANE:-stores}  # where scripts/quality-queue.sh writes
 Q15=$(../shared/models/get-model qwen2.5-coder-1.5b-instruct)
 run() { echo "=== $(date -Is) start: $*"; "$@"; echo "=== $(date -Is) end rc=$?: $*"; }
 for task in ${TASKS:-triviaqa nq_open}; do
