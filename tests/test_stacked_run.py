@@ -248,3 +248,25 @@ def hand_built_inputs(store, ids, attention):
     maps, _ = store.load_maps(ids)
     generations = read_generations(store, ids) if attention else None
     return StackRows(maps, scalars, states, generations)
+
+
+def test_audit_rescore_of_a_stacked_run_is_one_clear_error(store_path, tmp_path):
+    """The audit trail keeps maps and scalars only: rescoring it with a stacked run that reads
+    position states is refused by name, before anything is read (it raised a bare ValueError
+    from inside the scoring loop)."""
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+    from actmap.errors import ActmapUserError
+    from actmap.serve.audit import rescore
+    from actmap.serve.loaded_run import load_detector_run
+
+    run = tmp_path / "plus-deployable"
+    args = ["train", "--store", str(store_path), "--out", str(run), "--detector", "actmap-plus"]
+    result = CliRunner().invoke(app, [*args, "--preset", "deployable"])
+    assert result.exit_code == 0, result.output
+    loaded = load_detector_run(run, None, "cpu")
+    assert loaded.needs_generations
+    with pytest.raises(ActmapUserError, match="audit trail does not keep") as raised:
+        rescore(MapStore.open(store_path), loaded)
+    assert "positions" in str(raised.value)

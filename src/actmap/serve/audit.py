@@ -302,6 +302,13 @@ def rescore(store: MapStore, detector, batch_size: int = 256) -> pd.DataFrame:
     Columns: id, served_at, detector (the one that served), p_correct_raw (served),
     p_correct_raw_new, decision (served).
     """
+    # a LoadedDetector says what it reads; a bare estimator reads maps (and scalars)
+    if getattr(detector, "needs_generations", False):
+        raise ActmapUserError(
+            f"{detector.id} (stacked actmap-plus) reads {', '.join(detector.requires)}, which the "
+            "audit trail does not keep (it keeps maps and scalars): rescore with a detector that "
+            "reads maps and scalars only (a paper detector or actmap-plus v1)"
+        )
     ids, scores = [], []
     scalars = audit_scalars(store) if detector.needs_scalars else None
     for maps, meta in store.iter_maps(batch_size=batch_size, columns=("id",)):
