@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,16 +37,12 @@ import numpy as np
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 sys.path.insert(0, SRC)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import free_port, make_detector  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SERVED = "smollm2"
 INSTRUCTION = "Answer the question in a few words.\nQuestion: {}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def uptime() -> str:
@@ -211,22 +206,6 @@ def scoring_cost(detector_run: Path, prompts: list[str], answer_ids: list[list[i
     return out
 
 
-def fit_detector(folder: Path) -> Path:
-    """A logreg fitted on random maps: the detector's own cost is a matrix product, negligible
-    next to the teacher-forced pass; pass ``--detector`` to time a real one."""
-    from actmap.detectors.base import CorrectnessDetector
-    from actmap.training.recipe import TrainConfig
-
-    rng = np.random.default_rng(0)
-    maps = rng.normal(size=(24, 12, 32, 128)).astype(np.float16)
-    labels = np.arange(24) % 2
-    config = TrainConfig(max_epochs=2, warmup_epochs=1, patience=2, device="cpu", batch_size=8)
-    detector = CorrectnessDetector("logreg", config=config, seed=0, device="cpu")
-    detector.fit(maps[:16], labels[:16], maps[16:], labels[16:])
-    detector.save(folder / "seed-0")
-    return folder
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -245,7 +224,7 @@ def main() -> None:
     model, tokenizer, source = load_model(MODEL)  # also writes the de-quantized folder vLLM reads
     folder = cache_dir() / f"{Path(source.gguf_file).stem}-{source.revision}"
     work = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
-    detector = args.detector or fit_detector(work / "run")
+    detector = args.detector or make_detector(work / "run")
     processes = []
     result = {"uptime_before": uptime(), "model": MODEL, "max_tokens": args.max_tokens}
     try:

@@ -40,6 +40,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def make_detector(folder: Path) -> Path:
+    """A logistic-regression detector fitted on random maps: scoring costs what a real one
+    costs; its scores mean nothing (the benchmark measures speed)."""
+    from actmap.detectors.base import CorrectnessDetector
+    from actmap.training.recipe import TrainConfig
+
+    rng = np.random.default_rng(0)
+    maps = rng.normal(size=(24, 12, 32, 128)).astype(np.float16)
+    labels = np.arange(24) % 2
+    config = TrainConfig(max_epochs=2, warmup_epochs=1, patience=2, device="cpu", batch_size=8)
+    detector = CorrectnessDetector("logreg", config=config, seed=0, device="cpu")
+    detector.fit(maps[:16], labels[:16], maps[16:], labels[16:])
+    detector.save(folder / "seed-0")
+    return folder
+
+
 def peak_rss_mib(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -38,7 +38,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import KEY, free_port, peak_rss_mib, questions  # noqa: E402
+from bench_serve import KEY, free_port, make_detector, peak_rss_mib, questions  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -262,22 +262,6 @@ def tree_peak_rss_mib(pid: int) -> float | None:
         return None
     peaks = [peak_rss_mib(p) for p in pids]
     return sum(p for p in peaks if p is not None) or None
-
-
-def make_detector(folder: Path) -> Path:
-    """A logistic-regression detector fitted on random maps: scoring costs what a real one
-    costs; its scores mean nothing (the benchmark measures speed)."""
-    from actmap.detectors.base import CorrectnessDetector
-    from actmap.training.recipe import TrainConfig
-
-    rng = np.random.default_rng(0)
-    maps = rng.normal(size=(24, 12, 32, 128)).astype(np.float16)
-    labels = np.arange(24) % 2
-    config = TrainConfig(max_epochs=2, warmup_epochs=1, patience=2, device="cpu", batch_size=8)
-    detector = CorrectnessDetector("logreg", config=config, seed=0, device="cpu")
-    detector.fit(maps[:16], labels[:16], maps[16:], labels[16:])
-    detector.save(folder / "seed-0")
-    return folder
 
 
 def main() -> None:
