@@ -34,6 +34,7 @@ from actmap.capture.generate import (
     _unpadded,
     check_prompts,
     left_padded_positions,
+    left_padded_tails,
     shared_prefix_length,
     stop_ids,
     tokenize_prompts,
@@ -145,15 +146,7 @@ def _prefix_inputs(
     rows = _unpadded(encoded)
     if not all(len(r) > n and torch.equal(r[:n], prefix.ids.to(r.device)) for r in rows):
         return None
-    own = [r[n:] for r in rows]
-    width = max(len(o) for o in own)
-    ids, mask = encoded["input_ids"], encoded["attention_mask"]
-    pad = int(ids[mask == 0][0]) if (mask == 0).any() else 0
-    tail = torch.full((len(rows), width), pad, dtype=ids.dtype, device=ids.device)
-    tail_mask = torch.zeros((len(rows), width), dtype=mask.dtype, device=mask.device)
-    for i, o in enumerate(own):
-        tail[i, width - len(o) :] = o
-        tail_mask[i, width - len(o) :] = 1
+    tail, tail_mask = left_padded_tails(encoded, rows, n)
     cache = copy.deepcopy(prefix.cache)
     cache.batch_repeat_interleave(len(rows))
     return {"tail": tail, "tail_mask": tail_mask, "n": n, "cache": cache}

@@ -95,16 +95,12 @@ def shared_prefix_length(encoded: dict) -> int:
     return int(same.int().cumprod(0).sum()) if len(first) else 0
 
 
-def with_shared_prefix(model: nn.Module, encoded: dict, n_shared: int) -> dict:
-    """Generate inputs whose first ``n_shared`` tokens are already in a key/value cache.
-
-    The batch becomes [shared prefix | left padding | each row's own tokens]: positions
-    follow the attention mask, so the padding in the middle takes no position and every
-    row sees exactly its own prompt. The prefix runs once, with no capture hooks on.
-    """
+def left_padded_tails(
+    encoded: dict, rows: list[torch.Tensor], n_shared: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's tokens after the first ``n_shared``, left-padded to one width (the batch's
+    pad id), and their attention mask: the part of a batch that follows a cached prefix."""
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
-    rows = _unpadded(encoded)
-    prefix = rows[0][:n_shared]
     own = [row[n_shared:] for row in rows]
     width = max(len(o) for o in own)
     pad = int(ids[mask == 0][0]) if (mask == 0).any() else 0
@@ -113,6 +109,20 @@ def with_shared_prefix(model: nn.Module, encoded: dict, n_shared: int) -> dict:
     for i, o in enumerate(own):
         tail[i, width - len(o) :] = o
         tail_mask[i, width - len(o) :] = 1
+    return tail, tail_mask
+
+
+def with_shared_prefix(model: nn.Module, encoded: dict, n_shared: int) -> dict:
+    """Generate inputs whose first ``n_shared`` tokens are already in a key/value cache.
+
+    The batch becomes [shared prefix | left padding | each row's own tokens]: positions
+    follow the attention mask, so the padding in the middle takes no position and every
+    row sees exactly its own prompt. The prefix runs once, with no capture hooks on.
+    """
+    mask = encoded["attention_mask"]
+    rows = _unpadded(encoded)
+    prefix = rows[0][:n_shared]
+    tail, tail_mask = left_padded_tails(encoded, rows, n_shared)
     cache = cache_of(model(input_ids=prefix[None], use_cache=True, logits_to_keep=1))
     cache.batch_repeat_interleave(len(rows))
     return {
