@@ -36,6 +36,42 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+def start_actmap_serve(serve_args: list[str], label: str, limit_s: float):
+    """`actmap serve` with ``serve_args`` on a free loopback port, as a user starts it (a
+    subprocess, API key set, 1 thread) -> (base URL, stop()); stop() ends it with SIGTERM, so
+    the lifespan flushes the audit trail, and returns its exit code."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "ACTMAP_API_KEY": KEY}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "actmap.cli", "serve", *serve_args, "--port", str(port)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"{label} exited: {process.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail(f"{label} did not come up in {limit_s:.0f} s")
+
+    def stop() -> int:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # graceful: the lifespan flushes the audit trail
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        return process.returncode
+
+    return base, stop
+
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2):
@@ -48,36 +84,11 @@ def server(tmp_path_factory, smollm2):
          "--seeds", "0", "--max-epochs", "2"],
     )  # fmt: skip
     assert trained.exit_code == 0, trained.output
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "ACTMAP_API_KEY": KEY}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "actmap.cli", "serve", "--detector", str(run), "--port", str(port),
-         "--max-tokens", "12", "--audit", str(root / "audit"), "--batch-window-ms", "50"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    base, stop = start_actmap_serve(
+        ["--detector", str(run), "--max-tokens", "12", "--audit", str(root / "audit"),
+         "--batch-window-ms", "50"],
+        "actmap serve", limit_s=300,
     )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"actmap serve exited: {process.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.5)
-    else:
-        process.kill()
-        pytest.fail("actmap serve did not come up in 300 s")
-
-    def stop() -> int:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)  # graceful: the lifespan flushes the audit trail
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        return process.returncode
-
     yield base, run, root, stop
     stop()
 

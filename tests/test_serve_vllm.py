@@ -4,17 +4,14 @@ transformers capture of the same prompt."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 from test_cli_serve import imbalanced_store
-from test_serve_real import KEY, SRC, free_port, reference
+from test_serve_real import KEY, reference, start_actmap_serve
 from typer.testing import CliRunner
 
 from actmap.cli import app
@@ -37,38 +34,12 @@ def server(tmp_path_factory, embedded_gguf):
          "--seeds", "0", "--max-epochs", "2"],
     )  # fmt: skip
     assert trained.exit_code == 0, trained.output
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "ACTMAP_API_KEY": KEY}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "actmap.cli", "serve", "--engine", "vllm", "--detector", str(run),
-         "--model", str(embedded_gguf), "--served-model-name", MODEL, "--port", str(port),
-         "--max-tokens", "12", "--audit", str(root / "audit"), "--batch-size", "8",
-         "--dtype", "float32"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    base, stop = start_actmap_serve(
+        ["--engine", "vllm", "--detector", str(run), "--model", str(embedded_gguf),
+         "--served-model-name", MODEL, "--max-tokens", "12", "--audit", str(root / "audit"),
+         "--batch-size", "8", "--dtype", "float32"],
+        "actmap serve --engine vllm", limit_s=400,
     )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 400
-    while time.time() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"actmap serve --engine vllm exited: {process.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.5)
-    else:
-        process.kill()
-        pytest.fail("actmap serve --engine vllm did not come up in 400 s")
-
-    def stop() -> int:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        return process.returncode
-
     yield base, run, root, stop
     stop()
 
