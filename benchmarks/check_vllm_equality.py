@@ -7,6 +7,9 @@ size: prompts with identical tokens, and the max absolute / relative difference 
 trajectories, maps (12x32x128, float32), log-probs and entropies.
 
     OMP_NUM_THREADS=1 python benchmarks/check_vllm_equality.py --model <smollm2 gguf> --n 2,32
+
+``--compiled`` builds the engine the way vLLM runs by default (its model compiled; on CPU,
+Dynamo traced once and Inductor-compiled, which takes minutes on a few cores the first time).
 """
 
 from __future__ import annotations
@@ -28,8 +31,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--n", default="2,32")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--compiled", action="store_true", help="vLLM's compiled model")
     args = parser.parse_args()
-    options = VllmOptions(max_num_seqs=32, max_num_batched_tokens=128, block_size=32, num_kv_blocks=24)
+    options = VllmOptions(
+        max_num_seqs=32, max_num_batched_tokens=128, block_size=32, num_kv_blocks=24,
+        enforce_eager=not args.compiled,
+    )  # fmt: skip
     engine = VllmCapture(args.model, options=options, max_context=512)
     model, tokenizer, _ = load_model(args.model)
     config = CaptureConfig(max_new_tokens=args.max_tokens, max_context=512)

@@ -256,7 +256,7 @@ def test_cli_capture_engine_vllm_writes_a_resumable_store(
     built = []
 
     def reuse(model, dtype, options, **kwargs):
-        built.append((model, dtype, options.max_num_seqs, kwargs["greybox"]))
+        built.append((model, dtype, options.max_num_seqs, options.enforce_eager, kwargs["greybox"]))
         return engine
 
     monkeypatch.setattr(vllm_engine, "VllmCapture", reuse)
@@ -278,9 +278,9 @@ def test_cli_capture_engine_vllm_writes_a_resumable_store(
         "--out",
         str(tmp_path / "s"),
     ]
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(app, [*args, "--vllm-eager"])
     assert result.exit_code == 0, result.output
-    assert built == [(str(embedded_gguf), "float32", 2, True)]
+    assert built == [(str(embedded_gguf), "float32", 2, True, True)]
     store = MapStore.open(tmp_path / "s")
     assert len(store.ids()) + len(store.ids("skipped")) == 3
     assert store.manifest["runs"][-1]["engine"]["name"] == "vllm"
@@ -288,13 +288,12 @@ def test_cli_capture_engine_vllm_writes_a_resumable_store(
     assert again.exit_code == 0 and "nothing to capture" in again.output
 
 
-def test_a_step_whose_hooks_do_not_run_raises(engine):
-    """What a compiled or graph-replayed model looks like to the capture: the layer hooks do
-    not fire. The step fails loudly instead of returning empty rows. (Last in the module: the
-    engine is not used after a failed step.)"""
-    handle = engine.recorder._handles.pop()
-    handle.remove()  # the last layer's hook never runs
+def test_a_step_whose_record_points_do_not_run_raises(engine):
+    """What a model replayed from full CUDA graphs would look like to the capture: a layer's
+    record point does not run. The step fails loudly instead of returning empty rows. (Last
+    in the module: the engine is not used after a failed step.)"""
+    engine.recorder.model._actmap_hooks.pop().remove()  # the last layer never records
     engine.submit(chat(engine.tokenizer, QUESTIONS[0]), CONFIG)
-    with pytest.raises(RuntimeError, match="enforce_eager=True"):
+    with pytest.raises(RuntimeError, match="recorded 29 of 30 layers"):
         while engine.busy:
             engine.step()

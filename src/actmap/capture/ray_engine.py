@@ -71,6 +71,8 @@ class RayOptions:
     # what each replica generates with: transformers (CaptureReplica) or an in-process vLLM
     # engine (`VllmCaptureReplica` below, one per GPU on a cluster)
     replica: str = "transformers"
+    # vLLM replicas: compile the model (None: on a GPU, not on CPU; see VllmOptions)
+    vllm_compile: bool | None = None
 
     def __post_init__(self) -> None:
         if self.replica not in ("transformers", "vllm"):
@@ -183,16 +185,18 @@ class VllmCaptureReplica:
         layers_path: str | None,
         threads: int,
         dtype: str = "float32",
+        vllm_compile: bool | None = None,
     ) -> None:
         import torch
 
-        from actmap.capture.vllm_engine import VllmCapture, VllmOptions
+        from actmap.capture.vllm_engine import VllmCapture, VllmOptions, enforce_eager_for
 
         if device == "cpu":
             torch.set_num_threads(threads)
         self.capture = CaptureConfig(**capture)
         self.engine = VllmCapture(
-            model, dtype, VllmOptions(max_num_seqs=self.capture.batch_size),
+            model, dtype,
+            VllmOptions(max_num_seqs=self.capture.batch_size, enforce_eager=enforce_eager_for(vllm_compile)),
             greybox=self.capture.greybox, max_context=self.capture.max_context,
             revision=revision, layers_path=layers_path,
         )  # fmt: skip
@@ -282,6 +286,8 @@ def run_capture_ray(
         "threads": max(1, int(options.cpus_per_worker)),
         "dtype": dtype,
     }
+    if options.replica == "vllm":
+        replica["vllm_compile"] = options.vllm_compile
     try:
         captured = _captured(plan, task, replica, options)
         engine = {"name": "ray", **asdict(options)}

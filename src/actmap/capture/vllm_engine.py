@@ -14,11 +14,13 @@ flattened into one ``(N, D)`` batch. This engine runs vLLM in-process
   once, the first time it is computed: a chunked prefill contributes row 0 in its last
   chunk only, and a request preempted and recomputed (prompt + answer prefilled again)
   contributes only the row not yet recorded, so no row is duplicated or missing;
-* puts a forward hook on every decoder layer: vLLM's layers return ``(hidden, residual)``
-  with the residual add fused into the next layer's norm, so the residual stream is their
-  sum; the hook sums, gathers the selected rows with one device-side ``index_select`` and
-  pools D -> 128 (`actmap.maps.pool_hidden`) into a preallocated device buffer; no
-  host synchronisation per layer;
+* puts a record point on every decoder layer when vLLM loads the model, before it compiles
+  or captures anything (`_record_points_at_load`): a forward hook whose only work is one call
+  of the custom op ``actmap::record_layer``. vLLM's layers return ``(hidden, residual)`` with
+  the residual add fused into the next layer's norm, so the residual stream is their sum; the
+  op sums, gathers the selected rows with one device-side ``index_select`` and pools
+  D -> 128 (`actmap.maps.pool_hidden`) into a preallocated device buffer; no host
+  synchronisation per layer;
 * with grey-box capture, wraps the model's ``compute_logits`` (one row per request, its last
   scheduled token) to write each selected row's entropy of the raw next-token distribution
   into the same buffer; the chosen token's log-prob comes from vLLM's own logprobs output
@@ -32,11 +34,15 @@ an answer), checked here after every step on the token ids; a request that hits 
 aborted in vLLM and cut exactly as the transformers capture cuts it. An aborted request's
 rows are dropped with it.
 
-Compiled models and CUDA graphs: Python hooks only run in eager mode. The engine is built
-with ``enforce_eager=True``; if a step runs and no layer hook fired (a compiled or graph-
-replayed model), the step raises instead of writing empty maps. See docs/vllm.md for how the
-same design carries to compiled models (static index buffers; the hook body is pure tensor
-work on preallocated buffers).
+Compiled models and CUDA graphs: a Python hook added after vLLM has compiled its model never
+runs (Dynamo traced the forward once; a replayed graph calls no Python). So the record points
+go in while the model loads, and their body is an opaque custom op: Dynamo and Inductor keep
+the op in the graph as a call (it mutates a one-element sink buffer, so it is never dead code),
+and its Python implementation runs at every forward and reads this step's index, chosen on the
+host just before. Under piecewise CUDA graphs the op is one of vLLM's ``splitting_ops``, so it
+runs eagerly between the captured pieces, like attention; full CUDA graphs (which would replay
+it without Python) are not used (``cudagraph_mode=PIECEWISE``). If a step runs and some layer's
+op did not record, the step raises instead of writing empty maps. See docs/vllm.md.
 
 Position states (full-width residual at named positions, issue 47) fit the same plan: a
 second index set chosen on the host (prompt positions by name) and a second buffer of width
@@ -45,6 +51,7 @@ D, filled by the same layer hooks and copied with the same per-step transfer.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -111,9 +118,16 @@ class VllmOptions:
     num_kv_blocks: int | None = None  # override the KV cache size in blocks (forces preemption)
     block_size: int | None = None
     enable_prefix_caching: bool = True
-    enforce_eager: bool = True  # hooks need eager mode (see the module docstring)
+    # None: eager on CPU (Inductor takes minutes to compile on a few cores), vLLM's compiled
+    # model with piecewise CUDA graphs on a GPU; True / False force one or the other
+    enforce_eager: bool | None = None
     seed: int = 0
     engine_args: dict = field(default_factory=dict)  # any other vLLM EngineArgs
+
+
+def enforce_eager_for(compile_model: bool | None) -> bool | None:
+    """``VllmOptions.enforce_eager`` from a "compile the model?" switch (None: the default)."""
+    return None if compile_model is None else not compile_model
 
 
 # -- one request's host-side state ----------------------------------------------------------
@@ -158,13 +172,112 @@ class _Pending:
     event: object = None  # a CUDA event on GPU; None on CPU
 
 
+# -- record points: put into the model at load time, before vLLM compiles it -----------------
+# The recorder reading this process's engine (one engine per process). Not a per-model slot:
+# vLLM may load a compiled forward from its disk cache, made by another process, and the op's
+# arguments are constants there.
+_ACTIVE: list[_Recorder] = []
+RECORD_OP = "actmap::record_layer"
+
+
+@torch.library.custom_op(RECORD_OP, mutates_args=("sink",))
+def record_layer(
+    hidden: torch.Tensor, residual: torch.Tensor | None, sink: torch.Tensor, layer: int
+) -> None:
+    """One decoder layer's output -> its recorder (a no-op while none reads this model).
+
+    Opaque to Dynamo and Inductor: a compiled forward keeps calling it. ``sink`` is never
+    read; declaring it mutated is what keeps the call in the graph."""
+    if _ACTIVE:
+        _ACTIVE[0].record(layer, hidden, residual)
+
+
+@record_layer.register_fake
+def _record_layer_fake(hidden, residual, sink, layer) -> None:
+    return None
+
+
+def _add_record_points(model: nn.Module, layers_path: str | None) -> None:
+    """A forward hook on every decoder layer calling `record_layer`."""
+    layers = find_decoder_layers(model, layers_path)
+    handles = []
+    for index, layer in enumerate(layers):
+        device = next(layer.parameters()).device
+        layer.register_buffer("_actmap_sink", torch.zeros(1, device=device), persistent=False)
+        handles.append(layer.register_forward_hook(_record_hook(index)))
+    model._actmap_hooks = handles
+
+
+def _record_hook(index: int):
+    def hook(module: nn.Module, args: tuple, output: object) -> None:
+        if isinstance(output, tuple):  # (hidden, residual): the stream is their sum
+            hidden, residual = output[0], output[1]
+        else:
+            hidden, residual = output, None
+        torch.ops.actmap.record_layer(hidden, residual, module._actmap_sink, index)
+
+    return hook
+
+
+@contextlib.contextmanager
+def _record_points_at_load(layers_path: str | None):
+    """While vLLM builds its engine in this process, every model runner that loads a model
+    puts the record points in before the model is compiled, warmed up or graph-captured."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patched = []
+    for cls in (GPUModelRunner, CPUModelRunner):
+        original = cls.__dict__["load_model"]
+
+        def load_model(self, *args, _original=original, **kwargs):
+            _original(self, *args, **kwargs)
+            _add_record_points(self.get_model(), layers_path)
+
+        cls.load_model = load_model
+        patched.append((cls, original))
+    try:
+        yield
+    finally:
+        for cls, original in patched:
+            cls.load_model = original
+
+
+def _check_no_active_engine() -> None:
+    if _ACTIVE:
+        raise ActmapUserError("one vLLM capture engine per process: close the other first")
+
+
+def _compilation_config(engine_args: dict) -> dict:
+    """vLLM's compilation settings with the record op as a piecewise split point (it runs
+    eagerly between captured graphs) and no full CUDA graphs."""
+    from vllm.config import CompilationConfig
+
+    config = engine_args.get("compilation_config") or {}
+    if not isinstance(config, dict):
+        raise ActmapUserError("capture takes compilation_config as a dict of vLLM's settings")
+    config = dict(config)
+    mode = str(config.get("cudagraph_mode", "PIECEWISE")).upper()
+    if mode not in {"NONE", "PIECEWISE"}:
+        raise ActmapUserError(
+            f"cudagraph_mode={mode} replays the layers without Python: capture needs "
+            "PIECEWISE (its record op runs between the graphs) or NONE"
+        )
+    config["cudagraph_mode"] = mode
+    splitting = list(config.get("splitting_ops") or CompilationConfig._attention_ops)
+    if RECORD_OP not in splitting:
+        splitting.append(RECORD_OP)
+    config["splitting_ops"] = splitting
+    return config
+
+
 class _Recorder:
     """The hooks and buffers inside vLLM's model runner."""
 
-    def __init__(self, runner, model: nn.Module, layers: nn.ModuleList, pooled_dim: int,
+    def __init__(self, runner, model: nn.Module, n_layers: int, pooled_dim: int,
                  capacity: int, greybox: bool) -> None:  # fmt: skip
-        self.runner, self.model, self.layers = runner, model, layers
-        self.pooled_dim, self.n_layers, self.greybox = pooled_dim, len(layers), greybox
+        self.runner, self.model = runner, model
+        self.pooled_dim, self.n_layers, self.greybox = pooled_dim, n_layers, greybox
         self.device = next(model.parameters()).device
         self.width = self.n_layers * pooled_dim + 1  # pooled states of every layer + entropy
         self.buffer = torch.zeros(capacity, self.width, device=self.device)
@@ -175,7 +288,6 @@ class _Recorder:
         self._sampled_to: torch.Tensor | None = None  # (m,) buffer rows they go to
         self._plan: tuple | None = None
         self._fired = 0
-        self._handles: list = []
         # what the scheduler did, for tests and logs
         self.recomputed = 0  # request-steps that recomputed rows already recorded (preemption)
         self.recomputed_keys: set[str] = set()
@@ -185,6 +297,7 @@ class _Recorder:
 
     # -- installation ------------------------------------------------------------------------
     def _install(self) -> None:
+        _check_no_active_engine()
         runner = self.runner
         original_forward = runner._model_forward
 
@@ -193,8 +306,10 @@ class _Recorder:
             out = original_forward(*args, **kwargs)
             if self._plan is not None and self._fired != self.n_layers:
                 raise RuntimeError(
-                    f"capture hooks ran on {self._fired} of {self.n_layers} layers: the model is "
-                    "compiled or replayed from graphs; build the engine with enforce_eager=True"
+                    f"capture recorded {self._fired} of {self.n_layers} layers: the record "
+                    "points did not run (a model replayed from full CUDA graphs, or record "
+                    "points that were never installed); use cudagraph_mode=PIECEWISE or "
+                    "enforce_eager=True"
                 )
             if not self.greybox and self._plan is not None:
                 self._end_step()
@@ -218,12 +333,11 @@ class _Recorder:
 
             self.model.compute_logits = compute_logits
             self._restore.append((self.model, "compute_logits", None))
-        for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_hook(self._layer_hook(index)))
+        _ACTIVE.append(self)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         for obj, name, value in self._restore:
             if value is None:
                 delattr(obj, name)
@@ -285,22 +399,15 @@ class _Recorder:
         has_entropy[sampled_to] = True
         self._plan = (owners, np.asarray(rows), has_entropy)
 
-    def _layer_hook(self, index: int):
+    def record(self, index: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Layer ``index``'s output this step (called by `record_layer`)."""
+        if self._plan is None:
+            return
+        stream = hidden if residual is None else hidden + residual
+        picked = stream.index_select(0, self._select)  # (n, D)
         d = self.pooled_dim
-        columns = slice(index * d, (index + 1) * d)
-
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
-            if self._plan is None:
-                return
-            if isinstance(output, tuple):  # (hidden, residual): the stream is their sum
-                hidden = output[0] if output[1] is None else output[0] + output[1]
-            else:
-                hidden = output
-            picked = hidden.index_select(0, self._select)  # (n, D)
-            self.buffer[: len(self._select), columns] = pool_hidden(picked, d)
-            self._fired += 1
-
-        return hook
+        self.buffer[: len(self._select), index * d : (index + 1) * d] = pool_hidden(picked, d)
+        self._fired += 1
 
     def _end_step(self) -> None:
         owners, rows, has_entropy = self._plan
@@ -350,6 +457,7 @@ class VllmCapture:
         layers_path: str | None = None,
     ) -> None:
         require_vllm()
+        _check_no_active_engine()
         from transformers import AutoTokenizer
 
         check_dtype(dtype)
@@ -374,29 +482,37 @@ class VllmCapture:
             extra.setdefault("enable_chunked_prefill", True)
         from vllm import LLM
 
-        self.llm = LLM(
-            model=folder,
-            tokenizer=folder,
-            dtype=dtype,
-            enforce_eager=options.enforce_eager,
-            max_model_len=options.max_model_len or max_context,
-            max_num_seqs=options.max_num_seqs,
-            enable_prefix_caching=options.enable_prefix_caching,
-            seed=options.seed,
-            max_logprobs=1,
-            **extra,
-        )
+        eager = options.enforce_eager
+        if eager is None:
+            eager = not torch.cuda.is_available()
+        if not eager:
+            extra["compilation_config"] = _compilation_config(extra)
+        with _record_points_at_load(layers_path):
+            self.llm = LLM(
+                model=folder,
+                tokenizer=folder,
+                dtype=dtype,
+                enforce_eager=eager,
+                max_model_len=options.max_model_len or max_context,
+                max_num_seqs=options.max_num_seqs,
+                enable_prefix_caching=options.enable_prefix_caching,
+                seed=options.seed,
+                max_logprobs=1,
+                **extra,
+            )
+        self.compiled = not eager
         self.engine = self.llm.llm_engine
         self.max_context = int(self.engine.model_config.max_model_len)
         self.dtype, self.greybox = dtype, greybox
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         runner = self.engine.collective_rpc(_model_runner)[0]
         torch_model = runner.get_model()
-        layers = find_decoder_layers(torch_model, layers_path)
-        self.n_layers = len(layers)
+        if not hasattr(torch_model, "_actmap_hooks"):
+            raise RuntimeError("vLLM loaded its model without actmap's record points")
+        self.n_layers = len(torch_model._actmap_hooks)
         self.ends = _end_ids(folder, self.tokenizer)
         self.recorder = _Recorder(
-            runner, torch_model, layers, pooled_dim, options.max_num_seqs, greybox
+            runner, torch_model, self.n_layers, pooled_dim, options.max_num_seqs, greybox
         )
         self._requests: dict[str, _Request] = {}  # external id -> request
         self._ids = itertools.count()

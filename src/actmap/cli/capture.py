@@ -196,6 +196,13 @@ def capture(
         "pip install 'actmap[ray]') | vllm (vLLM's scheduler in this process, --batch-size "
         "requests in flight; pip install 'actmap[vllm]'). Same store either way.",
     ),
+    vllm_compile: bool = typer.Option(
+        None,
+        "--vllm-compile/--vllm-eager",
+        show_default=False,
+        help="vLLM engines: run vLLM's compiled model (piecewise CUDA graphs on a GPU) or eager "
+        "mode (default: compiled on a GPU, eager on CPU, where Inductor takes minutes).",
+    ),
     workers: int = typer.Option(1, min=1, help="--engine ray: model replicas."),
     ray_replica: str = typer.Option(
         "transformers",
@@ -290,6 +297,7 @@ def capture(
                 else gpus_per_worker,
                 address=ray_address,
                 replica=ray_replica,
+                vllm_compile=vllm_compile,
             )
         else:
             check_device(device)  # a Ray replica checks its own device on its own node
@@ -309,10 +317,15 @@ def capture(
                 if engine == "ray":
                     lm, (tokenizer, source) = None, load_tokenizer(model, revision)
                 elif engine == "vllm":
-                    from actmap.capture.vllm_engine import VllmCapture, VllmOptions
+                    from actmap.capture.vllm_engine import (
+                        VllmCapture,
+                        VllmOptions,
+                        enforce_eager_for,
+                    )
 
+                    eager = enforce_eager_for(vllm_compile)
                     lm = VllmCapture(
-                        model, dtype, VllmOptions(max_num_seqs=batch_size),
+                        model, dtype, VllmOptions(max_num_seqs=batch_size, enforce_eager=eager),
                         greybox=config.greybox, max_context=config.max_context,
                         revision=revision, layers_path=layers_path,
                     )  # fmt: skip

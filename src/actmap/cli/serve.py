@@ -94,6 +94,13 @@ def serve(
         "batch; pip install 'actmap[vllm]').",
     ),
     max_score_items: int = typer.Option(64, min=1, help="Answers per /v1/actmap/score request."),
+    vllm_compile: bool = typer.Option(
+        None,
+        "--vllm-compile/--vllm-eager",
+        show_default=False,
+        help="vLLM engines: run vLLM's compiled model (piecewise CUDA graphs on a GPU) or eager "
+        "mode (default: compiled on a GPU, eager on CPU, where Inductor takes minutes).",
+    ),
     upstream: str = typer.Option(
         None,
         help="Proxy mode: forward chat/completion requests to this OpenAI-compatible server "
@@ -125,7 +132,7 @@ def serve(
             batch_window_ms=batch_window_ms, max_queue=queue_size, timeout_s=timeout,
             stream_scores=stream_scores, score_every=score_every, device=device, dtype=dtype,
             monitor=monitor, monitor_window=monitor_window, engine=engine,
-            max_score_items=max_score_items,
+            max_score_items=max_score_items, vllm_compile=vllm_compile,
             upstream=upstream, upstream_model=upstream_model, upstream_timeout_s=upstream_timeout,
             upstream_api_key=upstream_api_key, allow_weights_mismatch=allow_weights_mismatch,
         )  # fmt: skip

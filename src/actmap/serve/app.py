@@ -97,6 +97,7 @@ class ServeSettings:
     # local: transformers + the micro-batcher; vllm: vLLM's scheduler in this process
     # (`actmap.serve.vllm_serving`; max_batch = requests in flight)
     engine: str = "local"
+    vllm_compile: bool | None = None  # --engine vllm: compiled model (None: on a GPU only)
     max_score_items: int = 64  # answers per POST /v1/actmap/score request
     # proxy mode (`actmap.serve.proxy`): answers come from this OpenAI-compatible server
     upstream: str | None = None  # its base URL, e.g. http://host:port/v1; None = generate here

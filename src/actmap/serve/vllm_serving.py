@@ -28,7 +28,7 @@ import numpy as np
 from actmap.capture.answer_scalars import answer_scalars
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import stop_position
-from actmap.capture.vllm_engine import VllmCapture, VllmOptions
+from actmap.capture.vllm_engine import VllmCapture, VllmOptions, enforce_eager_for
 from actmap.errors import ActmapUserError
 from actmap.maps import build_maps_from_list, stored_form
 from actmap.serve.batcher import QueueFull
@@ -275,7 +275,9 @@ def build_vllm_engine(settings, detector, policy, audit, monitor, dtype: str) ->
     capture = VllmCapture(
         settings.model,
         dtype,
-        VllmOptions(max_num_seqs=settings.max_batch),
+        VllmOptions(
+            max_num_seqs=settings.max_batch, enforce_eager=enforce_eager_for(settings.vllm_compile)
+        ),
         greybox=detector.needs_scalars,
         max_context=settings.max_context,  # None: the model's own limit
     )
