@@ -141,6 +141,28 @@ def test_stop_strings_cut_like_transformers(engine, reference):
     assert_same(got, want)
 
 
+def test_position_states_equal_transformers(engine, reference):
+    """keep_positions: the (4, L, D) float16 states at the named positions equal the
+    transformers capture's (float16 storage: rtol = atol = 2e-3), for answers ended by the end
+    token, by a stop string and by max_new_tokens, while a request that keeps no positions
+    shares the steps."""
+    config = CaptureConfig(
+        max_new_tokens=MAX_NEW, max_context=512, keep_positions=True, stop_strings=(" is",)
+    )
+    prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
+    prompts += ["The capital of France", "Count slowly: one, two, three,"]
+    beside = engine.submit(chat(engine.tokenizer, "Name a fruit."), CONFIG)
+    got = engine.generate(prompts, config)
+    want = reference(prompts, config)
+    assert beside not in engine._requests  # finished in the same run, without positions
+    assert {(w.stopped, "eos_logprob" in w.extras) for w in want} >= {(True, True), (False, False)}
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids, (g.answer, w.answer)
+        assert g.positions.shape == w.positions.shape == (4, 30, 576)
+        assert g.positions.dtype == torch.float16
+        torch.testing.assert_close(g.positions.float(), w.positions.float(), rtol=2e-3, atol=2e-3)
+
+
 def test_abort_leaves_no_partial_map(engine, reference):
     prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
     config = CONFIG

@@ -92,14 +92,16 @@ def test_compiled_capture_equals_transformers(compiled_engine, smollm2):
         )
         for q in QUESTIONS
     ]
-    got = compiled_engine.generate(prompts, CONFIG)  # three in flight together
-    want = generate_batch(model, tokenizer, prompts, CONFIG)
+    config = CaptureConfig(max_new_tokens=10, max_context=512, keep_positions=True)
+    got = compiled_engine.generate(prompts, config)  # three in flight together
+    want = generate_batch(model, tokenizer, prompts, config)
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids, (g.answer, w.answer)
         assert g.trajectory.shape == w.trajectory.shape
         torch.testing.assert_close(g.trajectory, w.trajectory, rtol=1e-4, atol=2e-3)
         torch.testing.assert_close(g.logprobs, w.logprobs, rtol=0, atol=1e-4)
         torch.testing.assert_close(g.entropies, w.entropies, rtol=0, atol=1e-4)
+        torch.testing.assert_close(g.positions.float(), w.positions.float(), rtol=2e-3, atol=2e-3)
 
 
 def test_a_second_engine_in_the_process_is_refused(compiled_engine, embedded_gguf):

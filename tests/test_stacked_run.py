@@ -81,6 +81,28 @@ def test_train_evaluate_and_serve_a_preset(preset, store_path, tmp_path):
     assert (gen.attention is not None) == ("attention" in needs)
     want = detector.detector.predict_proba(stacked_rows(maps, scalars, [gen]))[0]
     assert out["actmap"]["p_correct_raw"] == pytest.approx(float(want), rel=1e-5)
+    assert_vllm_serving_takes(preset, detector)
+
+
+def assert_vllm_serving_takes(preset, detector):
+    """`--engine vllm` captures maps, scalars and position states: a deployable run is served
+    with the positions it reads (and no running score); the full preset is refused by name
+    before any model is loaded."""
+    from types import SimpleNamespace
+
+    from actmap.errors import ActmapUserError
+    from actmap.serve.vllm_serving import VllmServeEngine, build_vllm_engine
+
+    if preset == "full":
+        with pytest.raises(ActmapUserError, match="reads attention weights"):
+            build_vllm_engine(
+                SimpleNamespace(model="unused"), detector, None, None, None, "float32"
+            )
+        return
+    engine = SimpleNamespace(detector=detector, max_context=64)
+    job = SimpleNamespace(max_tokens=5, stop=())
+    config = VllmServeEngine.config_for(engine, job)
+    assert config.keep_positions and config.greybox and not config.attention_keys
 
 
 def test_the_comparison_reads_only_rows_with_positions(store_path, tmp_path):

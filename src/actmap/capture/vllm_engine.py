@@ -44,9 +44,11 @@ runs eagerly between the captured pieces, like attention; full CUDA graphs (whic
 it without Python) are not used (``cudagraph_mode=PIECEWISE``). If a step runs and some layer's
 op did not record, the step raises instead of writing empty maps. See docs/vllm.md.
 
-Position states (full-width residual at named positions, issue 47) fit the same plan: a
-second index set chosen on the host (prompt positions by name) and a second buffer of width
-D, filled by the same layer hooks and copied with the same per-step transfer.
+Position states (``keep_positions``): the same record op also writes the selected rows
+unpooled into a second buffer, ``(rows, L, D)``, copied with the same per-step transfer while
+a request that keeps them is in the step; the host keeps those rows per request and
+`actmap.capture.positions.position_states` picks the named positions once the answer's end
+is known, as the transformers capture does.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from torch import nn
 
 from actmap.capture.generate import check_prompts, tokenize_prompts
 from actmap.capture.layers import find_decoder_layers
+from actmap.capture.positions import position_states
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import end_answer, stop_position
 from actmap.errors import ActmapUserError
@@ -139,6 +142,7 @@ class _Request:
     config: CaptureConfig
     states: torch.Tensor  # (L, max_rows, D') float32, host
     entropies: torch.Tensor | None  # (max_rows,) float32, host; None in map-only capture
+    full_rows: list[torch.Tensor] | None = None  # keep_positions: row t's (L, D) float16
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     recorded: int = 0  # rows 0..recorded-1 are filled
@@ -170,6 +174,7 @@ class _Pending:
     rows: np.ndarray  # (n,) trajectory row of each selected token
     has_entropy: np.ndarray  # (n,) bool: the token is its request's sampled position
     event: object = None  # a CUDA event on GPU; None on CPU
+    full: torch.Tensor | None = None  # (n, L, D) unpooled states, when positions are kept
 
 
 # -- record points: put into the model at load time, before vLLM compiles it -----------------
@@ -281,6 +286,9 @@ class _Recorder:
         self.device = next(model.parameters()).device
         self.width = self.n_layers * pooled_dim + 1  # pooled states of every layer + entropy
         self.buffer = torch.zeros(capacity, self.width, device=self.device)
+        self.hidden_size = int(runner.model_config.get_hidden_size())
+        self.full: torch.Tensor | None = None  # (rows, L, D) float16 unpooled, for positions
+        self._keep_full = False  # this step holds a request that keeps position states
         self.requests: dict[str, _Request] = {}  # internal id -> request
         self.pending: list[_Pending] = []
         self._select: torch.Tensor | None = None  # (n,) device indices into the flat tokens
@@ -386,6 +394,11 @@ class _Recorder:
             return
         if len(flat) > self.buffer.shape[0]:
             self.buffer = torch.zeros(2 * len(flat), self.width, device=self.device)
+        self._keep_full = any(owner.full_rows is not None for owner in owners)
+        if self._keep_full and (self.full is None or self.full.shape[0] < len(flat)):
+            shape = (max(len(flat), self.buffer.shape[0]), self.n_layers, self.hidden_size)
+            # float16, as the transformers capture keeps every step's state
+            self.full = torch.zeros(shape, device=self.device, dtype=torch.float16)
         self.buffer[: len(flat), -1] = float("nan")  # no entropy unless the logits hook writes
         device = self.device
         self._select = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
@@ -405,23 +418,30 @@ class _Recorder:
             return
         stream = hidden if residual is None else hidden + residual
         picked = stream.index_select(0, self._select)  # (n, D)
-        d = self.pooled_dim
-        self.buffer[: len(self._select), index * d : (index + 1) * d] = pool_hidden(picked, d)
+        d, n = self.pooled_dim, len(self._select)
+        self.buffer[:n, index * d : (index + 1) * d] = pool_hidden(picked, d)
+        if self._keep_full:
+            self.full[:n, index] = picked
         self._fired += 1
 
     def _end_step(self) -> None:
         owners, rows, has_entropy = self._plan
         n = len(rows)
+        full = None
         if self.device.type == "cuda":
             host = torch.empty(n, self.width, pin_memory=True)
             host.copy_(self.buffer[:n], non_blocking=True)
+            if self._keep_full:
+                full = torch.empty(self.full[:n].shape, dtype=torch.float16, pin_memory=True)
+                full.copy_(self.full[:n], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
             host, event = self.buffer[:n].clone(), None
+            full = self.full[:n].clone() if self._keep_full else None
         for request, row in zip(owners, rows.tolist(), strict=True):
             request.recorded = max(request.recorded, row + 1)
-        self.pending.append(_Pending(host, owners, rows, has_entropy, event))
+        self.pending.append(_Pending(host, owners, rows, has_entropy, event, full))
         self._plan = None
 
     def scatter(self) -> None:
@@ -435,6 +455,12 @@ class _Recorder:
                 request.states[:, row] = states[k]
                 if request.entropies is not None and step.has_entropy[k]:
                     request.entropies[row] = step.host[k, -1]
+                if request.full_rows is not None:  # rows arrive in order, each once
+                    if len(request.full_rows) != row:
+                        raise RuntimeError(
+                            f"request {request.key}: position row {row} out of order"
+                        )
+                    request.full_rows.append(step.full[k].clone())
         self.pending.clear()
 
 
@@ -557,6 +583,8 @@ class VllmCapture:
         states = torch.zeros(self.n_layers, config.max_new_tokens, self.recorder.pooled_dim)
         entropies = torch.zeros(config.max_new_tokens) if config.greybox else None
         request = _Request(key, prompt, list(prompt_ids), config, states, entropies)
+        if config.keep_positions:
+            request.full_rows = []
         # register before vLLM can schedule it (the engine steps on this thread only)
         internal = self.engine.add_request(key, {"prompt_token_ids": list(prompt_ids)}, params)
         request.internal_id = internal
@@ -702,6 +730,9 @@ def _record(request: _Request, tokenizer, ends: set[int]) -> Generation:
     extras = {}
     if has_stop_step and greybox:
         extras = {"eos_logprob": float(logprobs[n]), "eos_entropy": float(request.entropies[n])}
+    positions = None
+    if request.full_rows is not None and n > 0:
+        positions = position_states(torch.stack(request.full_rows, dim=1), n)
     return Generation(
         prompt=request.prompt,
         answer=answer,
@@ -711,5 +742,6 @@ def _record(request: _Request, tokenizer, ends: set[int]) -> Generation:
         trajectory=request.states[:, :n].clone(),
         stopped=stopped,
         prompt_tokens=request.prompt_tokens,
+        positions=positions,
         extras=extras,
     )

@@ -46,11 +46,12 @@ class VllmServeEngine(Engine):
         self.capture = capture
 
     def config_for(self, job: Job) -> CaptureConfig:
+        # map-only when maps are all the detector reads; position states for a stacked run
         return CaptureConfig(
             max_new_tokens=job.max_tokens,
             stop_strings=job.stop,
             max_context=self.max_context,
-            greybox=self.detector.needs_scalars,  # map-only when maps are all it reads
+            **self.detector.capture_settings(),
         )
 
     def make_batcher(self, max_queue: int, on_batch: Callable | None = None) -> StepLoop:
@@ -185,6 +186,8 @@ class StepLoop:
             if request.token_ids and request.token_ids[-1] in self.capture.ends:
                 continue  # the end token: the finished answer is scored next
             job = live.job
+            if engine.detector.needs_generations:  # scores whole answers only (positions)
+                continue
             if (job.stream_scores or job.abort_below is not None) and (
                 t % engine.score_every == 0 or t == job.max_tokens
             ):
@@ -272,6 +275,11 @@ class StepLoop:
 
 def build_vllm_engine(settings, detector, policy, audit, monitor, dtype: str) -> VllmServeEngine:
     """The generator of ``actmap serve --engine vllm`` (called by `actmap.serve.app.build_engine`)."""
+    if "attention" in detector.requires:
+        raise ActmapUserError(
+            f"{detector.id} reads attention weights (actmap-plus --preset full), which the vLLM "
+            "engine does not capture: serve a deployable run, or use --engine local"
+        )
     capture = VllmCapture(
         settings.model,
         dtype,
