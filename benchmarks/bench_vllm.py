@@ -57,8 +57,11 @@ def summary(latencies: list[float], tokens: int, wall: float, n: int) -> dict:
 
 
 # -- part 1: in-process ------------------------------------------------------------------------
-def in_flight(capture, prompts: list[list[int]], width: int, max_tokens: int, plain: bool) -> dict:
-    """Keep ``width`` requests in flight until every prompt is answered."""
+def in_flight(
+    capture, prompts: list[list[int]], width: int, max_tokens: int, plain_engine=None
+) -> dict:
+    """Keep ``width`` requests in flight until every prompt is answered: on ``plain_engine``
+    (a vLLM engine without record points) when given, else through the capture."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -69,7 +72,8 @@ def in_flight(capture, prompts: list[list[int]], width: int, max_tokens: int, pl
         max_tokens=max_tokens, temperature=0.0, detokenize=False,
         stop_token_ids=sorted(capture.ends), output_kind=RequestOutputKind.DELTA,
     )  # fmt: skip
-    engine = capture.engine
+    plain = plain_engine is not None
+    engine = plain_engine
     todo = list(enumerate(prompts))
     started_at, latencies, tokens, counts = {}, [], 0, {}
     counter = iter(range(10**9))
@@ -106,14 +110,21 @@ def in_flight(capture, prompts: list[list[int]], width: int, max_tokens: int, pl
 
 
 def part_in_process(args, prompts_text: list[str]) -> list[dict]:
+    from vllm import LLM
+
     from actmap.capture.records import CaptureConfig
-    from actmap.capture.vllm_engine import VllmCapture, VllmOptions
+    from actmap.capture.vllm_engine import VllmCapture, VllmOptions, vllm_model_folder
 
     widest = max(args.concurrency)
-    capture = VllmCapture(
-        args.model, args.dtype, VllmOptions(max_num_seqs=widest, kv_cache_gib=2), greybox=False,
-        max_context=2048,
-    )  # fmt: skip
+    eager = not args.compiled
+    options = VllmOptions(max_num_seqs=widest, kv_cache_gib=2, enforce_eager=eager)
+    capture = VllmCapture(args.model, args.dtype, options, greybox=False, max_context=2048)
+    # plain vLLM: a second engine in this process, built the same way without record points
+    folder, _ = vllm_model_folder(args.model)
+    plain = LLM(
+        model=folder, tokenizer=folder, dtype=args.dtype, enforce_eager=eager, max_model_len=2048,
+        max_num_seqs=widest, enable_prefix_caching=True, seed=0, max_logprobs=1,
+    ).llm_engine  # fmt: skip
     chats = [
         capture.tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
@@ -126,17 +137,12 @@ def part_in_process(args, prompts_text: list[str]) -> list[dict]:
         n = max(args.requests if width > 1 else args.requests_single, width)
         batch = (ids * (n // len(ids) + 1))[:n]
         runs = {"plain": [], "capture": []}
-        in_flight(capture, batch[: min(4, n)], width, args.max_tokens, plain=True)  # warm-up
+        for engine in (plain, None):  # warm-up
+            in_flight(capture, batch[: min(4, n)], width, args.max_tokens, engine)
         for _ in range(args.repeats):
             for mode in ("plain", "capture"):
-                if mode == "plain":
-                    capture.recorder.remove()
-                else:
-                    capture.recorder = type(capture.recorder)(
-                        capture.recorder.runner, capture.recorder.model, capture.recorder.layers,
-                        capture.recorder.pooled_dim, widest, False,
-                    )  # fmt: skip
-                runs[mode].append(in_flight(capture, batch, width, args.max_tokens, mode == "plain"))
+                engine = plain if mode == "plain" else None
+                runs[mode].append(in_flight(capture, batch, width, args.max_tokens, engine))
         for mode, results in runs.items():
             best = sorted(results, key=lambda r: r["req_per_s"])[len(results) // 2]  # median
             rows.append({"part": "in-process", "mode": mode, "concurrency": width, **best})
@@ -278,6 +284,9 @@ def main() -> None:
     parser.add_argument("--servers", default="vllm-openai,actmap-vllm,actmap")
     parser.add_argument("--skip", default="", help="in-process | servers")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
+    parser.add_argument(
+        "--compiled", action="store_true", help="in-process part: vLLM's compiled model, both modes"
+    )
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.servers = [s for s in args.servers.split(",") if s]
