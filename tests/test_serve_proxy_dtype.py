@@ -248,6 +248,11 @@ def test_a_bfloat16_proxy_reads_the_map_bfloat16_generation_gives(upstream_dtype
             assert tokens["source"] == "upstream_ids" and tokens["mismatch"] is False
             blocks.append((question, out))
         state.engine.audit.flush()
+        metrics = httpx.get(proxy.url + "/metrics", timeout=30).text
+    # the proxy's teacher-forced passes are counted apart from generation (none here)
+    assert "actmap_batch_forced_size_sum 2.0" in metrics
+    assert "actmap_batch_forced_seconds_count 2.0" in metrics
+    assert "actmap_batch_generation_seconds_count 0.0" in metrics
     maps = maps_by_id(tmp_path / "audit")
     compared = 0
     for question, out in blocks:

@@ -341,6 +341,7 @@ class ServerState:
                 max_batch=settings.max_batch,
                 window_s=settings.batch_window_ms / 1000,
                 max_queue=settings.max_queue,
+                on_batch=lambda jobs, timings: self.metrics.observe_forced(timings),
             )
         self.started_at = time.time()
 
