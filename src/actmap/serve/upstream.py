@@ -44,7 +44,7 @@ PROBE_TOKENS = 8
 # bfloat16 read by transformers in float32 or bfloat16 differed by up to .18 nats over 8 tokens
 # of 31 chat prompts (.04-.07 on the probe's), transformers float32 vs bfloat16 by up to .16;
 # relative weight noise of 1% (2%) moved the probe's log-probs by .18 (.40) and put the
-# upstream's greedy token .5 (1.0) nats below the local one (`docs/vllm.md`, proxy section).
+# upstream's greedy token .5 (1.0) nats below the local one (docs/proxy.md).
 # float16 (10 mantissa bits) is finer than bfloat16: it gets bfloat16's bound, unmeasured.
 PROBE_TOLERANCE = {"float32": 0.05, "bfloat16": 0.25, "float16": 0.25}
 PROBE_LOGPROB_TOLERANCE = PROBE_TOLERANCE["float32"]
