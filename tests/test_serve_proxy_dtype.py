@@ -134,6 +134,11 @@ def test_local_reading_equals_a_naive_loop_of_whole_passes():
     np.testing.assert_allclose(chosen, expected_chosen, atol=0.05)
     np.testing.assert_allclose(margins, expected_margins, atol=0.05)
     assert max(margins) > 1.0  # the words were chosen to be far from greedy
+    # an upstream that ended at once: no tokens, one margin (its end token's)
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), -1)
+    chosen, margins = local_reading(engine, prompt, [], ended=True)
+    assert chosen == [] and margins == [pytest.approx(float(logp.max() - logp[1]), abs=0.05)]
 
 
 def test_the_probe_accepts_the_same_weights_across_dtypes_within_its_stated_tolerance():

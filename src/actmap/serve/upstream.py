@@ -241,7 +241,8 @@ def local_reading(
     with engine.lock, torch.inference_mode():
         logits = engine.model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 :]
     logp = torch.log_softmax(logits.float(), -1)  # (T + 1, V): row t predicts answer token t
-    chosen = logp[: len(answer)].gather(-1, torch.tensor(answer, device=device)[:, None])[:, 0]
+    index = torch.tensor(list(answer), dtype=torch.long, device=device)[:, None]
+    chosen = logp[: len(answer)].gather(-1, index)[:, 0]
     margins = (logp[: len(answer)].max(-1).values - chosen).tolist()
     if ended:
         ends = sorted(stop_ids(engine.model, engine.tokenizer))
