@@ -119,12 +119,13 @@ def test_local_reading_equals_a_naive_loop_of_whole_passes():
     engine = engine_of(model, tokenizer)
     prompt = tokenizer("what is the capital of paris", add_special_tokens=False)["input_ids"]
     answer = tokenizer("rome red the", add_special_tokens=False)["input_ids"]  # not greedy
-    chosen, margins = local_reading(engine, prompt, answer, ended=True)
-    expected_chosen, expected_margins = [], []
+    chosen, margins, best = local_reading(engine, prompt, answer, ended=True)
+    expected_chosen, expected_margins, expected_best = [], [], []
     with torch.inference_mode():
         for t in range(len(answer) + 1):
             logits = model(input_ids=torch.tensor([prompt + answer[:t]])).logits[0, -1]
             logp = torch.log_softmax(logits.float(), -1)
+            expected_best.append(int(logp.argmax()))
             if t < len(answer):
                 expected_chosen.append(float(logp[answer[t]]))
                 expected_margins.append(float(logp.max() - logp[answer[t]]))
@@ -134,11 +135,17 @@ def test_local_reading_equals_a_naive_loop_of_whole_passes():
     np.testing.assert_allclose(chosen, expected_chosen, atol=0.05)
     np.testing.assert_allclose(margins, expected_margins, atol=0.05)
     assert max(margins) > 1.0  # the words were chosen to be far from greedy
+    far = [t for t, m in enumerate(expected_margins) if m > 0.1]  # no near tie to flip
+    assert far and [best[t] for t in far] == [expected_best[t] for t in far]
     # an upstream that ended at once: no tokens, one margin (its end token's)
     with torch.inference_mode():
         logp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), -1)
-    chosen, margins = local_reading(engine, prompt, [], ended=True)
-    assert chosen == [] and margins == [pytest.approx(float(logp.max() - logp[1]), abs=0.05)]
+    chosen, margins, best = local_reading(engine, prompt, [], ended=True)
+    assert (
+        chosen == []
+        and best == [int(logp.argmax())]
+        and margins == [pytest.approx(float(logp.max() - logp[1]), abs=0.05)]
+    )
 
 
 def test_the_probe_accepts_the_same_weights_across_dtypes_within_its_stated_tolerance():

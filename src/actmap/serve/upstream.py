@@ -232,10 +232,10 @@ def local_greedy(engine, prompt: str, n: int) -> tuple[list[int], list[int], lis
 
 def local_reading(
     engine, prompt_ids: Sequence[int], answer: Sequence[int], ended: bool
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], list[int]]:
     """The local model reading ``answer`` teacher-forced: (each token's log-prob, how far it
-    lies below the local greedy token's), plus, when ``ended``, one more margin: the best
-    end token's after the answer."""
+    lies below the local greedy token's, the local greedy token), plus, when ``ended``, one
+    more margin and greedy token after the answer (the margin: the best end token's)."""
     device = next(engine.model.parameters()).device
     ids = torch.tensor([list(prompt_ids) + list(answer)], device=device)
     with engine.lock, torch.inference_mode():
@@ -247,7 +247,8 @@ def local_reading(
     if ended:
         ends = sorted(stop_ids(engine.model, engine.tokenizer))
         margins.append(float(logp[-1].max() - logp[-1, ends].max()))
-    return chosen.tolist(), margins
+    best = logp[: len(margins)].argmax(-1).tolist()
+    return chosen.tolist(), margins, best
 
 
 def _first_difference(a: Sequence, b: Sequence) -> int:
@@ -301,12 +302,12 @@ def probe_weights(
     elif ids is not None:
         ids = strip_end_tokens(engine, ids)
         ended = len(ids) < PROBE_TOKENS  # the upstream chose an end token after them
-        local_logprobs, margins = local_reading(engine, prompt_ids, ids, ended)
+        local_logprobs, margins, best = local_reading(engine, prompt_ids, ids, ended)
         margin = max(margins, default=0.0)
         if ids != local_ids and margin > tolerance:
             i = next(k for k, m in enumerate(margins) if m > tolerance)
             theirs = engine.tokenizer.decode(ids[i : i + 1]) if i < len(ids) else "<end>"
-            ours = engine.tokenizer.decode(local_ids[i : i + 1]) if i < len(local_ids) else "<end>"
+            ours = engine.tokenizer.decode([best[i]])  # after the upstream's tokens before it
             problem = (
                 f"greedy probe token {i} is {theirs!r} upstream but {ours!r} here ({theirs!r} "
                 f"lies {margins[i]:.3f} nats below it; tolerance {tolerance}, {sides})"
