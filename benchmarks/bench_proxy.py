@@ -269,7 +269,7 @@ def start_proxy(
 
 
 def pass_totals(proxy: str) -> dict:
-    """The proxy's teacher-forced passes so far (its /metrics): count, answers, seconds."""
+    """The proxy's scoring batches so far (its /metrics): count, answers, seconds."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(proxy + "/metrics", timeout=30).text
@@ -279,7 +279,7 @@ def pass_totals(proxy: str) -> dict:
         for sample in family.samples
     }
     return {
-        "passes": values.get("actmap_batch_forced_seconds_count", 0.0),
+        "batches": values.get("actmap_batch_forced_seconds_count", 0.0),
         "answers": values.get("actmap_batch_forced_size_sum", 0.0),
         "seconds": values.get("actmap_batch_forced_seconds_sum", 0.0),
     }
@@ -299,12 +299,12 @@ def measure(upstream: str, proxy: str, bodies: list[dict], warm: list[dict], n: 
             before = pass_totals(proxy) if name == "proxy" else None
             row = asyncio.run(load(url, split[name][:count], concurrency))
             row["target"] = name
-            if before is not None:  # the proxy's own passes during this run (wall seconds)
+            if before is not None:  # the proxy's own scoring during this run (wall seconds)
                 after = pass_totals(proxy)
-                passes = after["passes"] - before["passes"]
-                row["scoring_passes"] = passes
-                row["answers_per_pass"] = (after["answers"] - before["answers"]) / max(passes, 1)
-                row["scoring_pass_s_total"] = after["seconds"] - before["seconds"]
+                batches = after["batches"] - before["batches"]
+                row["scoring_batches"] = batches
+                row["answers_per_batch"] = (after["answers"] - before["answers"]) / max(batches, 1)
+                row["scoring_batch_s_total"] = after["seconds"] - before["seconds"]
             runs.append(row)
             print(json.dumps(row), flush=True)
     return runs
@@ -419,8 +419,8 @@ def report(result: dict) -> None:
             for r in (up, px):
                 print(f"{name:>17} {c:>5} {r['target']:>9} {r['req_per_s']:7.2f} {r['p50_s']:7.3f} {r['p99_s']:7.3f}")  # fmt: skip
             ratio, added = px["req_per_s"] / up["req_per_s"], px["p50_s"] - up["p50_s"]
-            if "scoring_passes" in px:
-                print(f"{'':>17} {'':>5} the proxy's passes: {px['scoring_passes']:.0f} of {px['answers_per_pass']:.1f} answers, {px['scoring_pass_s_total']:.2f} s in all")  # fmt: skip
+            if "scoring_batches" in px:
+                print(f"{'':>17} {'':>5} the proxy's scoring: {px['scoring_batches']:.0f} batches of {px['answers_per_batch']:.1f} answers, {px['scoring_batch_s_total']:.2f} s in all")  # fmt: skip
             print(f"{'':>17} {'':>5} throughput ratio {ratio:.2f} (target >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'}), added p50 {added:+.3f} s vs upstream p50 {up['p50_s']:.3f} s ({'met' if added < up['p50_s'] else 'NOT met'})")  # fmt: skip
         p = result["probe"][name]
         print(f"{'':>17} weights probe: log-prob diff {p['max_logprob_diff']}, greedy margin {p['max_margin']}, tolerance {p['tolerance']}, problem {p['problem']}")  # fmt: skip

@@ -51,13 +51,13 @@ class ServeMetrics:
         )
         self.forced = Histogram(
             "actmap_batch_forced_seconds",
-            "Teacher-forced pass reading existing answers (proxy, /v1/actmap/score), per batch",
+            "Teacher-forced passes reading existing answers (proxy, /v1/actmap/score), per batch",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.forced_size = Histogram(
             "actmap_batch_forced_size",
-            "Answers per teacher-forced pass",
+            "Answers per batch of teacher-forced passes",
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r,
         )
