@@ -211,6 +211,20 @@ def test_the_proxy_reads_in_the_dtype_the_detectors_maps_were_captured_in(tiny_m
     assert next(default.model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ActmapUserError, match="dtype must be one of"):
         build_engine(ServeSettings(detector=bf16_run, upstream_dtype="int8", **proxy))
+    # the CLI: one line, exit code 2, before anything is contacted
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+
+    base = ["serve", "--model", str(tiny_model_dir), "--upstream", "http://127.0.0.1:9/v1"]
+    result = CliRunner().invoke(app, [*base, "--detector", str(fp32_run), "--dtype", "bfloat16"])
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("error: --dtype bfloat16") and "--allow-dtype-mismatch" in line
+    result = CliRunner().invoke(
+        app, [*base, "--detector", str(bf16_run), "--upstream-dtype", "fp8"]
+    )
+    assert result.exit_code == 2 and "dtype must be one of" in result.output
 
 
 def maps_by_id(root) -> dict:
