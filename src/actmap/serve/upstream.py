@@ -38,14 +38,14 @@ PROBE_MESSAGES = (
 PROBE_PROMPT = "The capital of France is"  # for a model without a chat template (completions)
 PROBE_TOKENS = 8
 # Log-prob tolerance (nats, largest over the probe's tokens) by the coarser dtype of the two
-# sides. float32 on two stacks (transformers eager vs the upstream's kernels) differ by ~1e-3
-# nats per token; another checkpoint differs by whole nats. A 16-bit side rounds every weight
-# and activation (bfloat16: 8 mantissa bits): SmolLM2-135M-Instruct greedy answers of vLLM in
-# bfloat16 read by transformers in float32 or bfloat16 differed by up to .18 nats over 8 tokens
-# of 31 chat prompts (.04-.07 on the probe's), transformers float32 vs bfloat16 by up to .16;
-# relative weight noise of 1% (2%) moved the probe's log-probs by .18 (.40) and put the
-# upstream's greedy token .5 (1.0) nats below the local one (docs/proxy.md).
-# float16 (10 mantissa bits) is finer than bfloat16: it gets bfloat16's bound, unmeasured.
+# sides. float32 on two stacks (vLLM's kernels vs transformers) differed by < 1e-4 nats;
+# another checkpoint differs by whole nats. A 16-bit side rounds every weight and activation
+# (bfloat16: 8 mantissa bits): SmolLM2-135M-Instruct greedy answers of vLLM in float32 or
+# bfloat16 read by transformers in float32 or bfloat16 differed by up to .18 nats over 8
+# tokens of 31 chat prompts (.04-.07 on the probe's); relative weight noise of 1% (2%) moved
+# the probe's log-probs by .16-.18 (.40) and put the upstream's greedy token .5 (1.0) nats
+# below the local one (benchmarks/check_probe_tolerance.py, docs/proxy.md). float16 (10
+# mantissa bits) is finer than bfloat16: it gets bfloat16's bound, unmeasured.
 PROBE_TOLERANCE = {"float32": 0.05, "bfloat16": 0.25, "float16": 0.25}
 PROBE_LOGPROB_TOLERANCE = PROBE_TOLERANCE["float32"]
 
