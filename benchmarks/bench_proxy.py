@@ -1,22 +1,30 @@
 """Proxy mode's cost: the upstream alone vs through ``actmap serve --upstream``, in one run.
 
-Starts (unless ``--upstream`` is given) a vLLM OpenAI server (CPU build, float32
-SmolLM2, prefix caching off so repeated prompts do not flatter the second pass)
-from ``--vllm-python``, and an ``actmap serve --upstream`` process in front of
-it, then reports:
+For each configuration ``UPSTREAM/PROXY`` of ``--configs`` (dtypes; default
+``float32/float32,bfloat16/bfloat16,float32/bfloat16``) it starts (unless ``--upstream``
+is given) a vLLM OpenAI server (CPU build, SmolLM2 in the upstream's dtype, prefix
+caching off so repeated prompts do not flatter the second pass) from ``--vllm-python``,
+and an ``actmap serve --upstream`` process in front of it that reads answers in the
+proxy's dtype (its detector recorded as fit on maps of that dtype, as the proxy
+requires), then reports:
 
 - req/s and p50/p99 latency of the upstream alone and through the proxy, at 1 and
-  16 concurrent requests (TriviaQA questions from the project's *train* split);
-- teacher-forced scoring time per answer and per token (one pass, batches of 1 and 16),
-  and what a running score would cost re-reading the answer at every token;
-- the re-tokenization mismatch rate: on ``--answers`` vLLM answers, how often
-  tokenizing the answer text gives other ids than vLLM generated.
+  16 concurrent requests (TriviaQA questions from the project's *train* split),
+  each ratio beside the target;
+- the start-up weights probe of each pair of dtypes (log-prob difference, greedy
+  margin, tolerance);
+- teacher-forced scoring time per answer and per token in each proxy dtype (one pass,
+  batches of 1 and 16), and what a running score would cost re-reading the answer at
+  every token;
+- the re-tokenization mismatch rate: on ``--answers`` answers of the first upstream, how
+  often tokenizing the answer text gives other ids than vLLM generated.
 
 Targets (issue 46): proxy throughput >= 0.8x the upstream's; added p50 below the
 upstream's own p50. Both processes share this machine's cores: ``uptime`` is printed
 before and after, since the machine is shared with other work.
 
-    python benchmarks/bench_proxy.py --out runs/bench-proxy.json
+    python benchmarks/bench_proxy.py --vllm-python /work/venv-vllm/bin/python \
+        --out runs/bench-proxy.json
 """
 
 from __future__ import annotations
@@ -135,10 +143,7 @@ async def answers_with_ids(url: str, bodies: list[dict], concurrency: int = 16) 
     return out
 
 
-def mismatch_rate(tokenizer, model, answers: list[dict]) -> dict:
-    from actmap.capture.generate import stop_ids
-
-    ends = stop_ids(model, tokenizer)
+def mismatch_rate(tokenizer, ends: set[int], answers: list[dict]) -> dict:
     differ = not_decoding = 0
     examples = []
     for body in answers:
@@ -159,7 +164,9 @@ def mismatch_rate(tokenizer, model, answers: list[dict]) -> dict:
             "ids_do_not_decode_to_text": not_decoding, "examples": examples}  # fmt: skip
 
 
-def scoring_cost(detector_run: Path, prompts: list[str], answer_ids: list[list[int]]) -> dict:
+def scoring_cost(
+    detector_run: Path, prompts: list[str], answer_ids: list[list[int]], dtype: str
+) -> dict:
     """Teacher-forced scoring (capture + map + detector) per answer and per token."""
     import torch
 
@@ -169,12 +176,13 @@ def scoring_cost(detector_run: Path, prompts: list[str], answer_ids: list[list[i
     from actmap.serve.app import ServeSettings, build_engine
 
     torch.set_num_threads(1)
-    engine = build_engine(ServeSettings(model=MODEL, detector=detector_run))
-    out = {}
+    engine = build_engine(ServeSettings(model=MODEL, detector=detector_run, dtype=dtype))
+    out = {"dtype": dtype}
     tokens = sum(len(a) for a in answer_ids)
     prompt_tokens = sum(engine.count_tokens(p) for p in prompts)  # the pass reads these too
     prefix = chat_prefix(engine)  # what the server runs once: the template's system turn
     out["chat_prefix_tokens"] = 0 if prefix is None else len(prefix.ids)
+    score_answers(engine, [ScoreJob(prompts[0], answer_ids[0])], prefix)  # warm
     for batch, shared in ((1, None), (1, prefix), (16, prefix)):
         started, cpu = time.perf_counter(), time.process_time()
         for i in range(0, len(prompts), batch):
@@ -206,112 +214,225 @@ def scoring_cost(detector_run: Path, prompts: list[str], answer_ids: list[list[i
     return out
 
 
+def probe(detector_run: Path, upstream: str, proxy_dtype: str, upstream_dtype: str) -> dict:
+    """The start-up weights probe of this pair of dtypes, as the proxy ran it."""
+    from actmap.serve.app import ServeSettings, build_engine
+    from actmap.serve.upstream import probe_weights
+
+    engine = build_engine(ServeSettings(model=MODEL, detector=detector_run, dtype=proxy_dtype))
+    result = probe_weights(engine, upstream + "/v1", SERVED, 120, upstream_dtype)
+    keys = ("max_logprob_diff", "max_margin", "tolerance", "problem")
+    return {k: getattr(result, k) for k in keys}
+
+
+def parse_configs(text: str) -> list[tuple[str, str]]:
+    from actmap.llm.models import DTYPES
+
+    configs = []
+    for item in text.split(","):
+        pair = tuple(item.strip().split("/"))
+        if len(pair) != 2 or not all(d in DTYPES for d in pair):
+            sys.exit(f"--configs: {item!r} is not UPSTREAM/PROXY with dtypes in {DTYPES}")
+        configs.append(pair)
+    return configs
+
+
+def start_vllm(args, folder: Path, dtype: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("PYTHONPATH", None)
+    command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(folder), "--served-model-name", SERVED, "--dtype", dtype, "--port",
+               str(port), "--max-model-len", "2048", "--no-enable-prefix-caching"]  # fmt: skip
+    if args.enforce_eager:
+        command.append("--enforce-eager")
+    process = start(command, env, log)
+    url = f"http://127.0.0.1:{port}"
+    wait_up(url + "/v1/models", process, log, 1800)
+    return process, url
+
+
+def start_proxy(
+    upstream: str, detector: Path, proxy_dtype: str, upstream_dtype: str, log: Path
+) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "actmap.cli", "serve", "--upstream", upstream + "/v1",
+               "--model", MODEL, "--served-model-name", SERVED, "--detector", str(detector),
+               "--dtype", proxy_dtype, "--upstream-dtype", upstream_dtype,
+               "--port", str(port), "--batch-window-ms", "5", "--timeout", "600",
+               "--upstream-timeout", "600"]  # fmt: skip
+    process = start(command, env, log)
+    url = f"http://127.0.0.1:{port}"
+    wait_up(url + "/health", process, log, 600)
+    return process, url
+
+
+def pass_totals(proxy: str) -> dict:
+    """The proxy's scoring batches so far (its /metrics): count, answers, seconds."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(proxy + "/metrics", timeout=30).text
+    values = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    return {
+        "batches": values.get("actmap_batch_forced_seconds_count", 0.0),
+        "answers": values.get("actmap_batch_forced_size_sum", 0.0),
+        "seconds": values.get("actmap_batch_forced_seconds_sum", 0.0),
+    }
+
+
+def measure(upstream: str, proxy: str, bodies: list[dict], warm: list[dict], n: int) -> list:
+    """Upstream alone, then through the proxy, at 1 and 16 concurrent requests."""
+    asyncio.run(load(upstream, warm, 4))  # warm both
+    asyncio.run(load(proxy, warm, 4))
+    runs = []
+    # disjoint, interleaved questions for the two targets: a prompt seen once is not
+    # answered from the upstream's prefix cache the second time
+    split = {"upstream": bodies[0::2], "proxy": bodies[1::2]}
+    for concurrency in (1, 16):
+        count = n if concurrency == 16 else max(8, n // 2)
+        for name, url in (("upstream", upstream), ("proxy", proxy)):
+            before = pass_totals(proxy) if name == "proxy" else None
+            row = asyncio.run(load(url, split[name][:count], concurrency))
+            row["target"] = name
+            if before is not None:  # the proxy's own scoring during this run (wall seconds)
+                after = pass_totals(proxy)
+                batches = after["batches"] - before["batches"]
+                row["scoring_batches"] = batches
+                row["answers_per_batch"] = (after["answers"] - before["answers"]) / max(batches, 1)
+                row["scoring_batch_s_total"] = after["seconds"] - before["seconds"]
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--vllm-python", default=sys.executable, help="a python that imports vllm (default: this one)"
+        "--vllm-python",
+        default=sys.executable,
+        help="a python that imports vllm (default: this one)",
     )
-    parser.add_argument("--upstream", help="an already running upstream base URL (no /v1)")
-    parser.add_argument("--detector", type=Path, help="detector run (default: a fitted logreg)")
+    parser.add_argument(
+        "--upstream", help="an already running upstream base URL (no /v1): one configuration"
+    )
+    parser.add_argument(
+        "--configs", default="float32/float32,bfloat16/bfloat16,float32/bfloat16",
+        help="UPSTREAM/PROXY dtype pairs, comma-separated (with --upstream: one pair, its "
+        "UPSTREAM naming the running server's dtype)",
+    )  # fmt: skip
     parser.add_argument("--requests", type=int, default=32, help="requests per load run")
     parser.add_argument("--answers", type=int, default=500, help="answers for the mismatch rate")
+    parser.add_argument("--scoring-answers", type=int, default=64, help="answers timed per dtype")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="vLLM without compilation (faster start)"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench-proxy.json"))
     args = parser.parse_args()
+    configs = parse_configs(args.configs)
+    if args.upstream and len({u for u, _ in configs}) != 1:
+        sys.exit("--upstream is one running server: give --configs of its one upstream dtype")
 
+    from actmap.capture.generate import stop_ids
     from actmap.llm.models import cache_dir, check_model, load_model
 
     model, tokenizer, source = load_model(MODEL)  # also writes the de-quantized folder vLLM reads
     folder = cache_dir() / f"{Path(source.gguf_file).stem}-{source.revision}"
+    ends = stop_ids(model, tokenizer)
+    del model
     work = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
-    detector = args.detector or make_detector(work / "run")
-    processes = []
-    result = {"uptime_before": uptime(), "model": MODEL, "max_tokens": args.max_tokens}
-    try:
-        upstream = args.upstream
-        if upstream is None:
-            port = free_port()
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-            env.pop("PYTHONPATH", None)
-            command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                       str(folder), "--served-model-name", SERVED, "--dtype", "float32", "--port",
-                       str(port), "--max-model-len", "2048", "--no-enable-prefix-caching"]  # fmt: skip
-            processes.append(start(command, env, work / "vllm.log"))
-            upstream = f"http://127.0.0.1:{port}"
-            wait_up(upstream + "/v1/models", processes[-1], work / "vllm.log", 1800)
-        result["upstream"] = {"url": upstream, "started_here": args.upstream is None}
-        proxy_port = free_port()
-        env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, "-m", "actmap.cli", "serve", "--upstream", upstream + "/v1",
-                   "--model", MODEL, "--served-model-name", SERVED, "--detector", str(detector),
-                   "--port", str(proxy_port), "--batch-window-ms", "5", "--timeout", "600",
-                   "--upstream-timeout", "600"]  # fmt: skip
-        processes.append(start(command, env, work / "proxy.log"))
-        proxy = f"http://127.0.0.1:{proxy_port}"
-        wait_up(proxy + "/health", processes[-1], work / "proxy.log", 600)
-        check_model(MODEL)
-
-        asked = questions(args.answers + 4 * args.requests)
-        load_questions, mismatch_questions = asked[: 4 * args.requests], asked[4 * args.requests :]
-        bodies = [chat_body(q, args.max_tokens) for q in load_questions]
-        warm = [chat_body(q, args.max_tokens) for q in asked[-4:]]
-        asyncio.run(load(upstream, warm, 4))  # warm both
-        asyncio.run(load(proxy, warm, 4))
-        runs = []
-        # disjoint, interleaved questions for the two targets: a prompt seen once is not
-        # answered from the upstream's prefix cache the second time
-        split = {"upstream": bodies[0::2], "proxy": bodies[1::2]}
-        for concurrency in (1, 16):
-            n = args.requests if concurrency == 16 else max(8, args.requests // 2)
-            for name, url in (("upstream", upstream), ("proxy", proxy)):
-                row = asyncio.run(load(url, split[name][:n], concurrency))
-                row["target"] = name
-                runs.append(row)
-                print(json.dumps(row), flush=True)
-        result["load"] = runs
-
-        generated = asyncio.run(
-            answers_with_ids(
-                upstream,
-                [chat_body(q, args.max_tokens, return_token_ids=True) for q in mismatch_questions],
-            )  # fmt: skip
-        )
-        result["mismatch"] = mismatch_rate(tokenizer, model, generated)
-        print(
-            json.dumps({k: v for k, v in result["mismatch"].items() if k != "examples"}), flush=True
-        )
-
-        from actmap.capture.generate import stop_ids
-
-        ends = stop_ids(model, tokenizer)
-        prompts, ids = [], []
-        for question, body in list(zip(mismatch_questions, generated, strict=True))[:64]:
-            answer = [t for t in body["choices"][0]["token_ids"] if t not in ends]
-            messages = [{"role": "user", "content": INSTRUCTION.format(question)}]
-            prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))  # fmt: skip
-            ids.append(answer)
-        del model
-        result["scoring"] = scoring_cost(detector, prompts, ids)
-        print(json.dumps(result["scoring"]), flush=True)
-    finally:
-        for process in reversed(processes):
-            stop(process)
+    detectors = {p: make_detector(work / f"run-{p}", p) for p in {p for _, p in configs}}
+    result = {"uptime_before": uptime(), "model": MODEL, "max_tokens": args.max_tokens,
+              "configs": [f"{u}/{p}" for u, p in configs], "load": [], "probe": {},
+              "scoring": {}}  # fmt: skip
+    asked = questions(args.answers + 4 * args.requests)
+    load_questions, mismatch_questions = asked[: 4 * args.requests], asked[4 * args.requests :]
+    bodies = [chat_body(q, args.max_tokens) for q in load_questions]
+    warm = [chat_body(q, args.max_tokens) for q in asked[-4:]]
+    prompts, ids = [], []
+    for upstream_dtype in dict.fromkeys(u for u, _ in configs):  # in order, each once
+        processes = []
+        try:
+            upstream = args.upstream
+            if upstream is None:
+                log = work / f"vllm-{upstream_dtype}.log"
+                process, upstream = start_vllm(args, folder, upstream_dtype, log)
+                processes.append(process)
+            for u, proxy_dtype in configs:
+                if u != upstream_dtype:
+                    continue
+                name = f"{u}/{proxy_dtype}"
+                log = work / f"proxy-{u}-{proxy_dtype}.log"
+                process, proxy = start_proxy(upstream, detectors[proxy_dtype], proxy_dtype, u, log)
+                processes.append(process)
+                check_model(MODEL)
+                for row in measure(upstream, proxy, bodies, warm, args.requests):
+                    result["load"].append({"config": name, **row})
+                stop(processes.pop())
+                result["probe"][name] = probe(detectors[proxy_dtype], upstream, proxy_dtype, u)
+                print(name, "probe", json.dumps(result["probe"][name]), flush=True)
+            if "mismatch" not in result:  # the first upstream's answers
+                generated = asyncio.run(
+                    answers_with_ids(
+                        upstream,
+                        [
+                            chat_body(q, args.max_tokens, return_token_ids=True)
+                            for q in mismatch_questions
+                        ],
+                    )  # fmt: skip
+                )
+                result["mismatch"] = mismatch_rate(tokenizer, ends, generated)
+                result["mismatch"]["upstream_dtype"] = upstream_dtype
+                print(json.dumps({k: v for k, v in result["mismatch"].items() if k != "examples"}), flush=True)  # fmt: skip
+                pairs = list(zip(mismatch_questions, generated, strict=True))
+                for question, body in pairs[: args.scoring_answers]:
+                    answer = [t for t in body["choices"][0]["token_ids"] if t not in ends]
+                    messages = [{"role": "user", "content": INSTRUCTION.format(question)}]
+                    prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))  # fmt: skip
+                    ids.append(answer)
+        finally:
+            for process in reversed(processes):
+                stop(process)
+    result["upstream"] = {"url": args.upstream, "started_here": args.upstream is None}
+    for proxy_dtype in dict.fromkeys(p for _, p in configs):  # all servers stopped
+        result["scoring"][proxy_dtype] = scoring_cost(detectors[proxy_dtype], prompts, ids, proxy_dtype)  # fmt: skip
+        print(json.dumps(result["scoring"][proxy_dtype]), flush=True)
     result["uptime_after"] = uptime()
-    by = {(r["target"], r["concurrency"]): r for r in result["load"]}
-    print(f"\nload before: {result['uptime_before']}\nload after:  {result['uptime_after']}")
-    print(f"{'concurrency':>11} {'target':>9} {'req/s':>7} {'p50 s':>7} {'p99 s':>7}  ratio  added p50 (target: < upstream p50)")  # fmt: skip
-    for c in (1, 16):
-        up, px = by[("upstream", c)], by[("proxy", c)]
-        for r in (up, px):
-            print(f"{c:>11} {r['target']:>9} {r['req_per_s']:7.2f} {r['p50_s']:7.3f} {r['p99_s']:7.3f}")  # fmt: skip
-        print(f"{'':>11} {'':>9} throughput ratio {px['req_per_s'] / up['req_per_s']:.2f} (target >= 0.8), added p50 {px['p50_s'] - up['p50_s']:+.3f} s vs upstream p50 {up['p50_s']:.3f} s")  # fmt: skip
-    m = result["mismatch"]
-    print(f"re-tokenization differs from vLLM's ids on {m['retokenized_differs']}/{m['n']} answers ({100 * m['rate']:.1f}%)")  # fmt: skip
-    for key, row in result["scoring"].items():
-        print(key, json.dumps(row))
+    report(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"written to {args.out}")
+
+
+def report(result: dict) -> None:
+    print(f"\nload before: {result['uptime_before']}\nload after:  {result['uptime_after']}")
+    by = {(r["config"], r["target"], r["concurrency"]): r for r in result["load"]}
+    print(f"{'upstream/proxy':>17} {'conc.':>5} {'target':>9} {'req/s':>7} {'p50 s':>7} {'p99 s':>7}")  # fmt: skip
+    for name in result["configs"]:
+        for c in (1, 16):
+            up, px = by[(name, "upstream", c)], by[(name, "proxy", c)]
+            for r in (up, px):
+                print(f"{name:>17} {c:>5} {r['target']:>9} {r['req_per_s']:7.2f} {r['p50_s']:7.3f} {r['p99_s']:7.3f}")  # fmt: skip
+            ratio, added = px["req_per_s"] / up["req_per_s"], px["p50_s"] - up["p50_s"]
+            if "scoring_batches" in px:
+                print(f"{'':>17} {'':>5} the proxy's scoring: {px['scoring_batches']:.0f} batches of {px['answers_per_batch']:.1f} answers, {px['scoring_batch_s_total']:.2f} s in all")  # fmt: skip
+            print(f"{'':>17} {'':>5} throughput ratio {ratio:.2f} (target >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'}), added p50 {added:+.3f} s vs upstream p50 {up['p50_s']:.3f} s ({'met' if added < up['p50_s'] else 'NOT met'})")  # fmt: skip
+        p = result["probe"][name]
+        print(f"{'':>17} weights probe: log-prob diff {p['max_logprob_diff']}, greedy margin {p['max_margin']}, tolerance {p['tolerance']}, problem {p['problem']}")  # fmt: skip
+    m = result["mismatch"]
+    print(f"re-tokenization differs from vLLM's ({m['upstream_dtype']}) ids on {m['retokenized_differs']}/{m['n']} answers ({100 * m['rate']:.1f}%)")  # fmt: skip
+    print(f"{'proxy dtype':>11} {'pass':>22} {'ms/answer':>9} {'ms/token':>8} {'cpu ms/answer':>13} {'cpu ms/token':>12}")  # fmt: skip
+    for dtype, rows in result["scoring"].items():
+        for key, row in rows.items():
+            if key.startswith("batch_"):
+                print(f"{dtype:>11} {key:>22} {row['ms_per_answer']:9.1f} {row['ms_per_answer_token']:8.2f} {row['cpu_ms_per_answer']:13.1f} {row['cpu_ms_per_answer_token']:12.2f}")  # fmt: skip
+        r = rows["running_score"]
+        print(f"{dtype:>11} running score (a pass per token): {r['ratio']:.1f}x one pass")
 
 
 if __name__ == "__main__":

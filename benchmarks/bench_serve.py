@@ -40,9 +40,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_detector(folder: Path) -> Path:
+def make_detector(folder: Path, dtype: str = "float32") -> Path:
     """A logistic-regression detector fitted on random maps: scoring costs what a real one
-    costs; its scores mean nothing (the benchmark measures speed)."""
+    costs; its scores mean nothing (the benchmark measures speed). ``dtype``: the generator
+    dtype its (pretend) training store records, which `actmap serve` reads answers in."""
     from actmap.detectors.base import CorrectnessDetector
     from actmap.training.recipe import TrainConfig
 
@@ -52,7 +53,7 @@ def make_detector(folder: Path) -> Path:
     config = TrainConfig(max_epochs=2, warmup_epochs=1, patience=2, device="cpu", batch_size=8)
     detector = CorrectnessDetector("logreg", config=config, seed=0, device="cpu")
     detector.fit(maps[:16], labels[:16], maps[16:], labels[16:])
-    detector.save(folder / "seed-0")
+    detector.save(folder / "seed-0", {"inputs": {"store_config": {"model": {"dtype": dtype}}}})
     return folder
 
 

@@ -1,9 +1,11 @@
 """Proxied answers vs generation-time capture, in figures: ``actmap serve --upstream`` in front of a
-running vLLM server (SmolLM2, float32) reads the map of each answer by teacher forcing over vLLM's
-token ids; this prints how far that map and its p(correct) are from capture during generation of
-the same prompt with the same (local) weights, plus the start-up probe's log-prob difference.
+running vLLM server (SmolLM2) reads the map of each answer by teacher forcing over vLLM's
+token ids in ``--dtype``; this prints how far that map and its p(correct) are from capture
+during generation of the same prompt with the same (local) weights in the same dtype, plus the
+start-up probe's log-prob difference.
 
     python benchmarks/check_proxy_equality.py --upstream http://127.0.0.1:8001 --n 20
+    python benchmarks/check_proxy_equality.py --upstream URL --dtype bfloat16 --upstream-dtype bfloat16
 
 (the vLLM server as in README "Score answers from any engine", --served-model-name smollm2)
 """
@@ -27,9 +29,12 @@ def main() -> None:
     parser.add_argument("--upstream", required=True, help="vLLM base URL (no /v1)")
     parser.add_argument("--n", type=int, default=20, help="TriviaQA train questions")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--dtype", default="float32", help="the proxy's (and generation's) dtype")
+    parser.add_argument("--upstream-dtype", help="the vLLM server's --dtype (default: --dtype)")
     args = parser.parse_args()
 
-    from bench_proxy import INSTRUCTION, MODEL, SERVED, fit_detector, questions
+    from bench_proxy import INSTRUCTION, MODEL, SERVED, questions
+    from bench_serve import make_detector
     from fastapi.testclient import TestClient
 
     from actmap.capture import CaptureConfig, generate_with_capture
@@ -41,12 +46,12 @@ def main() -> None:
     from actmap.serve.loaded_run import load_detector_run
     from actmap.store import MapStore
 
-    model, tokenizer, source = load_model(MODEL)
+    model, tokenizer, source = load_model(MODEL, dtype=args.dtype)
     root = Path(tempfile.mkdtemp(prefix="proxy-equality-"))
-    run = fit_detector(root / "run")
+    run = make_detector(root / "run", args.dtype)
     settings = ServeSettings(
         model=MODEL, detector=run, served_model_name=SERVED, upstream=args.upstream + "/v1",
-        audit=root / "audit",
+        audit=root / "audit", dtype=args.dtype, upstream_dtype=args.upstream_dtype,
     )  # fmt: skip
 
     def factory():

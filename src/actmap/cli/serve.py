@@ -116,6 +116,16 @@ def serve(
     allow_weights_mismatch: bool = typer.Option(
         False, help="Serve although the upstream fails the start-up weights probe."
     ),
+    upstream_dtype: str = typer.Option(
+        None,
+        help="The dtype the upstream computes in (vLLM's default on CPU: bfloat16); sets the "
+        "weights probe's tolerance (default: --dtype's).",
+    ),
+    allow_dtype_mismatch: bool = typer.Option(
+        False,
+        help="Proxy mode: read answers in a --dtype other than the detector's maps were "
+        "captured in (refused otherwise).",
+    ),
 ) -> None:
     """Serve an OpenAI-compatible API whose every answer carries p(correct) and a decision."""
     with user_errors():
@@ -135,6 +145,7 @@ def serve(
             max_score_items=max_score_items, vllm_compile=vllm_compile,
             upstream=upstream, upstream_model=upstream_model, upstream_timeout_s=upstream_timeout,
             upstream_api_key=upstream_api_key, allow_weights_mismatch=allow_weights_mismatch,
+            upstream_dtype=upstream_dtype, allow_dtype_mismatch=allow_dtype_mismatch,
         )  # fmt: skip
         if engine == "vllm":
             from actmap.capture.vllm_engine import require_vllm

@@ -105,6 +105,8 @@ class ServeSettings:
     upstream_timeout_s: float = 60.0  # per upstream request; past it: 504
     upstream_api_key: str | None = None  # bearer token the upstream wants
     allow_weights_mismatch: bool = False  # serve although the start-up probe differs
+    upstream_dtype: str | None = None  # the dtype the upstream computes in; None = ours
+    allow_dtype_mismatch: bool = False  # proxy: read in another dtype than the detector's maps
 
     @property
     def model_name(self) -> str:
@@ -128,7 +130,14 @@ def build_engine(settings: ServeSettings) -> Engine:
     if settings.detector is not None:
         detector = load_detector_run(settings.detector, settings.seed, settings.device)
     dtype = settings.dtype or (detector.dtype if detector is not None else "float32")
-    if detector is not None and dtype != detector.dtype:
+    if detector is not None and settings.upstream is not None:  # refused unless allowed
+        from actmap.llm.models import check_dtype
+        from actmap.serve.proxy import check_read_dtype
+
+        check_read_dtype(settings, detector.dtype, check_dtype(dtype))
+        if settings.upstream_dtype is not None:
+            check_dtype(settings.upstream_dtype)
+    elif detector is not None and dtype != detector.dtype:
         log.warning(
             "serving %s in %s, but detector %s was fit on maps captured in %s: scores may shift",
             settings.model,
@@ -332,6 +341,7 @@ class ServerState:
                 max_batch=settings.max_batch,
                 window_s=settings.batch_window_ms / 1000,
                 max_queue=settings.max_queue,
+                on_batch=lambda jobs, timings: self.metrics.observe_forced(timings),
             )
         self.started_at = time.time()
 

@@ -49,6 +49,18 @@ class ServeMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r,
         )
+        self.forced = Histogram(
+            "actmap_batch_forced_seconds",
+            "Teacher-forced passes reading existing answers (proxy, /v1/actmap/score), per batch",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.forced_size = Histogram(
+            "actmap_batch_forced_size",
+            "Answers per batch of teacher-forced passes",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
         self.decisions = Counter("actmap_decisions", "Decisions", ["decision"], registry=r)
         self.scores = Histogram(
             "actmap_p_correct", "p(correct) of answers", buckets=SCORE_BUCKETS, registry=r
@@ -82,6 +94,12 @@ class ServeMetrics:
         self.shift_alarms.set(state["window_alarms"])
         self.shift_maps.set(state["maps_seen"])
         self.shift_flagged.set(state["maps_flagged"])
+
+    def observe_forced(self, timings) -> None:
+        """A batch of `actmap.serve.answers.score_answers` (its pass is ``generation_s``)."""
+        self.forced.observe(timings.generation_s)
+        self.scoring.observe(timings.scoring_s)
+        self.forced_size.observe(timings.size)
 
     def observe_batch(self, timings) -> None:
         self.generation.observe(timings.generation_s)

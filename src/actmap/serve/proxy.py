@@ -86,7 +86,7 @@ def probe_upstream(engine, settings) -> ProbeResult:
         name = upstream_model_name(
             settings.upstream, settings.upstream_model, settings.model_name, timeout
         )
-        probe = probe_weights(engine, settings.upstream, name, timeout)
+        probe = probe_weights(engine, settings.upstream, name, timeout, settings.upstream_dtype)
     except UpstreamFailure as failure:
         raise ActmapUserError(failure.message) from None
     check_probe(probe, settings)
@@ -119,7 +119,11 @@ async def start_proxy(state) -> None:
 def check_probe(probe: ProbeResult, settings) -> None:
     """Refuse a weights mismatch (one line) unless ``allow_weights_mismatch``."""
     if probe.problem is None:
-        log.info("upstream weights probe passed (max log-prob diff %s)", probe.max_logprob_diff)
+        log.info(
+            "upstream weights probe passed (max log-prob diff %s, greedy margin %s; tolerance "
+            "%s, local %s, upstream %s)", probe.max_logprob_diff, probe.max_margin,
+            probe.tolerance, *probe.dtypes,
+        )  # fmt: skip
         return
     line = (
         f"the upstream {settings.upstream} ({probe.upstream_model}) does not serve the weights of "
@@ -128,6 +132,22 @@ def check_probe(probe: ProbeResult, settings) -> None:
     if not settings.allow_weights_mismatch:
         raise ActmapUserError(line + " (--allow-weights-mismatch serves anyway)")
     log.warning("%s; serving anyway (--allow-weights-mismatch)", line)
+
+
+def check_read_dtype(settings, detector_dtype: str, dtype: str) -> None:
+    """The proxy reads answers in the dtype the detector's training maps were captured in:
+    another one is refused (one line) unless ``allow_dtype_mismatch``. The upstream may
+    generate in any dtype; the probe's tolerance follows it (``upstream_dtype``)."""
+    if dtype == detector_dtype:
+        return
+    line = (
+        f"--dtype {dtype}: the detector was fit on maps captured in {detector_dtype}, and the "
+        f"proxy reads answers in the detector's dtype; fit one on a {dtype} store (`actmap "
+        f"capture --dtype {dtype}`) or leave --dtype out"
+    )
+    if not settings.allow_dtype_mismatch:
+        raise ActmapUserError(line + " (--allow-dtype-mismatch reads anyway)")
+    log.warning("%s; reading in %s anyway (--allow-dtype-mismatch)", line, dtype)
 
 
 async def stop_proxy(state) -> None:
