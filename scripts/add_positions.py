@@ -31,6 +31,7 @@ from actmap.capture.records import CaptureConfig
 from actmap.llm.models import load_model
 from actmap.reproduce import link_copy
 from actmap.store import MapStore, encode_array
+from actmap.store.lock import holder_is_writing
 
 log = logging.getLogger("add_positions")
 DERIVED = ("positions", "splits")  # the copy's own tables, never taken from the source
@@ -126,8 +127,7 @@ def main() -> None:
         if args.rounds and round_ >= args.rounds:
             break
         if not left and not todo(sync(args.source, args.out)):
-            lock = args.source / "writer.lock"
-            if not lock.exists():
+            if holder_is_writing(args.source) is None:  # the lock file stays after a writer
                 break
         time.sleep(args.wait)
     copy.close()
