@@ -310,6 +310,29 @@ def test_cli_capture_engine_vllm_writes_a_resumable_store(
     assert again.exit_code == 0 and "nothing to capture" in again.output
 
 
+def test_recording_switched_off_and_on(engine, reference):
+    """Off: vLLM runs a request of its own with the record points returning at once (nothing
+    recorded); on again: capture as before."""
+    from vllm import SamplingParams
+
+    from actmap.capture import vllm_engine
+
+    prompt = chat(engine.tokenizer, QUESTIONS[1])
+    ids = engine.encode([prompt], CONFIG)[0]
+    engine.set_recording(False)
+    try:
+        assert engine.recorder not in vllm_engine._ACTIVE
+        before = engine.recorder.buffer.clone()
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        engine.engine.add_request("plain-0", {"prompt_token_ids": ids}, params)
+        while engine.engine.has_unfinished_requests():
+            engine.engine.step()
+        assert torch.equal(engine.recorder.buffer, before)
+    finally:
+        engine.set_recording(True)
+    assert_same(engine.generate([prompt], CONFIG), reference([prompt]))
+
+
 def test_a_step_whose_record_points_do_not_run_raises(engine):
     """What a model replayed from full CUDA graphs would look like to the capture: a layer's
     record point does not run. The step fails loudly instead of returning empty rows. (Last

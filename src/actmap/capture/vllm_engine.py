@@ -416,8 +416,9 @@ class _Recorder:
         """Layer ``index``'s output this step (called by `record_layer`)."""
         if self._plan is None:
             return
-        stream = hidden if residual is None else hidden + residual
-        picked = stream.index_select(0, self._select)  # (n, D)
+        picked = hidden.index_select(0, self._select)  # (n, D): the selected rows only
+        if residual is not None:  # the stream is their sum (add after selecting: a prefill
+            picked = picked + residual.index_select(0, self._select)  # selects few rows)
         d, n = self.pooled_dim, len(self._select)
         self.buffer[:n, index * d : (index + 1) * d] = pool_hidden(picked, d)
         if self._keep_full:
@@ -677,6 +678,16 @@ class VllmCapture:
             if not self.engine.has_unfinished_requests():  # tracked but gone: a bug, say so
                 raise RuntimeError(f"vLLM lost requests {sorted(self._requests)}")
             yield from self.step()
+
+    def set_recording(self, on: bool) -> None:
+        """Switch the record points off (they return at once) or on again, for comparing the
+        same engine with and without capture (`benchmarks/bench_vllm.py`). Drive the engine
+        through ``self.engine`` while off: requests submitted here need their rows."""
+        if on and self.recorder not in _ACTIVE:
+            _check_no_active_engine()
+            _ACTIVE.append(self.recorder)
+        elif not on and self.recorder in _ACTIVE:
+            _ACTIVE.remove(self.recorder)
 
     def close(self) -> None:
         self.recorder.remove()
