@@ -256,6 +256,43 @@ def test_a_shared_chat_prefix_runs_once_and_gives_the_same_rows(run):
     assert [g.token_ids for g in odd[1:]] == [g.token_ids for g in full[:2]]
 
 
+def test_prefix_cache_learns_a_shared_instruction_and_keeps_the_scores(run):
+    """Prompts that share an instruction beyond the template's system turn: the first batch
+    computes that prefix once, later batches (one prompt alone too) read over it, prompts that
+    do not share it fall back to the system turn; every score equals the full pass's."""
+    from actmap.serve.answers import PrefixCache, ScoreJob, chat_prefix, score_answers
+
+    engine = tiny_engine(run)
+    engine.tokenizer.chat_template = "the capital of the city is {% for m in messages %}{{ m['content'] }} {% endfor %}"  # fmt: skip
+    base = chat_prefix(engine)
+    cache = PrefixCache(engine, base, min_gain=8)
+    instruction = "paris is the city of the capital of what is the city of rome"  # 13 words
+    rows = logged_answers(9, seed=7)[1:]
+    prompts = [engine.render_chat([{"role": "user", "content": f"{instruction} {r['messages'][0]['content']}"}]) for r in rows]  # fmt: skip
+    answers = [r["answer"] for r in rows]
+    config = CaptureConfig(max_context=engine.max_context, greybox=False)
+    # reference: the shared instruction found by hand, tokens as the pass reads them
+    ids = engine.tokenizer(prompts[:2], add_special_tokens=False)["input_ids"]
+    shared = next(i for i, (x, y) in enumerate(zip(*ids, strict=False)) if x != y)
+    assert shared >= len(base.ids) + 8
+
+    def scores(jobs_prompts, jobs_answers, prefix):
+        jobs = [ScoreJob(p, a) for p, a in zip(jobs_prompts, jobs_answers, strict=True)]
+        return [a.p_correct_raw for a in score_answers(engine, jobs, prefix)[0]]
+
+    got = scores(prompts[:4], answers[:4], cache)
+    learned = cache.for_prompts(prompts[4:5], config)
+    assert cache.built == 1 and len(learned.ids) >= shared - 1
+    assert learned.ids.tolist() == ids[0][: len(learned.ids)]
+    got += scores(prompts[4:5], answers[4:5], cache) + scores(prompts[5:], answers[5:], cache)
+    assert cache.built == 1  # reused, not computed again
+    want = scores(prompts, answers, None)
+    assert got == pytest.approx(want, abs=1e-5)  # float rounding (measured 2.5e-6)
+    plain = [engine.render_chat(r["messages"]) for r in rows[:2]]
+    assert cache.for_prompts(plain, config) is base  # no instruction: the system turn only
+    assert cache.built == 1
+
+
 def test_length_groups_is_the_cheapest_cut_of_the_sorted_rows():
     """Against every cut of the sorted rows into consecutive passes (brute force)."""
     from itertools import combinations

@@ -12,12 +12,14 @@ exactly as for a generated answer. An answer is text (tokenized on its own, as
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from actmap.capture.forced import ForcedPrefix, capture_answers_batch, forced_prefix
-from actmap.capture.generate import stop_ids
+from actmap.capture.generate import _unpadded, stop_ids, tokenize_prompts
 from actmap.capture.records import CaptureConfig
 from actmap.serve.engine import Answer, BatchTimings, Engine
 
@@ -72,6 +74,71 @@ def chat_prefix(engine: Engine) -> ForcedPrefix | None:
         return forced_prefix(engine.model, ids[0][:n])
 
 
+class PrefixCache:
+    """Key/value caches of the token prefixes prompts share, each computed once (the template's
+    system turn, a system prompt, an instruction): a teacher-forced pass whose prompts all start
+    with one reads only the rest, as vLLM's prefix caching spares generation.
+
+    Seeded with ``base`` (`chat_prefix`). A new prefix is the longest run of tokens a batch's
+    prompts share, with each other or with the previous batch's first prompt, when it is at
+    least ``min_gain`` tokens longer than the longest cached prefix they start with; each row
+    keeps one token of its own. At most ``capacity`` prefixes, least recently used out first.
+    The rows a cached prefix gives equal a full pass's to float rounding (`forced_prefix`)."""
+
+    def __init__(
+        self, engine: Engine, base: ForcedPrefix | None = None, capacity: int = 8,
+        min_gain: int = 8,
+    ) -> None:  # fmt: skip
+        self.engine, self.capacity, self.min_gain = engine, capacity, min_gain
+        self.entries: OrderedDict[tuple[int, ...], ForcedPrefix] = OrderedDict()
+        if base is not None:
+            self.entries[tuple(base.ids.tolist())] = base
+        self.previous: list[int] | None = None
+        self.built = 0  # prefixes computed (the seed not counted)
+        self._lock = threading.Lock()
+
+    def for_prompts(self, prompts: Sequence[str], config: CaptureConfig) -> ForcedPrefix | None:
+        """The longest cached prefix every prompt starts with (computing a new one first where
+        the prompts share a longer run), or None."""
+        if config.attention_keys or config.keep_dense:
+            return None  # attention entries and dense states index the whole sequence
+        rows = [r.tolist() for r in _unpadded(tokenize_prompts(self.engine.tokenizer, prompts, config, "cpu"))]  # fmt: skip
+        with self._lock:
+            best = self._longest_cached(rows)
+            shared = rows + ([self.previous] if self.previous else [])
+            n = _common_length(shared) if len(shared) > 1 else 0
+            n = min(n, min(len(r) for r in rows) - 1)
+            if n >= (0 if best is None else len(best.ids)) + self.min_gain:
+                with self.engine.lock:
+                    best = forced_prefix(self.engine.model, rows[0][:n])
+                self.entries[tuple(rows[0][:n])] = best
+                self.built += 1
+                while len(self.entries) > self.capacity:
+                    self.entries.popitem(last=False)
+            if best is not None:
+                self.entries.move_to_end(tuple(best.ids.tolist()))
+            self.previous = rows[0]
+            return best
+
+    def _longest_cached(self, rows: list[list[int]]) -> ForcedPrefix | None:
+        fits = [
+            (len(key), prefix)
+            for key, prefix in self.entries.items()
+            if all(len(r) > len(key) and tuple(r[: len(key)]) == key for r in rows)
+        ]
+        return max(fits, key=lambda pair: pair[0])[1] if fits else None
+
+
+def _common_length(rows: list[list[int]]) -> int:
+    """Tokens every row starts with."""
+    n = 0
+    for column in zip(*rows, strict=False):
+        if any(t != column[0] for t in column):
+            break
+        n += 1
+    return n
+
+
 # What one more forward pass costs beyond its tokens, in tokens: a pass of one SmolLM2-135M
 # answer (~70 tokens) took ~80 ms of CPU in bfloat16 where 16 answers took ~58 ms each
 PASS_TOKENS = 32
@@ -105,12 +172,12 @@ def length_groups(
 
 
 def score_answers(
-    engine: Engine, jobs: list[ScoreJob], prefix: ForcedPrefix | None = None
+    engine: Engine, jobs: list[ScoreJob], prefix: ForcedPrefix | PrefixCache | None = None
 ) -> tuple[list[Answer], BatchTimings]:
     """Teacher-forced passes over a batch of existing answers -> scored `Answer`s (over
-    ``prefix``'s cache when every prompt starts with it, `chat_prefix`). Rows of very
-    different lengths go in separate passes (`length_groups`) when that reads fewer padding
-    tokens than it costs."""
+    ``prefix``'s cache when every prompt starts with it: `chat_prefix`, or the longest one a
+    `PrefixCache` holds for these prompts). Rows of very different lengths go in separate
+    passes (`length_groups`) when that reads fewer padding tokens than it costs."""
     started = time.perf_counter()
     config = CaptureConfig(
         max_context=engine.max_context,
@@ -119,6 +186,8 @@ def score_answers(
         # weights too for a stacked actmap-plus)
         **engine.detector.capture_settings(),
     )
+    if isinstance(prefix, PrefixCache):
+        prefix = prefix.for_prompts([j.prompt for j in jobs], config)
     groups = [list(range(len(jobs)))]
     if len(jobs) > 2:
         shared = 0 if prefix is None else len(prefix.ids)  # an upper bound: what it skips
@@ -157,7 +226,7 @@ def score_pairs(
     if len(prompts) != len(answers):
         raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
     out: list[Answer] = []
-    prefix = chat_prefix(engine)
+    prefix = PrefixCache(engine, chat_prefix(engine))
     for start in range(0, len(prompts), batch_size):
         jobs = [
             ScoreJob(p, a, p, "score")

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actmap.errors import ActmapUserError
-from actmap.serve.answers import chat_prefix, score_answers
+from actmap.serve.answers import PrefixCache, chat_prefix, score_answers
 from actmap.serve.api_errors import APIError
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
@@ -336,7 +336,9 @@ class ServerState:
         if engine.model is not None:
             self.scorer = MicroBatcher(
                 partial(
-                    score_answers, engine, prefix=chat_prefix(engine) if engine.detector else None
+                    score_answers,
+                    engine,
+                    prefix=PrefixCache(engine, chat_prefix(engine)) if engine.detector else None,
                 ),
                 max_batch=settings.max_batch,
                 window_s=settings.batch_window_ms / 1000,
