@@ -15,6 +15,7 @@ from actmap.cli.common import (
     progress_bar,
     quiet_transformers,
     user_errors,
+    vllm_compile_option,
 )
 from actmap.errors import ActmapUserError
 from actmap.llm.models import DTYPE_HELP
@@ -196,13 +197,7 @@ def capture(
         "pip install 'actmap[ray]') | vllm (vLLM's scheduler in this process, --batch-size "
         "requests in flight; pip install 'actmap[vllm]'). Same store either way.",
     ),
-    vllm_compile: bool = typer.Option(
-        None,
-        "--vllm-compile/--vllm-eager",
-        show_default=False,
-        help="vLLM engines: run vLLM's compiled model (piecewise CUDA graphs on a GPU) or eager "
-        "mode (default: compiled on a GPU, eager on CPU, where Inductor takes minutes).",
-    ),
+    vllm_compile: bool = vllm_compile_option(),
     workers: int = typer.Option(1, min=1, help="--engine ray: model replicas."),
     ray_replica: str = typer.Option(
         "transformers",

@@ -331,3 +331,14 @@ def mean_std(mean: float, std: float | None) -> str:
     if std is None or not math.isfinite(std):
         return f"{mean:.3f}"
     return f"{mean:.3f} ± {std:.3f}"
+
+
+def vllm_compile_option():
+    """``--vllm-compile/--vllm-eager`` of the commands that can run vLLM (None: the default)."""
+    return typer.Option(
+        None,
+        "--vllm-compile/--vllm-eager",
+        show_default=False,
+        help="vLLM engines: run vLLM's compiled model (piecewise CUDA graphs on a GPU) or eager "
+        "mode (default: compiled on a GPU, eager on CPU, where Inductor takes minutes).",
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from actmap.cli.app import app
-from actmap.cli.common import console, user_errors
+from actmap.cli.common import console, user_errors, vllm_compile_option
 from actmap.errors import ActmapUserError
 
 policy_app = typer.Typer(help="Decision policies: thresholds on p(correct).", no_args_is_help=True)
@@ -94,13 +94,7 @@ def serve(
         "batch; pip install 'actmap[vllm]').",
     ),
     max_score_items: int = typer.Option(64, min=1, help="Answers per /v1/actmap/score request."),
-    vllm_compile: bool = typer.Option(
-        None,
-        "--vllm-compile/--vllm-eager",
-        show_default=False,
-        help="vLLM engines: run vLLM's compiled model (piecewise CUDA graphs on a GPU) or eager "
-        "mode (default: compiled on a GPU, eager on CPU, where Inductor takes minutes).",
-    ),
+    vllm_compile: bool = vllm_compile_option(),
     upstream: str = typer.Option(
         None,
         help="Proxy mode: forward chat/completion requests to this OpenAI-compatible server "
