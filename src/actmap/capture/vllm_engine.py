@@ -305,7 +305,6 @@ class _Recorder:
 
     # -- installation ------------------------------------------------------------------------
     def _install(self) -> None:
-        _check_no_active_engine()
         runner = self.runner
         original_forward = runner._model_forward
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from actmap.capture.forced import ForcedPrefix, capture_answers_batch, forced_prefix
-from actmap.capture.generate import _unpadded, stop_ids, tokenize_prompts
+from actmap.capture.generate import _unpadded, shared_prefix_length, stop_ids, tokenize_prompts
 from actmap.capture.records import CaptureConfig
 from actmap.serve.engine import Answer, BatchTimings, Engine
 
@@ -93,7 +93,7 @@ class PrefixCache:
         self.entries: OrderedDict[tuple[int, ...], ForcedPrefix] = OrderedDict()
         if base is not None:
             self.entries[tuple(base.ids.tolist())] = base
-        self.previous: list[int] | None = None
+        self.previous: str | None = None  # the previous batch's first prompt
         self.built = 0  # prefixes computed (the seed not counted)
         self._lock = threading.Lock()
 
@@ -102,12 +102,12 @@ class PrefixCache:
         the prompts share a longer run), or None."""
         if config.attention_keys or config.keep_dense:
             return None  # attention entries and dense states index the whole sequence
-        rows = [r.tolist() for r in _unpadded(tokenize_prompts(self.engine.tokenizer, prompts, config, "cpu"))]  # fmt: skip
         with self._lock:
+            texts = [*prompts, *([self.previous] if self.previous else [])]
+            encoded = tokenize_prompts(self.engine.tokenizer, texts, config, "cpu")
+            rows = [r.tolist() for r in _unpadded(encoded)[: len(prompts)]]
             best = self._longest_cached(rows)
-            shared = rows + ([self.previous] if self.previous else [])
-            n = _common_length(shared) if len(shared) > 1 else 0
-            n = min(n, min(len(r) for r in rows) - 1)
+            n = shared_prefix_length(encoded) if len(texts) > 1 else 0
             if n >= (0 if best is None else len(best.ids)) + self.min_gain:
                 with self.engine.lock:
                     best = forced_prefix(self.engine.model, rows[0][:n])
@@ -117,7 +117,7 @@ class PrefixCache:
                     self.entries.popitem(last=False)
             if best is not None:
                 self.entries.move_to_end(tuple(best.ids.tolist()))
-            self.previous = rows[0]
+            self.previous = prompts[0]
             return best
 
     def _longest_cached(self, rows: list[list[int]]) -> ForcedPrefix | None:
@@ -127,16 +127,6 @@ class PrefixCache:
             if all(len(r) > len(key) and tuple(r[: len(key)]) == key for r in rows)
         ]
         return max(fits, key=lambda pair: pair[0])[1] if fits else None
-
-
-def _common_length(rows: list[list[int]]) -> int:
-    """Tokens every row starts with."""
-    n = 0
-    for column in zip(*rows, strict=False):
-        if any(t != column[0] for t in column):
-            break
-        n += 1
-    return n
 
 
 # What one more forward pass costs beyond its tokens, in tokens: a pass of one SmolLM2-135M
