@@ -73,9 +73,8 @@ def start_actmap_serve(serve_args: list[str], label: str, limit_s: float):
 
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2):
-    root = tmp_path_factory.mktemp("real-serve")
+def trained_run(root):
+    """A small MLP run (one seed, two epochs) on an imbalanced store of 80 maps under ``root``."""
     imbalanced_store(root / "store", n=80)
     run = root / "run"
     trained = CliRunner().invoke(
@@ -84,6 +83,13 @@ def server(tmp_path_factory, smollm2):
          "--seeds", "0", "--max-epochs", "2"],
     )  # fmt: skip
     assert trained.exit_code == 0, trained.output
+    return run
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2):
+    root = tmp_path_factory.mktemp("real-serve")
+    run = trained_run(root)
     base, stop = start_actmap_serve(
         ["--detector", str(run), "--max-tokens", "12", "--audit", str(root / "audit"),
          "--batch-window-ms", "50"],

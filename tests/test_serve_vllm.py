@@ -10,11 +10,7 @@ import time
 
 import httpx
 import pytest
-from test_cli_serve import imbalanced_store
-from test_serve_real import KEY, reference, start_actmap_serve
-from typer.testing import CliRunner
-
-from actmap.cli import app
+from test_serve_real import KEY, reference, start_actmap_serve, trained_run
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'actmap[vllm]')")
@@ -26,14 +22,7 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, embedded_gguf):
     root = tmp_path_factory.mktemp("vllm-serve")
-    imbalanced_store(root / "store", n=80)
-    run = root / "run"
-    trained = CliRunner().invoke(
-        app,
-        ["train", "--store", str(root / "store"), "--out", str(run), "--detector", "mlp",
-         "--seeds", "0", "--max-epochs", "2"],
-    )  # fmt: skip
-    assert trained.exit_code == 0, trained.output
+    run = trained_run(root)
     base, stop = start_actmap_serve(
         ["--engine", "vllm", "--detector", str(run), "--model", str(embedded_gguf),
          "--served-model-name", MODEL, "--max-tokens", "12", "--audit", str(root / "audit"),
