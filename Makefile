@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/actmap demo --out demo-out
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
