@@ -345,3 +345,45 @@ def test_passes_split_by_length_give_the_rows_of_one_pass(run):
         if g.n_tokens:
             expected = engine.detector.predict_proba(stored_form(build_map(g.trajectory))[None])
             assert answer.p_correct_raw == pytest.approx(float(expected[0]), abs=1e-5)
+
+
+def test_request_encodes_leave_a_worker_threads_padding_alone(run):
+    """A fast tokenizer sets padding on its one backend before each encode: a request encoded
+    on the event loop (the proxy's answer and prompt ids, the server's token count) between a
+    worker's set-up and its encode stripped the worker's batch of its padding (seen as a 500
+    in the proxy's benchmark). The worker's padding must survive the request's encodes."""
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers.tokenization_utils_base import PaddingStrategy, TruncationStrategy
+
+    from actmap.serve.answers import answer_ids
+    from actmap.serve.proxy import _answer_job
+
+    engine = tiny_engine(run)
+    texts = ["the capital of paris", "what is the largest river in the city of rome"]
+    worker = ThreadPoolExecutor(1)
+
+    def set_up_padding():  # what transformers does just before encoding a padded batch
+        tokenizer = worker_tokenizer = engine.thread_tokenizer
+        tokenizer.padding_side = "left"
+        tokenizer.set_truncation_and_padding(
+            padding_strategy=PaddingStrategy.LONGEST,
+            truncation_strategy=TruncationStrategy.DO_NOT_TRUNCATE,
+            max_length=None, stride=0, pad_to_multiple_of=None, padding_side="left",
+        )  # fmt: skip
+        return worker_tokenizer
+
+    reference = copy.deepcopy(engine.tokenizer)
+    tokenizer = worker.submit(set_up_padding).result()
+    # the event loop's encodes meanwhile: every request-side path of the server and proxy
+    assert engine.count_tokens(texts[0]) == len(reference(texts[0])["input_ids"])
+    assert answer_ids(engine, "paris") == reference("paris", add_special_tokens=False)["input_ids"]
+    state = type("State", (), {"engine": engine})()
+    job, info = _answer_job(state, texts[0], texts[0], "completion", "paris", None, [1, 2])
+    assert info.mismatch and job.answer == "paris"  # prompt ids [1, 2] differ from the local ones
+    encoded = worker.submit(lambda: tokenizer._tokenizer.encode_batch(texts)).result()
+    lengths = [len(e.ids) for e in encoded]
+    assert lengths[0] == lengths[1] > len(texts[0].split())  # still padded to the longest
+    assert engine.thread_tokenizer is not tokenizer
+    worker.shutdown()

@@ -42,7 +42,7 @@ class ScoreJob:
 def answer_ids(engine: Engine, answer: str | Sequence[int]) -> list[int]:
     """The token ids the map is read over: text tokenized on its own, ids as given."""
     if isinstance(answer, str):
-        return engine.tokenizer(answer, add_special_tokens=False)["input_ids"]
+        return engine.encode(answer, add_special_tokens=False)
     return [int(t) for t in answer]
 
 
@@ -63,9 +63,9 @@ def chat_prefix(engine: Engine) -> ForcedPrefix | None:
     if not getattr(engine.tokenizer, "chat_template", None):
         return None
     ids = [
-        engine.tokenizer(engine.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)["input_ids"]
+        engine.encode(engine.render_chat([{"role": "user", "content": text}]), False)
         for text in ("Which river is longest?", "2 + 2 =")
-    ]  # fmt: skip
+    ]
     n = next((i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b), min(map(len, ids)))
     n -= 1  # the last shared token may merge with a message's first characters
     if n < 1:
@@ -104,7 +104,7 @@ class PrefixCache:
             return None  # attention entries and dense states index the whole sequence
         with self._lock:
             texts = [*prompts, *([self.previous] if self.previous else [])]
-            encoded = tokenize_prompts(self.engine.tokenizer, texts, config, "cpu")
+            encoded = tokenize_prompts(self.engine.thread_tokenizer, texts, config, "cpu")
             rows = [r.tolist() for r in _unpadded(encoded)[: len(prompts)]]
             best = self._longest_cached(rows)
             n = shared_prefix_length(encoded) if len(texts) > 1 else 0
@@ -191,7 +191,7 @@ def score_answers(
         for group in groups:
             records = capture_answers_batch(
                 engine.model,
-                engine.tokenizer,
+                engine.thread_tokenizer,
                 [jobs[i].prompt for i in group],
                 [jobs[i].answer for i in group],
                 config,

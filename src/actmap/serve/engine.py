@@ -13,6 +13,7 @@ whose running score falls below their ``abort_below``.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -241,6 +242,26 @@ class Engine:
         # one forward pass on the model at a time: generation and teacher-forced scoring
         # (`actmap.serve.answers`) run in different worker threads and install hooks
         self.lock = threading.Lock()
+        self._tokenizers = threading.local()
+
+    @property
+    def thread_tokenizer(self):
+        """This thread's own copy of the tokenizer, for encoding. A fast tokenizer sets
+        padding and truncation on its one backend before each encode, so a request encoded
+        on the event loop while a worker thread pads a batch could strip that batch's
+        padding; each thread encoding with its own copy keeps the two apart. (Reading the
+        tokenizer's attributes, decoding and chat templates use ``tokenizer``.)"""
+        copy_ = getattr(self._tokenizers, "tokenizer", None)
+        if copy_ is None:
+            copy_ = self._tokenizers.tokenizer = copy.deepcopy(self.tokenizer)
+        return copy_
+
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of ``text`` (special tokens added where there is no chat template: templated
+        text carries its own)."""
+        if add_special_tokens is None:
+            add_special_tokens = not getattr(self.tokenizer, "chat_template", None)
+        return self.thread_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     # -- prompts ---------------------------------------------------------------------------
     def render_chat(self, messages: list[dict]) -> str:
@@ -253,8 +274,7 @@ class Engine:
         )
 
     def count_tokens(self, prompt: str) -> int:
-        add_special = not getattr(self.tokenizer, "chat_template", None)
-        return len(self.tokenizer(prompt, add_special_tokens=add_special)["input_ids"])
+        return len(self.encode(prompt))
 
     # -- one batch -------------------------------------------------------------------------
     def run(self, jobs: list[Job]) -> tuple[list[Answer], BatchTimings]:
@@ -275,7 +295,7 @@ class Engine:
         with self.lock:
             generations = generate_batch(
                 self.model,
-                self.tokenizer,
+                self.thread_tokenizer,
                 [j.prompt for j in jobs],
                 config,
                 self.layers_path,

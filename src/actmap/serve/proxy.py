@@ -223,8 +223,7 @@ def _answer_job(
     retokenized = answer_ids(engine, text)
     notes, mismatch = [], False
     if prompt_ids is not None:
-        add_special = not getattr(engine.tokenizer, "chat_template", None)
-        local = engine.tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
+        local = engine.encode(prompt)
         if list(prompt_ids) != local:
             mismatch = True
             notes.append(

@@ -211,8 +211,7 @@ class ProbeResult:
 
 def local_greedy(engine, prompt: str, n: int) -> tuple[list[int], list[int], list[float]]:
     """(prompt ids, greedy answer ids, their log-probs) of the local model, end token dropped."""
-    add_special = not getattr(engine.tokenizer, "chat_template", None)
-    prompt_ids = engine.tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
+    prompt_ids = engine.encode(prompt)
     device = next(engine.model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
     ends = stop_ids(engine.model, engine.tokenizer)
