@@ -253,15 +253,17 @@ def start_vllm(args, folder: Path, dtype: str, log: Path) -> tuple[subprocess.Po
 
 
 def start_proxy(
-    upstream: str, detector: Path, proxy_dtype: str, upstream_dtype: str, log: Path
+    args, upstream: str, detector: Path, proxy_dtype: str, upstream_dtype: str, log: Path
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "actmap.cli", "serve", "--upstream", upstream + "/v1",
                "--model", MODEL, "--served-model-name", SERVED, "--detector", str(detector),
                "--dtype", proxy_dtype, "--upstream-dtype", upstream_dtype,
-               "--port", str(port), "--batch-window-ms", "5", "--timeout", "600",
+               "--port", str(port), "--batch-window-ms", str(args.batch_window_ms), "--timeout", "600",
                "--upstream-timeout", "600"]  # fmt: skip
+    if args.proxy_nice:  # the scoring yields the cores to the engine it shares them with
+        command = ["nice", "-n", str(args.proxy_nice), *command]
     process = start(command, env, log)
     url = f"http://127.0.0.1:{port}"
     wait_up(url + "/health", process, log, 600)
@@ -285,29 +287,78 @@ def pass_totals(proxy: str) -> dict:
     }
 
 
-def measure(upstream: str, proxy: str, bodies: list[dict], warm: list[dict], n: int) -> list:
-    """Upstream alone, then through the proxy, at 1 and 16 concurrent requests."""
+def group_cpu_s(pgid: int | None) -> float | None:
+    """CPU seconds (user + system) of the live processes of one process group (a server and
+    the workers it started): read from /proc, so a run's share is the difference."""
+    if pgid is None:
+        return None
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def measure(
+    upstream: str, proxy: str, pools: dict, warm: list[dict], pgids: dict, repeats: int
+) -> list:
+    """Upstream alone and through the proxy at 1 and 16 concurrent requests, ``repeats``
+    times each, the two targets alternating (which goes first swaps every repeat, so a drift
+    of the machine's speed falls on both). Each run sends its own questions (a prompt seen
+    once is not answered from the upstream's prefix cache the second time) and records the
+    CPU seconds each server's process group spent on it."""
     asyncio.run(load(upstream, warm, 4))  # warm both
     asyncio.run(load(proxy, warm, 4))
     runs = []
-    # disjoint, interleaved questions for the two targets: a prompt seen once is not
-    # answered from the upstream's prefix cache the second time
-    split = {"upstream": bodies[0::2], "proxy": bodies[1::2]}
-    for concurrency in (1, 16):
-        count = n if concurrency == 16 else max(8, n // 2)
-        for name, url in (("upstream", upstream), ("proxy", proxy)):
-            before = pass_totals(proxy) if name == "proxy" else None
-            row = asyncio.run(load(url, split[name][:count], concurrency))
-            row["target"] = name
-            if before is not None:  # the proxy's own scoring during this run (wall seconds)
-                after = pass_totals(proxy)
-                batches = after["batches"] - before["batches"]
-                row["scoring_batches"] = batches
-                row["answers_per_batch"] = (after["answers"] - before["answers"]) / max(batches, 1)
-                row["scoring_batch_s_total"] = after["seconds"] - before["seconds"]
-            runs.append(row)
-            print(json.dumps(row), flush=True)
+    for concurrency, bodies in pools.items():
+        per_run = len(bodies) // (2 * repeats)
+        chunks = iter([bodies[i : i + per_run] for i in range(0, 2 * repeats * per_run, per_run)])
+        for repeat in range(repeats):
+            order = [("upstream", upstream), ("proxy", proxy)]
+            for name, url in order if repeat % 2 == 0 else order[::-1]:
+                before = pass_totals(proxy) if name == "proxy" else None
+                cpu = {k: group_cpu_s(g) for k, g in pgids.items()}
+                row = asyncio.run(load(url, next(chunks), concurrency))
+                row.update(target=name, repeat=repeat)
+                for k, g in pgids.items():
+                    if cpu[k] is not None:
+                        row[f"{k}_cpu_s_per_request"] = (group_cpu_s(g) - cpu[k]) / row["n"]
+                if before is not None:  # the proxy's own scoring during this run (wall seconds)
+                    after = pass_totals(proxy)
+                    batches = after["batches"] - before["batches"]
+                    row["scoring_batches"] = batches
+                    row["answers_per_batch"] = (after["answers"] - before["answers"]) / max(batches, 1)  # fmt: skip
+                    row["scoring_batch_s_total"] = after["seconds"] - before["seconds"]
+                runs.append(row)
+                print(json.dumps(row), flush=True)
     return runs
+
+
+def summary(runs: list[dict]) -> dict:
+    """Per concurrency: each repeat's proxy/upstream req/s ratio (the pair run back to back),
+    their median and range, and the median p50s."""
+    out = {}
+    for c in sorted({r["concurrency"] for r in runs}):
+        rows = [r for r in runs if r["concurrency"] == c]
+        by = {(r["target"], r["repeat"]): r for r in rows}
+        repeats = sorted({r["repeat"] for r in rows})
+        ratios = [by["proxy", k]["req_per_s"] / by["upstream", k]["req_per_s"] for k in repeats]
+        p50 = {t: float(np.median([by[t, k]["p50_s"] for k in repeats])) for t in ("upstream", "proxy")}  # fmt: skip
+        out[c] = {
+            "ratios": ratios, "ratio_median": float(np.median(ratios)),
+            "upstream_p50_s": p50["upstream"], "added_p50_s": p50["proxy"] - p50["upstream"],
+            "requests_per_run": rows[0]["n"],
+        }  # fmt: skip
+        for t in ("upstream", "proxy"):
+            for key in ("upstream_cpu_s_per_request", "proxy_cpu_s_per_request"):
+                values = [by[t, k][key] for k in repeats if key in by[t, k]]
+                if values:
+                    out[c][f"{t}_run_{key}"] = float(np.median(values))
+    return out
 
 
 def main() -> None:
@@ -325,7 +376,22 @@ def main() -> None:
         help="UPSTREAM/PROXY dtype pairs, comma-separated (with --upstream: one pair, its "
         "UPSTREAM naming the running server's dtype)",
     )  # fmt: skip
-    parser.add_argument("--requests", type=int, default=32, help="requests per load run")
+    parser.add_argument(
+        "--requests", type=int, default=128, help="requests per load run at 16 concurrent"
+    )
+    parser.add_argument(
+        "--requests-single", type=int, default=16, help="requests per load run at 1 concurrent"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="load runs per target and concurrency"
+    )
+    parser.add_argument(
+        "--upstream-pgid", type=int, help="with --upstream: its process group, for its CPU time"
+    )
+    parser.add_argument(
+        "--batch-window-ms", type=float, default=5.0, help="the proxy's batch window"
+    )
+    parser.add_argument("--proxy-nice", type=int, default=0, help="start the proxy under nice -n N")
     parser.add_argument("--answers", type=int, default=500, help="answers for the mismatch rate")
     parser.add_argument("--scoring-answers", type=int, default=64, help="answers timed per dtype")
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -349,10 +415,13 @@ def main() -> None:
     detectors = {p: make_detector(work / f"run-{p}", p) for p in {p for _, p in configs}}
     result = {"uptime_before": uptime(), "model": MODEL, "max_tokens": args.max_tokens,
               "configs": [f"{u}/{p}" for u, p in configs], "load": [], "probe": {},
-              "scoring": {}}  # fmt: skip
-    asked = questions(args.answers + 4 * args.requests)
-    load_questions, mismatch_questions = asked[: 4 * args.requests], asked[4 * args.requests :]
+              "scoring": {}, "summary": {}, "repeats": args.repeats,
+              "batch_window_ms": args.batch_window_ms, "proxy_nice": args.proxy_nice}  # fmt: skip
+    sizes = {1: 2 * args.repeats * args.requests_single, 16: 2 * args.repeats * args.requests}
+    asked = questions(args.answers + sum(sizes.values()))
+    load_questions, mismatch_questions = asked[: sum(sizes.values())], asked[sum(sizes.values()) :]
     bodies = [chat_body(q, args.max_tokens) for q in load_questions]
+    pools = {1: bodies[: sizes[1]], 16: bodies[sizes[1] :]}
     warm = [chat_body(q, args.max_tokens) for q in asked[-4:]]
     prompts, ids = [], []
     for upstream_dtype in dict.fromkeys(u for u, _ in configs):  # in order, each once
@@ -363,16 +432,23 @@ def main() -> None:
                 log = work / f"vllm-{upstream_dtype}.log"
                 process, upstream = start_vllm(args, folder, upstream_dtype, log)
                 processes.append(process)
+                upstream_pgid = process.pid  # started in a session of its own
+            else:
+                upstream_pgid = args.upstream_pgid
             for u, proxy_dtype in configs:
                 if u != upstream_dtype:
                     continue
                 name = f"{u}/{proxy_dtype}"
                 log = work / f"proxy-{u}-{proxy_dtype}.log"
-                process, proxy = start_proxy(upstream, detectors[proxy_dtype], proxy_dtype, u, log)
+                process, proxy = start_proxy(
+                    args, upstream, detectors[proxy_dtype], proxy_dtype, u, log
+                )
                 processes.append(process)
                 check_model(MODEL)
-                for row in measure(upstream, proxy, bodies, warm, args.requests):
-                    result["load"].append({"config": name, **row})
+                pgids = {"upstream": upstream_pgid, "proxy": process.pid}
+                runs = measure(upstream, proxy, pools, warm, pgids, args.repeats)
+                result["load"] += [{"config": name, **row} for row in runs]
+                result["summary"][name] = summary(runs)
                 stop(processes.pop())
                 result["probe"][name] = probe(detectors[proxy_dtype], upstream, proxy_dtype, u)
                 print(name, "probe", json.dumps(result["probe"][name]), flush=True)
@@ -411,17 +487,19 @@ def main() -> None:
 
 def report(result: dict) -> None:
     print(f"\nload before: {result['uptime_before']}\nload after:  {result['uptime_after']}")
-    by = {(r["config"], r["target"], r["concurrency"]): r for r in result["load"]}
-    print(f"{'upstream/proxy':>17} {'conc.':>5} {'target':>9} {'req/s':>7} {'p50 s':>7} {'p99 s':>7}")  # fmt: skip
+    print(f"{result['repeats']} runs per target and concurrency, alternating; proxy batch window {result['batch_window_ms']} ms, nice {result['proxy_nice']}")  # fmt: skip
+    print(f"{'upstream/proxy':>17} {'conc.':>5} {'rep':>3} {'target':>9} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'up cpu/req':>10} {'proxy cpu/req':>13}")  # fmt: skip
     for name in result["configs"]:
         for c in (1, 16):
-            up, px = by[(name, "upstream", c)], by[(name, "proxy", c)]
-            for r in (up, px):
-                print(f"{name:>17} {c:>5} {r['target']:>9} {r['req_per_s']:7.2f} {r['p50_s']:7.3f} {r['p99_s']:7.3f}")  # fmt: skip
-            ratio, added = px["req_per_s"] / up["req_per_s"], px["p50_s"] - up["p50_s"]
-            if "scoring_batches" in px:
-                print(f"{'':>17} {'':>5} the proxy's scoring: {px['scoring_batches']:.0f} batches of {px['answers_per_batch']:.1f} answers, {px['scoring_batch_s_total']:.2f} s in all")  # fmt: skip
-            print(f"{'':>17} {'':>5} throughput ratio {ratio:.2f} (target >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'}), added p50 {added:+.3f} s vs upstream p50 {up['p50_s']:.3f} s ({'met' if added < up['p50_s'] else 'NOT met'})")  # fmt: skip
+            for r in (r for r in result["load"] if r["config"] == name and r["concurrency"] == c):
+                cpu = [f"{r[k]:.3f}" if k in r else "-" for k in ("upstream_cpu_s_per_request", "proxy_cpu_s_per_request")]  # fmt: skip
+                print(f"{name:>17} {c:>5} {r['repeat']:>3} {r['target']:>9} {r['req_per_s']:7.2f} {r['p50_s']:7.3f} {r['p99_s']:7.3f} {cpu[0]:>10} {cpu[1]:>13}")  # fmt: skip
+                if "scoring_batches" in r:
+                    print(f"{'':>17} {'':>5} {'':>3} the proxy's scoring: {r['scoring_batches']:.0f} batches of {r['answers_per_batch']:.1f} answers, {r['scoring_batch_s_total']:.2f} s in all")  # fmt: skip
+            s = result["summary"][name][c]
+            ratio, added = s["ratio_median"], s["added_p50_s"]
+            ratios = ", ".join(f"{x:.2f}" for x in s["ratios"])
+            print(f"{'':>17} {'':>5} throughput ratio {ratio:.2f} median of [{ratios}] (target >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'}), added p50 {added:+.3f} s vs upstream p50 {s['upstream_p50_s']:.3f} s ({'met' if added < s['upstream_p50_s'] else 'NOT met'})")  # fmt: skip
         p = result["probe"][name]
         print(f"{'':>17} weights probe: log-prob diff {p['max_logprob_diff']}, greedy margin {p['max_margin']}, tolerance {p['tolerance']}, problem {p['problem']}")  # fmt: skip
     m = result["mismatch"]
