@@ -138,3 +138,56 @@ def test_teacher_forcing_with_a_shared_prefix_gives_the_same_capture(family, wor
         torch.testing.assert_close(y.logprobs, x.logprobs, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(y.attention, x.attention, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(y.positions.float(), x.positions.float(), **TOL)
+
+
+def test_states_past_float16s_range_are_saturated_not_infinite(
+    tiny_llama, word_tokenizer, tmp_path
+):
+    """Gemma-3-270M's residual stream passes 65,504 at some layers: a plain float16 cast stored
+    inf, and every probe fit on that column gave NaN. Capture saturates instead, in generation
+    and in teacher forcing; a store written before is read back saturated, and NaN is named."""
+    import copy
+
+    import numpy as np
+    import pyarrow as pa
+
+    from actmap.capture.forced import capture_answers_batch
+    from actmap.capture.positions import FLOAT16_MAX, to_float16
+    from actmap.stacked import read_positions
+    from actmap.store import MapStore
+    from actmap.store.encoding import encode_array
+
+    got = to_float16(torch.tensor([1e6, -7e4, 1.5, float("nan")]))
+    assert got[:3].tolist() == [FLOAT16_MAX, -FLOAT16_MAX, 1.5] and got[3].isnan()
+
+    loud = copy.deepcopy(tiny_llama)  # the embedding carries the stream past float16's range
+    with torch.no_grad():
+        loud.get_input_embeddings().weight.mul_(1e7)
+    prompt, config = "what is the capital of", CaptureConfig(max_new_tokens=3, keep_positions=True)
+    (generated,) = generate_with_capture(loud, word_tokenizer, [prompt], config)
+    (forced,) = capture_answers_batch(loud, word_tokenizer, [prompt], [generated.token_ids], config)
+    p, hidden = reference_states(loud, word_tokenizer, prompt, generated.token_ids)
+    assert hidden.abs().max() > 2 * FLOAT16_MAX  # the float32 states do leave the range
+    n = generated.n_tokens
+    fed = {"generated": n if generated.stopped else n - 1, "forced": n}  # as the tests above
+    for name, positions in (("generated", generated.positions), ("forced", forced.positions)):
+        assert torch.isfinite(positions).all(), name
+        # every step's state is kept saturated, so the answer mean is the mean of those
+        want = expected_positions(hidden.clamp(-FLOAT16_MAX, FLOAT16_MAX), p, n, fed[name])
+        # float16's spacing near its top is 32: a stored step is off by up to 16
+        torch.testing.assert_close(positions.float(), want, atol=16, rtol=TOL["rtol"])
+
+    store = MapStore.create(tmp_path, {})
+    old = np.full((4, 2, 3), 1.0, dtype=np.float32)
+    old[3, 1, 2] = np.inf  # what a plain cast stored
+    nan = old.copy()
+    nan[0, 0, 0] = np.nan
+    table = pa.table({
+        "id": ["old", "nan"], "shape": pa.array([[4, 2, 3]] * 2, pa.list_(pa.int32())),
+        "positions": [encode_array(old), encode_array(nan)],
+    })  # fmt: skip
+    store.write_table("positions", table)
+    read = read_positions(store, ["old"])
+    assert read[0, 3, 1, 2] == FLOAT16_MAX and np.isfinite(read).all()
+    with pytest.raises(ValueError, match=r"1 rows have NaN position states, e\.g\. \['nan'\]"):
+        read_positions(store, ["old", "nan"])

@@ -44,7 +44,7 @@ from actmap.baselines.rauq import RAUQ
 from actmap.baselines.tad import TAD
 from actmap.capture.answer_scalars import scalars_from_store
 from actmap.capture.from_store import read_generations
-from actmap.capture.positions import POSITION_NAMES
+from actmap.capture.positions import FLOAT16_MAX, POSITION_NAMES
 from actmap.detectors import load_detector
 from actmap.detectors.plus import ActMapPlus
 from actmap.scoring import metrics
@@ -562,7 +562,19 @@ def read_positions(store, ids: Sequence[str]) -> np.ndarray:
             "(scripts/add_positions.py adds them)"
         )
     shapes, blobs = table.column("shape"), table.column("positions")
-    return np.stack([decode_array(blobs[index[k]].as_py(), shapes[index[k]].as_py()) for k in ids])
+    states = np.stack(
+        [decode_array(blobs[index[k]].as_py(), shapes[index[k]].as_py()) for k in ids]
+    )
+    nan = np.isnan(states).reshape(len(ids), -1).any(axis=1)
+    if nan.any():
+        bad = [k for k, b in zip(ids, nan, strict=True) if b]
+        raise ValueError(
+            f"{store.root}: {len(bad)} rows have NaN position states, e.g. {bad[:3]}: "
+            "the probes cannot read them"
+        )
+    # a store written before capture saturated float16 (`to_float16`) holds inf where a state
+    # left float16's range: read it as the saturated value capture now stores
+    return np.clip(states, -FLOAT16_MAX, FLOAT16_MAX)
 
 
 def stack_rows(store, ids: Sequence[str], attention: bool, maps=None, scalars=None) -> StackRows:
