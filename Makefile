@@ -27,8 +27,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/actmap demo --out demo-out
 
+# One torch thread: the suite's models are tiny, so a second thread buys nothing (1,105 tests in
+# 339 s at one thread with a one-thread job beside it, 355 s at two threads alone on 2 cores),
+# and two threads collapse where anything else shares the cores (612 s beside a one-thread
+# job; the slowest test 83 s instead of 6.5 s).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
