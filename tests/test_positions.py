@@ -152,12 +152,12 @@ def test_states_past_float16s_range_are_saturated_not_infinite(
     import pyarrow as pa
 
     from actmap.capture.forced import capture_answers_batch
-    from actmap.capture.positions import FLOAT16_MAX, to_float16
+    from actmap.capture.positions import FLOAT16_MAX, saturated_float16
     from actmap.stacked import read_positions
     from actmap.store import MapStore
     from actmap.store.encoding import encode_array
 
-    got = to_float16(torch.tensor([1e6, -7e4, 1.5, float("nan")]))
+    got = saturated_float16(torch.tensor([1e6, -7e4, 1.5, float("nan")]))
     assert got[:3].tolist() == [FLOAT16_MAX, -FLOAT16_MAX, 1.5] and got[3].isnan()
 
     loud = copy.deepcopy(tiny_llama)  # the embedding carries the stream past float16's range

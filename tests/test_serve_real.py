@@ -36,6 +36,7 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
 def start_actmap_serve(serve_args: list[str], label: str, limit_s: float):
     """`actmap serve` with ``serve_args`` on a free loopback port, as a user starts it (a
     subprocess, API key set, 1 thread) -> (base URL, stop()); stop() ends it with SIGTERM, so
@@ -70,7 +71,6 @@ def start_actmap_serve(serve_args: list[str], label: str, limit_s: float):
         return process.returncode
 
     return base, stop
-
 
 
 def trained_run(root):

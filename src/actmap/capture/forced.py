@@ -42,7 +42,7 @@ from actmap.capture.generate import (
 )
 from actmap.capture.hooks import StepRecorder, _first_tensor, recording
 from actmap.capture.layers import find_decoder_layers
-from actmap.capture.positions import to_float16
+from actmap.capture.positions import saturated_float16
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.llm.prefix_cache import cache_keyword, cache_of
 from actmap.maps import pool_hidden
@@ -87,9 +87,9 @@ class ForcedRecorder(StepRecorder):
             hidden = self._rows(_first_tensor(output))  # (B, S, D)
             self.pooled[:, index] = pool_hidden(hidden, self.pooled.shape[-1])
             if self.dense is not None:
-                self.dense[:, index] = to_float16(hidden[:, : self.dense_steps])
+                self.dense[:, index] = saturated_float16(hidden[:, : self.dense_steps])
             if self.states is not None:
-                self.states[:, index] = to_float16(hidden)
+                self.states[:, index] = saturated_float16(hidden)
 
         return hook
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from actmap.capture.layers import find_attention_modules, find_decoder_layers
-from actmap.capture.positions import to_float16
+from actmap.capture.positions import saturated_float16
 from actmap.maps import pool_hidden
 
 
@@ -117,9 +117,9 @@ class StepRecorder:
         # every layer has run: pool this step's states in one call, (B, L, D) -> (B, L, D')
         self.pooled[:, :, self.step] = pool_hidden(self._step_hidden, self.pooled.shape[-1])
         if self.dense is not None and self.step < self.dense_steps:
-            self.dense[:, :, self.step] = to_float16(self._step_hidden)
+            self.dense[:, :, self.step] = saturated_float16(self._step_hidden)
         if self.states is not None:
-            self.states[:, :, self.step] = to_float16(self._step_hidden)
+            self.states[:, :, self.step] = saturated_float16(self._step_hidden)
         if self.entropies is None:  # map-only capture: nothing over the vocabulary
             return
         logits = output.logits if hasattr(output, "logits") else _first_tensor(output)

@@ -28,12 +28,15 @@ POSITION_NAMES = ("last_prompt", "first_answer", "last_answer", "answer_mean")
 FLOAT16_MAX = 65504.0
 
 
-def to_float16(x: torch.Tensor) -> torch.Tensor:
+def saturated_float16(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float16, saturated at float16's largest finite value instead of overflowing to
     infinity. Some residual streams leave float16's range: Gemma-3-270M's reach past 65,504 at
     layers 10-15 (2 of 200 TriviaQA answers' mean states), where a plain cast stored inf and
     every probe fit on that column gave NaN. Capture keeps every step's state this way, so the
-    answer mean of a state that leaves the range is the mean of saturated steps. NaN stays NaN."""
+    answer mean of a state that leaves the range is the mean of saturated steps. NaN stays NaN.
+    (A map that leaves the range is refused instead, by `actmap.maps.stored_form`: a map is pooled
+    and a detector's input, where such a value means something went wrong; a kept state is the
+    model's raw output, which can be that large.)"""
     return x.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
 
 
@@ -48,7 +51,7 @@ def position_states(states: torch.Tensor, n_tokens: int) -> torch.Tensor:
     if answer.shape[1] == 0:  # the pass never fed an answer token back
         answer = states[:, :1]
     picked = [states[:, 0], answer[:, 0], answer[:, -1], answer.float().mean(1)]
-    return torch.stack([to_float16(p) for p in picked])  # (4, L, D)
+    return torch.stack([saturated_float16(p) for p in picked])  # (4, L, D)
 
 
 def position_bytes(n_layers: int, hidden_size: int) -> int:

@@ -67,7 +67,7 @@ from torch import nn
 
 from actmap.capture.generate import check_prompts, tokenize_prompts
 from actmap.capture.layers import find_decoder_layers
-from actmap.capture.positions import position_states, to_float16
+from actmap.capture.positions import position_states, saturated_float16
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import end_answer, stop_position
 from actmap.errors import ActmapUserError
@@ -421,7 +421,7 @@ class _Recorder:
         d, n = self.pooled_dim, len(self._select)
         self.buffer[:n, index * d : (index + 1) * d] = pool_hidden(picked, d)
         if self._keep_full:
-            self.full[:n, index] = to_float16(picked)
+            self.full[:n, index] = saturated_float16(picked)
         self._fired += 1
 
     def _end_step(self) -> None:
