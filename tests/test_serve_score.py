@@ -368,14 +368,14 @@ def test_request_encodes_leave_a_worker_threads_padding_alone(run):
     worker = ThreadPoolExecutor(1)
 
     def set_up_padding():  # what transformers does just before encoding a padded batch
-        tokenizer = worker_tokenizer = engine.thread_tokenizer
+        tokenizer = engine.thread_tokenizer
         tokenizer.padding_side = "left"
         tokenizer.set_truncation_and_padding(
             padding_strategy=PaddingStrategy.LONGEST,
             truncation_strategy=TruncationStrategy.DO_NOT_TRUNCATE,
             max_length=None, stride=0, pad_to_multiple_of=None, padding_side="left",
         )  # fmt: skip
-        return worker_tokenizer
+        return tokenizer
 
     reference = copy.deepcopy(engine.tokenizer)
     tokenizer = worker.submit(set_up_padding).result()

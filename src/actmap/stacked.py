@@ -572,9 +572,10 @@ def read_positions(store, ids: Sequence[str]) -> np.ndarray:
             f"{store.root}: {len(bad)} rows have NaN position states, e.g. {bad[:3]}: "
             "the probes cannot read them"
         )
-    # a store written before capture saturated float16 (`saturated_float16`) holds inf where a state
-    # left float16's range: read it as the saturated value capture now stores
-    return np.clip(states, -FLOAT16_MAX, FLOAT16_MAX)
+    # a store written before capture saturated float16 (`saturated_float16`) holds inf where a
+    # state left float16's range: read it as the saturated value capture now stores (in place:
+    # the stack is this call's own array, up to a gigabyte for a large store)
+    return np.clip(states, -FLOAT16_MAX, FLOAT16_MAX, out=states)
 
 
 def stack_rows(store, ids: Sequence[str], attention: bool, maps=None, scalars=None) -> StackRows:
