@@ -50,7 +50,10 @@ from bench_serve import free_port, make_detector  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SERVED = "smollm2"
-INSTRUCTION = "Answer the question in a few words.\nQuestion: {}"
+INSTRUCTIONS = {  # --answer-length: what the user message asks for
+    "short": "Answer the question in a few words.\nQuestion: {}",
+    "long": "Answer the question, then explain your answer in a short paragraph.\nQuestion: {}",
+}
 
 
 def uptime() -> str:
@@ -97,8 +100,8 @@ def questions(n: int) -> list[str]:
     return [e.question for e in examples[:n]]
 
 
-def chat_body(question: str, max_tokens: int, **extra) -> dict:
-    messages = [{"role": "user", "content": INSTRUCTION.format(question)}]
+def chat_body(question: str, max_tokens: int, instruction: str, **extra) -> dict:
+    messages = [{"role": "user", "content": instruction.format(question)}]
     return {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             **extra}  # fmt: skip
 
@@ -396,11 +399,17 @@ def main() -> None:
     parser.add_argument("--scoring-answers", type=int, default=64, help="answers timed per dtype")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument(
+        "--answer-length", choices=sorted(INSTRUCTIONS), default="short",
+        help="short: 'in a few words' (the proxy's worst case: its pass reads mostly prompt); "
+        "long: an answer with a short explanation (raise --max-tokens with it)",
+    )  # fmt: skip
+    parser.add_argument(
         "--enforce-eager", action="store_true", help="vLLM without compilation (faster start)"
     )
     parser.add_argument("--out", type=Path, default=Path("runs/bench-proxy.json"))
     args = parser.parse_args()
     configs = parse_configs(args.configs)
+    instruction = INSTRUCTIONS[args.answer_length]
     if args.upstream and len({u for u, _ in configs}) != 1:
         sys.exit("--upstream is one running server: give --configs of its one upstream dtype")
 
@@ -414,15 +423,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     detectors = {p: make_detector(work / f"run-{p}", p) for p in {p for _, p in configs}}
     result = {"uptime_before": uptime(), "model": MODEL, "max_tokens": args.max_tokens,
+              "answer_length": args.answer_length, "instruction": instruction,
               "configs": [f"{u}/{p}" for u, p in configs], "load": [], "probe": {},
               "scoring": {}, "summary": {}, "repeats": args.repeats,
               "batch_window_ms": args.batch_window_ms, "proxy_nice": args.proxy_nice}  # fmt: skip
     sizes = {1: 2 * args.repeats * args.requests_single, 16: 2 * args.repeats * args.requests}
     asked = questions(args.answers + sum(sizes.values()))
     load_questions, mismatch_questions = asked[: sum(sizes.values())], asked[sum(sizes.values()) :]
-    bodies = [chat_body(q, args.max_tokens) for q in load_questions]
+    bodies = [chat_body(q, args.max_tokens, instruction) for q in load_questions]
     pools = {1: bodies[: sizes[1]], 16: bodies[sizes[1] :]}
-    warm = [chat_body(q, args.max_tokens) for q in asked[-4:]]
+    warm = [chat_body(q, args.max_tokens, instruction) for q in asked[-4:]]
     prompts, ids = [], []
     for upstream_dtype in dict.fromkeys(u for u, _ in configs):  # in order, each once
         processes = []
@@ -457,7 +467,7 @@ def main() -> None:
                     answers_with_ids(
                         upstream,
                         [
-                            chat_body(q, args.max_tokens, return_token_ids=True)
+                            chat_body(q, args.max_tokens, instruction, return_token_ids=True)
                             for q in mismatch_questions
                         ],
                     )  # fmt: skip
@@ -468,7 +478,7 @@ def main() -> None:
                 pairs = list(zip(mismatch_questions, generated, strict=True))
                 for question, body in pairs[: args.scoring_answers]:
                     answer = [t for t in body["choices"][0]["token_ids"] if t not in ends]
-                    messages = [{"role": "user", "content": INSTRUCTION.format(question)}]
+                    messages = [{"role": "user", "content": instruction.format(question)}]
                     prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))  # fmt: skip
                     ids.append(answer)
         finally:

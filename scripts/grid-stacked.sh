@@ -5,7 +5,8 @@
 # presets with every single-pass baseline (actmap compare-stacked). No dense states (ACT-ViT
 # is not in this comparison). One thread, resumable (finished rows are skipped):
 #   mkdir -p logs && setsid nohup scripts/grid-stacked.sh > logs/grid-stacked.log 2>&1 < /dev/null &
-# STORES="smollm2:triviaqa gemma3:nq_open ..." picks the stores, in order.
+# STORES="smollm2:triviaqa gemma3:nq_open ..." picks the stores, in order; a built-in store
+# takes BUILTIN_QUESTIONS questions (the grid: 400 for Gemma-3, 1,200 for SmolLM2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -22,15 +23,20 @@ for item in ${STORES:-$DEFAULT}; do
     gemma3) model=$(../shared/models/get-model gemma3-270m) flags=() ;;
     qwen-0.5b) model=$(../shared/models/get-model qwen2.5-coder-0.5b-instruct)
       flags=(--no-chat-template --dtype bfloat16) ;;
+    qwen-0.5b-f32) model=$(../shared/models/get-model qwen2.5-coder-0.5b-instruct)
+      flags=(--no-chat-template) ;;  # the grid's float32 twin of the bfloat16 store
     qwen-1.5b) model=$(../shared/models/get-model qwen2.5-coder-1.5b-instruct)
       flags=(--no-chat-template --dtype bfloat16) ;;
     *) echo "unknown generator $gen"; exit 2 ;;
   esac
   store="stores/$gen-$task-stacked"
-  for splits in validation,test train; do
+  if [ "$task" = builtin ]; then  # one generated question set, split by the task itself
+    run $A capture --task builtin --builtin-questions "${BUILTIN_QUESTIONS:-400}" --model "$model" \
+      --out "$store" "${KEEP[@]}" "${flags[@]}"
+  else for splits in validation,test train; do
     run $A capture --task "$task" --model "$model" --out "$store" "${KEEP[@]}" "${flags[@]}" \
       --splits $splits --limit "$PER_SPLIT"
-  done
+  done; fi
   run $A compare-stacked --store "$store" --out "runs/compare-$gen-$task"
 done
 echo "=== $(date -Is) done"

@@ -10,6 +10,7 @@ import torch
 from actmap.capture.records import Generation
 from actmap.stacked import (
     ATTENTION_BLOCKS,
+    FALLBACK,
     StackConfig,
     StackedPlus,
     StackRows,
@@ -94,6 +95,8 @@ def test_presets_fit_choose_on_validation_and_round_trip(preset, data, tmp_path)
         assert not set(est.selected_) & set(ATTENTION_BLOCKS)
         assert "attention" not in est.requires
     assert est.validation_["stack"] > 0.8
+    assert est.validation_["stack"] > est.validation_[FALLBACK]  # the probe carries the label
+    assert not est.validation_["fallback"] and FALLBACK not in est.selected_
     est.save(tmp_path)
     again = load_plus(tmp_path)
     assert isinstance(again, StackedPlus) and again.selected_ == est.selected_
@@ -145,5 +148,42 @@ def test_greedy_selection_stops_when_no_block_adds(data):
     config = StackConfig(preset="deployable", map_components=8, selection="greedy", min_gain=1.0)
     est = StackedPlus(config).fit(train, y, val, y_val)
     assert len(est.selected_) == 1  # the best single block; nothing adds a whole AUROC point
-    best = max((b for b in est.oof_), key=lambda b: est.validation_[b])
-    assert est.selected_ == [best]
+    best = max((b for b in est.oof_ if b != FALLBACK), key=lambda b: est.validation_[b])
+    assert est.selected_ == [best] and not est.validation_["fallback"]
+
+
+def test_map_and_scalars_replace_the_stack_when_they_rank_validation_better(tmp_path):
+    """Few rows, probes that carry nothing: one regression on the map's components and the
+    scalars beats the stack on validation and takes its place (sklearn as the reference)."""
+    from sklearn.decomposition import PCA
+    from sklearn.linear_model import LogisticRegression
+
+    (train, y), (val, y_val) = synthetic_rows(60, 2), synthetic_rows(40, 12)
+    rng = np.random.default_rng(2)
+    for rows, labels in ((train, y), (val, y_val)):
+        rows.positions = rng.normal(size=rows.positions.shape).astype(np.float16)
+        rows.maps[:, 0, 0, 0] += labels
+    est = StackedPlus(StackConfig(preset="deployable", map_components=8)).fit(train, y, val, y_val)
+    assert est.validation_[FALLBACK] > est.validation_["stack"]
+    assert est.validation_["fallback"] and est.selected_ == [FALLBACK]
+    assert est.requires == ("maps", "scalars")  # no position states needed to serve it
+    flat = lambda r: r.maps.astype(np.float32).reshape(len(r.maps), -1)  # noqa: E731
+    pca = PCA(8, svd_solver="randomized", random_state=0).fit(flat(train))
+    x = np.hstack([pca.transform(flat(train)), train.scalars])
+    xv = np.hstack([pca.transform(flat(val)), val.scalars])
+    mean, std = x.mean(0), x.std(0)
+    block = est.blocks_[FALLBACK]
+    model = LogisticRegression(C=block.C, class_weight="balanced", max_iter=5000)
+    model.fit((x - mean) / std, y)
+    want = model.decision_function((xv - mean) / std)
+    np.testing.assert_allclose(block.logits(est._features(FALLBACK, val)), want, atol=1e-3)
+    # the stack's place: one weight and a bias on that logit
+    np.testing.assert_allclose(
+        est.decision_function(val), est.meta_.logits(want[:, None]), atol=1e-3
+    )
+    est.save(tmp_path)
+    again = load_plus(tmp_path)
+    assert again.selected_ == [FALLBACK]
+    np.testing.assert_array_equal(again.decision_function(val), est.decision_function(val))
+    off = StackedPlus(StackConfig(preset="deployable", map_components=8, fallback=False))
+    assert FALLBACK not in off.fit(train, y, val, y_val).selected_

@@ -47,7 +47,8 @@ def test_train_evaluate_and_serve_a_preset(preset, store_path, tmp_path):
 
     run = tmp_path / f"plus-{preset}"
     args = ["train", "--store", str(store_path), "--out", str(run), "--detector", "actmap-plus"]
-    result = CliRunner().invoke(app, [*args, "--preset", preset])
+    # no map+scalars fallback: the stack reads positions (and attention) end to end
+    result = CliRunner().invoke(app, [*args, "--preset", preset, "--no-fallback"])
     assert result.exit_code == 0, result.output
     saved = json.loads((run / "seed-0" / "config.json").read_text())
     assert saved["detector"] == "actmap-plus" and saved["schema_version"] == 2
@@ -85,15 +86,14 @@ def test_train_evaluate_and_serve_a_preset(preset, store_path, tmp_path):
 
 
 def assert_vllm_serving_takes(preset, detector):
-    """`--engine vllm` captures maps, scalars and position states: a deployable run is served
-    with the positions it reads (and no running score); the full preset is refused by name
-    before any model is loaded."""
+    """`--engine vllm` captures maps, scalars and position states: a run is served with what it
+    reads, and one that reads attention weights is refused by name before any model loads."""
     from types import SimpleNamespace
 
     from actmap.errors import ActmapUserError
     from actmap.serve.vllm_serving import VllmServeEngine, build_vllm_engine
 
-    if preset == "full":
+    if "attention" in detector.requires:
         with pytest.raises(ActmapUserError, match="reads attention weights"):
             build_vllm_engine(
                 SimpleNamespace(model="unused"), detector, None, None, None, "float32"
@@ -102,7 +102,30 @@ def assert_vllm_serving_takes(preset, detector):
     engine = SimpleNamespace(detector=detector, max_context=64)
     job = SimpleNamespace(max_tokens=5, stop=())
     config = VllmServeEngine.config_for(engine, job)
-    assert config.keep_positions and config.greybox and not config.attention_keys
+    # position states exactly when the fit reads them (not when map+scalars replaced the stack)
+    assert config.keep_positions == ("positions" in detector.requires)
+    assert config.greybox and not config.attention_keys
+
+
+def test_vllm_serving_refuses_a_full_fit_that_reads_attention(tmp_path):
+    """The tiny store's full fit may fall back to map+scalars (then vLLM serves it); one that
+    stacks the attention blocks is refused."""
+    from types import SimpleNamespace
+
+    from test_stacked import KEYS, synthetic_rows
+
+    from actmap.errors import ActmapUserError
+    from actmap.serve.loaded_run import LoadedDetector
+    from actmap.serve.vllm_serving import build_vllm_engine
+    from actmap.stacked import StackConfig, StackedPlus
+
+    (train, y), (val, y_val) = synthetic_rows(120, 0), synthetic_rows(60, 1)
+    config = StackConfig(preset="full", map_components=8, tad_previous=KEYS, fallback=False)
+    fit = StackedPlus(config).fit(train, y, val, y_val)
+    detector = LoadedDetector(fit, "actmap-plus:full", MapConfig(), tmp_path)
+    assert "attention" in detector.requires
+    with pytest.raises(ActmapUserError, match="reads attention weights"):
+        build_vllm_engine(SimpleNamespace(model="unused"), detector, None, None, None, "float32")
 
 
 def test_the_comparison_reads_only_rows_with_positions(store_path, tmp_path):
@@ -144,7 +167,7 @@ def test_policy_fit_scores_a_stacked_run_from_the_store(preset, store_path, tmp_
     from actmap.stacked import StackedPlus, stack_inputs
 
     run = tmp_path / f"plus-{preset}"
-    train_stacked_run(store_path, run, preset)
+    train_stacked_run(store_path, run, preset, fallback=False)
     detector = load_detector_run(run)
     assert isinstance(detector.detector, StackedPlus)
     assert ("attention" in detector.requires) == (preset == "full")
@@ -234,7 +257,7 @@ def test_policy_fit_names_missing_position_states(store_path, tmp_path):
     from actmap.experiments.stacked import train_stacked_run
 
     run = tmp_path / "plus"
-    train_stacked_run(store_path, run, "deployable")
+    train_stacked_run(store_path, run, "deployable", fallback=False)
     root = tmp_path / "store"
     shutil.copytree(store_path, root)
     shard = MapStore.open(root).shards("positions")[0]
@@ -285,10 +308,50 @@ def test_audit_rescore_of_a_stacked_run_is_one_clear_error(store_path, tmp_path)
 
     run = tmp_path / "plus-deployable"
     args = ["train", "--store", str(store_path), "--out", str(run), "--detector", "actmap-plus"]
-    result = CliRunner().invoke(app, [*args, "--preset", "deployable"])
+    result = CliRunner().invoke(app, [*args, "--preset", "deployable", "--no-fallback"])
     assert result.exit_code == 0, result.output
     loaded = load_detector_run(run, None, "cpu")
     assert loaded.needs_generations
     with pytest.raises(ActmapUserError, match="audit trail does not keep") as raised:
         rescore(MapStore.open(store_path), loaded)
     assert "positions" in str(raised.value)
+
+
+def test_the_default_preset_is_the_richest_the_store_holds(store_path, tmp_path):
+    """`actmap train --detector actmap-plus` without --preset: full on a store with position
+    states and attention weights; the map+scalars block replaces the stack exactly when it
+    ranks validation better, and then maps and scalars alone score it (as the audit trail and
+    the server's running scores hold them)."""
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+    from actmap.experiments.stacked import preset_for_store
+    from actmap.serve.loaded_run import load_detector_run
+    from actmap.stacked import FALLBACK, StackRows, stack_inputs
+
+    store = MapStore.open(store_path)
+    assert preset_for_store(store) == "full"
+    run = tmp_path / "plus"
+    args = ["train", "--store", str(store_path), "--out", str(run), "--detector", "actmap-plus"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "preset: full" in result.output
+    saved = json.loads((run / "seed-0" / "config.json").read_text())
+    assert saved["stack_config"]["preset"] == "full" and saved["stack_config"]["fallback"]
+    validation = saved["validation"]
+    assert validation["fallback"] == (validation[FALLBACK] > validation["stack"])
+    assert (saved["selected"] == [FALLBACK]) == validation["fallback"]
+    loaded = load_detector_run(run, None, "cpu")
+    from actmap.experiments.compare_product import store_rows
+
+    rows = store_rows(store)["test"]
+    want = loaded.detector.predict_proba(stack_inputs(store, rows, True))
+    if validation["fallback"]:
+        assert not loaded.needs_generations and loaded.requires == ("maps", "scalars")
+        got = loaded.predict_proba(rows.maps, stack_inputs(store, rows, False).scalars)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_allclose(
+            loaded.detector.predict_proba(StackRows(rows.maps, rows.scalars)), want, rtol=1e-6
+        )
+    else:
+        assert loaded.needs_generations

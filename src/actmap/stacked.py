@@ -14,7 +14,13 @@ Candidate blocks, each a standardised L2 logistic regression on one kind of inpu
 Each block is fit on the training rows; its out-of-fold logits on those rows (stratified
 folds, `out_of_fold_logits`) train a logistic regression that stacks them. Every choice is made
 on validation rows only: each probe's layer, each block's L2 strength, and which blocks enter
-the stack (greedy forward selection by validation AUROC). Two presets:
+the stack (greedy forward selection by validation AUROC).
+
+With few correct training answers (GSM8K on the small generators: 17-33) a stack of 576- to
+1,536-wide probes is noise, and one logistic regression on the map's components and the
+scalars together (``map+scalars``, actmap-plus v1's early fusion) ranks better. So that block
+is fit as well, outside the stack, and replaces the stack when its validation AUROC is higher
+(``StackConfig.fallback``; the choice is in ``validation_["fallback"]``). Two presets:
 
     deployable   map, scalars, probes: what any engine gives (vLLM included), no attention
     full         everything, attention weights included
@@ -57,6 +63,7 @@ NAME = "actmap-plus"
 SCHEMA_VERSION = 2
 ATTENTION_BLOCKS = ("lookback", "rauq", "tad")
 PROBES = tuple(f"probe:{p}" for p in POSITION_NAMES)
+FALLBACK = "map+scalars"  # one regression on the map's components and the scalars (v1's input)
 PRESETS = {
     "deployable": ("map", "scalars", *PROBES),
     "full": ("map", "scalars", *PROBES, *ATTENTION_BLOCKS),
@@ -79,6 +86,9 @@ class StackConfig:
     selection: str = "all"
     min_gain: float = 0.002  # greedy: validation AUROC a block must add to enter the stack
     tad_previous: int = 10  # K of TAD and of the lookback block
+    # fit the map+scalars block beside the stack; it replaces the stack when its validation
+    # AUROC is higher (few correct training answers)
+    fallback: bool = True
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -221,7 +231,7 @@ class StackedPlus:
         """What a row must carry: "maps", "scalars", "positions", "attention"."""
         used = getattr(self, "selected_", PRESETS[self.config.preset])
         need = ["maps"]
-        if "scalars" in used:
+        if "scalars" in used or FALLBACK in used:
             need.append("scalars")
         if any(b.startswith("probe:") for b in used):
             need.append("positions")
@@ -232,12 +242,15 @@ class StackedPlus:
     def _features(self, block: str, rows: StackRows, layer: int | None = None) -> np.ndarray:
         if block == "map":
             return (flat_maps(rows.maps) - self.pca_[0]) @ self.pca_[1].T
-        if block == "scalars":
+        if block in ("scalars", FALLBACK):
             if rows.scalars is None:
                 raise ValueError(
-                    "the scalars block needs the per-answer scalars (grey-box capture)"
+                    f"the {block} block needs the per-answer scalars (grey-box capture)"
                 )
-            return np.asarray(rows.scalars, dtype=np.float64)
+            scalars = np.asarray(rows.scalars, dtype=np.float64)
+            if block == FALLBACK:
+                return np.hstack([self._features("map", rows), scalars])
+            return scalars
         if block.startswith("probe:"):
             if layer is None:
                 layer = self.blocks_[block].choices["layer"]
@@ -275,6 +288,8 @@ class StackedPlus:
         self.blocks_, self.validation_, self.tad_ = {}, {}, None
         oof, val_logits = {}, {}
         available = [b for b in PRESETS[cfg.preset] if self._has_inputs(b, train)]
+        if cfg.fallback and self._has_inputs(FALLBACK, train):
+            available.append(FALLBACK)
         for block in available:
             if block == "tad":
                 self._fit_tad(train, y, val, y_val, folds)
@@ -302,7 +317,7 @@ class StackedPlus:
         # kept in memory (not saved): `restricted` re-stacks a subset without refitting blocks
         self.oof_, self.val_logits_, self.y_, self.y_val_ = oof, val_logits, y, y_val
         self.all_blocks_, self.all_tad_ = dict(self.blocks_), self.tad_
-        self._finish(list(oof))
+        self._finish([b for b in oof if b != FALLBACK])
         self.n_train_ = len(y)
         self.train_prevalence_ = float(y.mean())
         self.calibrated_prevalence_ = 0.5 if weight == "balanced" else float(y.mean())
@@ -310,7 +325,7 @@ class StackedPlus:
         return self
 
     def _has_inputs(self, block: str, rows: StackRows) -> bool:
-        if block == "scalars":
+        if block in ("scalars", FALLBACK):
             return rows.scalars is not None
         if block.startswith("probe:"):
             return rows.positions is not None
@@ -348,7 +363,8 @@ class StackedPlus:
         return np.column_stack([logits[b] for b in blocks])
 
     def _finish(self, candidates: list[str]) -> None:
-        """Choose the stacked blocks among ``candidates`` and fit the stack."""
+        """Choose the stacked blocks among ``candidates`` and fit the stack; the map+scalars
+        block alone takes the stack's place when its validation AUROC is higher."""
         oof = {b: self.oof_[b] for b in candidates}
         val = {b: self.val_logits_[b] for b in candidates}
         if self.config.selection == "greedy":
@@ -359,6 +375,15 @@ class StackedPlus:
         self.validation_["stack"] = metrics.auroc(
             self.meta_.logits(self._stack(val, self.selected_)), self.y_val_
         )
+        fallback = self.validation_.get(FALLBACK, -np.inf)
+        self.validation_["fallback"] = bool(fallback > self.validation_["stack"])
+        if self.validation_["fallback"]:
+            log.info(
+                "the %s block (validation AUROC %.4f) replaces the stack (%.4f)",
+                FALLBACK, fallback, self.validation_["stack"],
+            )  # fmt: skip
+            self.selected_ = [FALLBACK]
+            self.meta_ = self._meta(self.oof_, self.y_)
         self.blocks_ = {b: self.blocks_[b] for b in self.selected_}
         if "tad" not in self.selected_:
             self.tad_ = None

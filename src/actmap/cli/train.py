@@ -68,10 +68,17 @@ def train(
         "a stacked detector, see --preset; choices on validation; ignores seeds/epochs).",
     ),
     preset: str = typer.Option(
-        "v1",
+        "auto",
         help="actmap-plus only: v1 (map PCA + six scalars) | full (the stacked version: map, "
         "scalars, position probes, lookback attention, RAUQ, TAD; what the store holds) | "
-        "deployable (stacked, no attention weights: what vLLM gives).",
+        "deployable (stacked, no attention weights: what vLLM gives) | auto (the richest the "
+        "store can train: full with position states and attention weights, deployable with "
+        "position states, else v1).",
+    ),
+    fallback: bool = typer.Option(
+        True,
+        help="Stacked presets: fit one regression on the map and scalars beside the stack and "
+        "keep it instead when it ranks validation better (few correct training answers).",
     ),
     seeds: str = typer.Option("42,123,456", help="Comma-separated seeds."),
     max_epochs: int = typer.Option(
@@ -96,6 +103,12 @@ def train(
             from actmap.experiments.seeds import train_plus_run
 
             prepare_run_folder(out, detector, None, overwrite)
+            if preset == "auto":
+                from actmap.experiments.stacked import preset_for_store
+                from actmap.store import MapStore
+
+                preset = preset_for_store(MapStore.open(store))
+                console.print(f"actmap-plus preset: {preset} (what {store} holds)")
             if preset == "v1":
                 summary, details = train_plus_run(store, out)
                 console.print(
@@ -105,7 +118,7 @@ def train(
             else:
                 from actmap.experiments.stacked import train_stacked_run
 
-                summary = train_stacked_run(store, out, preset)
+                summary = train_stacked_run(store, out, preset, fallback)
                 console.print(f"actmap-plus ({preset}): blocks {', '.join(summary['selected'])}")
             print_summary(summary)
             console.print(f"run written to {out}")

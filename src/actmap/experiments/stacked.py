@@ -47,8 +47,11 @@ log = logging.getLogger(__name__)
 TRAIN_ROWS = "train_all"  # every labelled training row; class weights balance them
 
 
-def fit_stacked(store, sets: dict[str, Rows], preset: str) -> tuple[StackedPlus, Any]:
-    """(fitted detector, row-set -> StackRows) on a store's row sets (`comparison.store_rows`)."""
+def fit_stacked(
+    store, sets: dict[str, Rows], preset: str, fallback: bool = True
+) -> tuple[StackedPlus, Any]:
+    """(fitted detector, row-set -> StackRows) on a store's row sets (`comparison.store_rows`);
+    ``fallback``: `StackConfig.fallback`."""
     cache: dict[tuple[str, ...], Any] = {}
 
     def inputs(rows: Rows):
@@ -58,7 +61,7 @@ def fit_stacked(store, sets: dict[str, Rows], preset: str) -> tuple[StackedPlus,
         return cache[key]
 
     train, val = sets[TRAIN_ROWS], sets["validation"]
-    est = StackedPlus(StackConfig(preset=preset)).fit(
+    est = StackedPlus(StackConfig(preset=preset, fallback=fallback)).fit(
         inputs(train), train.labels, inputs(val), val.labels
     )
     log.info(
@@ -67,8 +70,8 @@ def fit_stacked(store, sets: dict[str, Rows], preset: str) -> tuple[StackedPlus,
     return est, inputs
 
 
-def stacked_scored(store, sets: dict[str, Rows], preset: str) -> Scored:
-    est, inputs = fit_stacked(store, sets, preset)
+def stacked_scored(store, sets: dict[str, Rows], preset: str, fallback: bool = True) -> Scored:
+    est, inputs = fit_stacked(store, sets, preset, fallback)
     return scored_of(est, inputs, sets, preset)
 
 
@@ -103,8 +106,19 @@ def scored_of(est: StackedPlus, inputs, sets: dict[str, Rows], preset: str) -> S
     )
 
 
-def train_stacked_run(store_path: str | Path, out: str | Path, preset: str) -> dict[str, Any]:
-    """Fit the stacked actmap-plus on a store, save it, score the balanced test rows once.
+def preset_for_store(store) -> str:
+    """The richest actmap-plus preset a store can train: "full" (position states and attention
+    weights stored), "deployable" (position states), else "v1"."""
+    if not store.has_table("positions"):
+        return "v1"
+    return "full" if store.has_table("attention") else "deployable"
+
+
+def train_stacked_run(
+    store_path: str | Path, out: str | Path, preset: str, fallback: bool = True
+) -> dict[str, Any]:
+    """Fit the stacked actmap-plus on a store, save it, score the balanced test rows once
+    (``fallback``: `StackConfig.fallback`).
 
     Writes ``<out>/seed-0/{model.safetensors, config.json, test_scores.parquet, metrics.json}``
     and ``<out>/summary.json``, the layout `actmap train` writes."""
@@ -113,7 +127,7 @@ def train_stacked_run(store_path: str | Path, out: str | Path, preset: str) -> d
         raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     store = MapStore.open(store_path)
     sets = store_rows(store)
-    scored = stacked_scored(store, sets, preset)
+    scored = stacked_scored(store, sets, preset, fallback)
     est, test, out = scored.estimator, sets["test"], Path(out)
     folder = out / "seed-0"
     inputs = {"store_config": store.manifest.get("config")}  # the map settings serving reads

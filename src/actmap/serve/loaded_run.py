@@ -73,6 +73,8 @@ class LoadedDetector:
         """(N, C, H, W) float16 maps (+ (N, 6) scalars when required, + the `Generation`
         records for a stacked actmap-plus) -> (N,) raw p(correct)."""
         if isinstance(self.detector, StackedPlus):
+            if generations is None and not self.needs_generations:  # its map+scalars block
+                return self.detector.predict_proba(StackRows(maps, scalars)).astype(np.float64)
             if generations is None:
                 raise ValueError(
                     f"{self.id} (stacked actmap-plus) reads {', '.join(self.requires)}: score "
