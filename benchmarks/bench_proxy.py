@@ -117,7 +117,8 @@ async def load(url: str, bodies: list[dict], concurrency: int) -> dict:
                 body = queue.pop(0)
                 started = time.perf_counter()
                 response = await client.post(url + "/v1/chat/completions", json=body)
-                response.raise_for_status()
+                if response.status_code != 200:
+                    sys.exit(f"{url} answered {response.status_code}: {response.text[:2000]}")
                 latencies.append(time.perf_counter() - started)
 
         started = time.perf_counter()
@@ -139,7 +140,8 @@ async def answers_with_ids(url: str, bodies: list[dict], concurrency: int = 16) 
             while pending:
                 i, body = pending.pop(0)
                 response = await client.post(url + "/v1/chat/completions", json=body)
-                response.raise_for_status()
+                if response.status_code != 200:
+                    sys.exit(f"{url} answered {response.status_code}: {response.text[:2000]}")
                 out[i] = response.json()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -299,11 +299,18 @@ def test_upstream_body_passes_through_unchanged(bad):
     [("500", 502, "http_5xx"), ("garbage", 502, "malformed"), ("no choices", 502, "malformed"),
      ("slow", 504, "timeout")],
 )  # fmt: skip
-def test_upstream_failures_get_their_error_and_no_audit(bad, content, status, kind):
+def test_upstream_failures_get_their_error_and_no_audit(bad, content, status, kind, caplog):
     before_rows, before = committed(bad), failures(bad, kind)
-    response = bad.post("/v1/chat/completions", json=chat_body(content))
+    with caplog.at_level("WARNING", logger="actmap.serve.proxy"):
+        response = bad.post("/v1/chat/completions", json=chat_body(content))
     assert response.status_code == status, response.text
     error = response.json()["error"]
+    # the server's log says it too: an operator reads why a client got a 502 or 504
+    assert any(
+        f"upstream failure ({kind}, {status})" in r.getMessage()
+        and error["message"] in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
     assert error["code"] == kind and error["type"] in ("upstream_error", "timeout")
     assert failures(bad, kind) == before + 1
     ok = bad.post("/v1/chat/completions", json=chat_body("ok"))  # the proxy keeps serving

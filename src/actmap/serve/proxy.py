@@ -165,6 +165,7 @@ def _error(status: int, message: str, type: str = "invalid_request_error", param
 
 
 def _failed(state, endpoint: str, failure: UpstreamFailure) -> JSONResponse:
+    log.warning("%s: upstream failure (%s, %d): %s", endpoint, failure.kind, failure.status, failure.message)  # fmt: skip
     state.proxy.failures.labels(failure.kind).inc()
     state.metrics.requests.labels(endpoint, str(failure.status)).inc()
     kind = "timeout" if failure.status == 504 else "upstream_error"
@@ -341,6 +342,7 @@ async def _proxy_stream(state, forward, endpoint, prompt, audit_text, asked_ids,
         return JSONResponse(refused.body, status_code=refused.status)
 
     def error_event(failure: UpstreamFailure) -> str:
+        log.warning("%s (stream): upstream failure (%s, %d): %s", endpoint, failure.kind, failure.status, failure.message)  # fmt: skip
         proxy.failures.labels(failure.kind).inc()
         state.metrics.requests.labels(endpoint, str(failure.status)).inc()
         kind = "timeout" if failure.status == 504 else "upstream_error"

@@ -58,6 +58,9 @@ class UpstreamFailure(Exception):
         self.status, self.kind, self.message = status, kind, message
 
 
+KEEPALIVE_S = 2.0  # an idle upstream connection is reused for this long at most
+
+
 class Upstream:
     """An async client of ``base_url`` (e.g. ``http://host:port/v1``)."""
 
@@ -75,7 +78,12 @@ class Upstream:
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
             headers=headers,
             transport=httpx.AsyncHTTPTransport(retries=connect_retries),  # connect errors only
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            # idle connections close before the upstream closes them (uvicorn's and vLLM's
+            # keep-alive is 5 s, httpx's default expiry too): a request sent on a connection
+            # the server is closing fails with "Server disconnected" and is not retried
+            limits=httpx.Limits(
+                max_connections=256, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S
+            ),
         )
         self.timeout_s = timeout_s
 
