@@ -67,22 +67,39 @@ def compare_stacked_command(
     v1: bool = typer.Option(
         True, help="Also fit actmap-plus v1 (map PCA + scalars) for reference."
     ),
+    cross_fit: int = typer.Option(
+        0,
+        help="K >= 3: instead, a K-fold cross-fit over every labelled row (each row tested "
+        "once; no v1; writes cross_fit.{md,json}).",
+    ),
 ) -> None:
     """The stacked actmap-plus's presets vs every single-pass baseline, with paired intervals."""
     with user_errors():
         from rich.markdown import Markdown
 
         from actmap.artifacts import json_safe
-        from actmap.experiments.stacked import compare_stacked
         from actmap.store import MapStore
 
         wanted = [p.strip() for p in presets.split(",") if p.strip()]
-        result = compare_stacked(MapStore.open(store), wanted, n_resamples=resamples, with_v1=v1)
+        if cross_fit:
+            from actmap.experiments.cross_fit import cross_fitted_comparison
+
+            result = cross_fitted_comparison(
+                MapStore.open(store), cross_fit, wanted, n_resamples=resamples
+            )
+            name = "cross_fit"
+        else:
+            from actmap.experiments.stacked import compare_stacked
+
+            result = compare_stacked(
+                MapStore.open(store), wanted, n_resamples=resamples, with_v1=v1
+            )
+            name = "stacked"
         text = result.to_markdown()
         console.print(Markdown(text))
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "stacked.md", text)
+        atomic_write_text(out / f"{name}.md", text)
         atomic_write_text(
-            out / "stacked.json", json.dumps(json_safe(result.to_json()), indent=2) + "\n"
+            out / f"{name}.json", json.dumps(json_safe(result.to_json()), indent=2) + "\n"
         )
-        console.print(f"written to {out / 'stacked.md'} and {out / 'stacked.json'}")
+        console.print(f"written to {out / f'{name}.md'} and {out / f'{name}.json'}")

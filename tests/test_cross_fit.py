@@ -1,0 +1,104 @@
+"""The cross-fitted comparison (`actmap.experiments.cross_fit`): folds that test every labelled
+row once, and pooled scores that equal each method scored on its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+from test_stacked_run import store_path  # noqa: E402, F401  (the tiny store fixture)
+
+from actmap.experiments.compare_product import store_rows  # noqa: E402
+from actmap.experiments.cross_fit import (  # noqa: E402
+    cross_fitted_comparison,
+    fold_sets,
+    pooled_rows,
+)
+from actmap.store import MapStore  # noqa: E402
+from actmap.store.rows import Rows  # noqa: E402
+
+
+def test_folds_test_every_labelled_row_once():
+    rng = np.random.default_rng(0)
+    n = 60
+    labels = (rng.uniform(size=n) < 0.3).astype(np.int64)
+    pool = Rows(
+        [f"r{i}" for i in range(n)], labels, rng.normal(size=(n, 1, 2, 2)), rng.normal(size=(n, 6))
+    )
+    sets = fold_sets(pool, folds=4, seed=1)
+    tested = [i for s in sets for i in s["test_all"].ids]
+    assert sorted(tested) == sorted(pool.ids)  # each row tested exactly once
+    for k, s in enumerate(sets):
+        parts = {name: set(s[f"{name}_all"].ids) for name in ("train", "validation", "test")}
+        assert not parts["train"] & parts["validation"] and not parts["train"] & parts["test"]
+        assert not parts["validation"] & parts["test"]
+        assert len(parts["train"] | parts["validation"] | parts["test"]) == n
+        assert parts["validation"] == set(sets[(k + 1) % 4]["test_all"].ids)
+        for name in ("train", "validation", "test"):
+            balanced = s[name]
+            assert set(balanced.ids) <= parts[name]
+            assert balanced.labels.sum() * 2 == len(balanced)  # equal correct and incorrect
+            # every row of the rarer class is kept
+            assert balanced.labels.sum() == min(
+                s[f"{name}_all"].labels.sum(), (1 - s[f"{name}_all"].labels).sum()
+            )
+            by_id = dict(zip(pool.ids, range(n), strict=True))
+            rows = [by_id[i] for i in balanced.ids]
+            np.testing.assert_array_equal(balanced.maps, pool.maps[rows])
+            np.testing.assert_array_equal(balanced.scalars, pool.scalars[rows])
+    with pytest.raises(ValueError, match="at least 3 folds"):
+        fold_sets(pool, folds=2)
+
+
+def test_pooled_scores_equal_each_method_on_its_own(store_path):  # noqa: F811
+    """RAUQ needs no training, so its pooled out-of-fold confidences are RAUQ run on the pooled
+    test rows directly; the pooled AUROC and the paired difference are sklearn's on them."""
+    from sklearn.metrics import roc_auc_score
+
+    from actmap.baselines.rauq import RAUQ
+    from actmap.capture.from_store import read_generations
+
+    store = MapStore.open(store_path)
+    result = cross_fitted_comparison(
+        store,
+        folds=3,
+        presets=("deployable",),
+        baselines=("rauq", "answer_length"),
+        n_resamples=200,
+    )
+    sets = fold_sets(pooled_rows(store_rows(store)), folds=3)
+    ids = [i for s in sets for i in s["test"].ids]
+    y = np.concatenate([s["test"].labels for s in sets])
+    assert result.n_test == len(ids) and result.n_rows == sum(len(s["test_all"]) for s in sets)
+    rows = {r.method: r for r in result.rows}
+    assert rows["actmap-plus deployable"].role == "preset"
+    assert {rows["rauq"].role, rows["answer_length"].role} == {"strongest baseline", "baseline"}
+    rauq = np.asarray(RAUQ().score(read_generations(store, ids)).confidence, dtype=np.float64)
+    assert rows["rauq"].test_auroc.estimate == pytest.approx(roc_auc_score(y, rauq))
+    per_fold = np.split(rauq, np.cumsum([len(s["test"]) for s in sets])[:-1])
+    for got, scores, s in zip(rows["rauq"].fold_aurocs, per_fold, sets, strict=True):
+        assert got == pytest.approx(roc_auc_score(s["test"].labels, scores))
+    preset = rows["actmap-plus deployable"].test_auroc.estimate
+    diff = rows["rauq"].vs["actmap-plus deployable"].estimate
+    assert diff == pytest.approx(preset - roc_auc_score(y, rauq))
+    assert "cross-fit over" in result.to_markdown()
+
+
+def test_the_cli_writes_the_cross_fit(store_path, tmp_path):  # noqa: F811
+    import json
+
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+
+    out = tmp_path / "cf"
+    args = ["compare-stacked", "--store", str(store_path), "--out", str(out), "--cross-fit", "3"]
+    result = CliRunner().invoke(app, [*args, "--presets", "deployable", "--resamples", "100"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "cross_fit.json").read_text())
+    assert saved["folds"] == 3 and saved["rows"][0]["method"] == "actmap-plus deployable"
+    assert len(saved["rows"][0]["fold_aurocs"]) == 3
+    assert (out / "cross_fit.md").read_text().startswith(f"store {store_path}: 3-fold cross-fit")
+    bad = CliRunner().invoke(app, [*args[:-1], "2"])
+    assert bad.exit_code == 2 and "at least 3 folds" in bad.output
