@@ -75,14 +75,51 @@ def test_pooled_scores_equal_each_method_on_its_own(store_path):  # noqa: F811
     assert rows["actmap-plus deployable"].role == "preset"
     assert {rows["rauq"].role, rows["answer_length"].role} == {"strongest baseline", "baseline"}
     rauq = np.asarray(RAUQ().score(read_generations(store, ids)).confidence, dtype=np.float64)
-    assert rows["rauq"].test_auroc.estimate == pytest.approx(roc_auc_score(y, rauq))
+    assert rows["rauq"].pooled_auroc == pytest.approx(roc_auc_score(y, rauq))
     per_fold = np.split(rauq, np.cumsum([len(s["test"]) for s in sets])[:-1])
     for got, scores, s in zip(rows["rauq"].fold_aurocs, per_fold, sets, strict=True):
         assert got == pytest.approx(roc_auc_score(s["test"].labels, scores))
+    # fold-stratified: the share of within-fold (correct, incorrect) pairs ordered right, by hand
+    right = pairs = 0.0
+    for scores, s in zip(per_fold, sets, strict=True):
+        pos, neg = scores[s["test"].labels == 1], scores[s["test"].labels == 0]
+        right += (pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()
+        pairs += len(pos) * len(neg)
+    assert rows["rauq"].test_auroc.estimate == pytest.approx(right / pairs)
+    interval = rows["rauq"].test_auroc
+    assert interval.low <= interval.estimate <= interval.high and interval.n == len(y)
     preset = rows["actmap-plus deployable"].test_auroc.estimate
     diff = rows["rauq"].vs["actmap-plus deployable"].estimate
-    assert diff == pytest.approx(preset - roc_auc_score(y, rauq))
+    assert diff == pytest.approx(preset - right / pairs)
     assert "cross-fit over" in result.to_markdown()
+
+
+def test_a_stratified_interval_matches_a_hand_written_bootstrap():
+    """Resampling within each fold, same draws for both methods: a naive loop over resamples
+    with the same generator gives the same percentiles."""
+    from sklearn.metrics import roc_auc_score
+
+    from actmap.experiments.cross_fit import stratified_auroc
+    from actmap.scoring.intervals import resample_indices
+
+    rng = np.random.default_rng(3)
+    labels = [np.array([0, 1] * 6), np.array([0, 0, 1, 1, 1, 0, 1, 0])]
+    a = [rng.normal(size=len(y)) + y for y in labels]
+    b = [rng.normal(size=len(y)) for y in labels]
+    got = stratified_auroc(a, labels, b, n_resamples=200, seed=5)
+    draw = np.random.default_rng(5)
+    idx = [resample_indices(y, 200, draw, need_both=True)[0] for y in labels]
+    values = []
+    for r in range(200):
+        num = den = 0.0
+        for k, y in enumerate(labels):
+            i = idx[k][r]
+            w = y[i].sum() * (len(y) - y[i].sum())
+            num += w * (roc_auc_score(y[i], a[k][i]) - roc_auc_score(y[i], b[k][i]))
+            den += w
+        values.append(num / den)
+    low, high = np.percentile(values, [2.5, 97.5])
+    assert (got.low, got.high) == pytest.approx((low, high))
 
 
 def test_the_cli_writes_the_cross_fit(store_path, tmp_path):  # noqa: F811

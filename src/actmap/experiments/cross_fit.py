@@ -5,16 +5,18 @@ rarely right is a hundred rows or so: methods .01-.02 apart cannot be told apart
 This pools every labelled row (train, validation and test splits), cuts the pool into
 ``folds`` stratified folds, and for fold k fits every method on the other folds but one,
 makes every choice on fold k + 1 (the validation fold: balanced, as in `compare_stacked`)
-and scores fold k's balanced rows once. Each method's out-of-fold scores over all folds are
-then compared on the same rows with paired bootstrap intervals, and each fold's own AUROC
-is kept beside them.
+and scores fold k's balanced rows once.
 
-What changes against `compare_stacked`: the models differ from fold to fold, so a pooled
-AUROC also asks that their scores share a scale (true of the presets' prior-free
-probabilities and of the training-free baselines; TAD's regression is refit per fold), and
-the rows of the store's test split are trained on in the other folds. It answers "which
-method ranks this generator's answers better", not "how well does the one saved detector
-rank the held-out split".
+The models differ from fold to fold, and their scores need not share a scale (TAD's
+regression is refit per fold: pooled over folds its AUROC on one store fell from .78-.84 per
+fold to .67). So each method is read by its **fold-stratified AUROC**: the fraction of
+(correct, incorrect) pairs *within a fold* that it orders right, i.e. each fold's AUROC
+weighted by its number of pairs. Intervals resample rows within each fold (the same rows for
+both methods of a paired difference). The pooled AUROC is kept beside it for reference.
+
+What this answers: "which method ranks this generator's answers better", with every labelled
+row tested once, not "how well does the one saved detector rank the held-out split"; the rows
+of the store's test split are trained on in the other folds.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from actmap.experiments.compare_product import (
 )
 from actmap.experiments.stacked import presets_scored, with_positions_only
 from actmap.scoring import metrics
-from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
+from actmap.scoring.intervals import Interval, auroc_rows, resample_indices
 from actmap.store.rows import Rows
 
 log = logging.getLogger(__name__)
@@ -104,14 +106,54 @@ def fold_sets(pool: Rows, folds: int = 5, seed: int = 0) -> list[dict[str, Rows]
     return out
 
 
+def stratified_auroc(
+    scores: Sequence[np.ndarray],
+    labels: Sequence[np.ndarray],
+    other: Sequence[np.ndarray] | None = None,
+    n_resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Interval:
+    """Fold-stratified AUROC of per-fold ``scores`` (or, with ``other``, its difference from
+    ``other``'s on the same rows) with a bootstrap interval that resamples within each fold."""
+    pairs = [float(y.sum() * (len(y) - y.sum())) for y in labels]
+
+    def per_fold(s, y, idx):
+        return auroc_rows(s[idx], y[idx])
+
+    def diff(k, idx):
+        y = np.asarray(labels[k])
+        value = per_fold(np.asarray(scores[k], np.float64), y, idx)
+        if other is not None:
+            value = value - per_fold(np.asarray(other[k], np.float64), y, idx)
+        return value
+
+    every = [np.arange(len(y))[None] for y in labels]
+    estimate = sum(w * diff(k, every[k])[0] for k, w in enumerate(pairs)) / sum(pairs)
+    rng = np.random.default_rng(seed)
+    total, weight, redrawn = np.zeros(n_resamples), np.zeros(n_resamples), 0
+    for k, y in enumerate(labels):
+        y = np.asarray(y)
+        idx, refused = resample_indices(y, n_resamples, rng, need_both=True)
+        w = y[idx].sum(axis=1) * (y.shape[0] - y[idx].sum(axis=1))
+        total += w * diff(k, idx)
+        weight += w
+        redrawn += refused
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(total / weight, [tail, 100 - tail])
+    n = sum(len(y) for y in labels)
+    return Interval(float(estimate), float(low), float(high), n, n_resamples, level, redrawn)
+
+
 @dataclass(frozen=True)
 class CrossFitRow:
     method: str
     role: str  # "preset" | "strongest baseline" | "baseline"
     validation_auroc: float  # mean over folds
-    test_auroc: Interval  # the pooled out-of-fold scores on every fold's balanced test rows
+    test_auroc: Interval  # fold-stratified, on every fold's balanced test rows
     fold_aurocs: list[float]  # each fold's own balanced-test AUROC
-    vs: dict[str, Interval]  # preset name -> preset minus this method, paired, pooled rows
+    pooled_auroc: float  # every fold's scores pooled as one ranking (scales may differ)
+    vs: dict[str, Interval]  # preset name -> preset minus this method, fold-stratified, paired
 
 
 @dataclass(frozen=True)
@@ -133,14 +175,16 @@ class CrossFitComparison:
             f"store {self.store}: {self.folds}-fold cross-fit over {self.n_rows} labelled rows "
             f"({self.prevalence:.1%} correct); {self.n_test} balanced test rows pooled over folds",
             "",
-            f"| method | role | mean val AUROC | pooled test AUROC [95%] | per fold | {head} |",
-            "|---|---|---|---|---|" + "---|" * len(presets),
+            f"| method | role | mean val AUROC | test AUROC, fold-stratified [95%] | per fold "
+            f"| pooled | {head} |",
+            "|---|---|---|---|---|---|" + "---|" * len(presets),
         ]
         for r in self.rows:
             diffs = " | ".join(str(r.vs[p]) if p in r.vs else "" for p in presets)
             per_fold = ", ".join(f"{a:.3f}" for a in r.fold_aurocs)
             lines.append(
-                f"| {r.method} | {r.role} | {r.validation_auroc:.3f} | {r.test_auroc} | {per_fold} | {diffs} |"
+                f"| {r.method} | {r.role} | {r.validation_auroc:.3f} | {r.test_auroc} | {per_fold} "
+                f"| {r.pooled_auroc:.3f} | {diffs} |"
             )  # fmt: skip
         return "\n".join(lines) + "\n"
 
@@ -177,7 +221,6 @@ def cross_fitted_comparison(
         labels.append(np.asarray(sets["test"].labels))
     complete = [name for name, s in scores.items() if len(s) == folds]  # ran on every fold
     y = np.concatenate(labels)
-    pooled = {name: np.concatenate(scores[name]) for name in complete}
     preset_names = [n for n in complete if roles.get(n) == "preset"]
     others = [n for n in complete if n not in preset_names]
     if not others:
@@ -191,10 +234,11 @@ def cross_fitted_comparison(
                 name,
                 role,
                 float(np.mean(val_aurocs[name])),
-                bootstrap(pooled[name], y, n_resamples=n_resamples),
+                stratified_auroc(scores[name], labels, n_resamples=n_resamples),
                 [metrics.auroc(s, lab) for s, lab in zip(scores[name], labels, strict=True)],
+                metrics.auroc(np.concatenate(scores[name]), y),
                 {
-                    p: paired_bootstrap(pooled[p], pooled[name], y, n_resamples=n_resamples)
+                    p: stratified_auroc(scores[p], labels, scores[name], n_resamples=n_resamples)
                     for p in preset_names
                     if p != name
                 },
