@@ -34,7 +34,7 @@ from actmap.experiments.compare_product import (
     baseline_scored,
     store_rows,
 )
-from actmap.experiments.stacked import presets_scored, with_positions_only
+from actmap.experiments.stacked import preset_columns, presets_scored, with_positions_only
 from actmap.scoring import metrics
 from actmap.scoring.intervals import Interval, auroc_rows, resample_indices
 from actmap.store.rows import Rows
@@ -169,8 +169,7 @@ class CrossFitComparison:
         return asdict(self)
 
     def to_markdown(self) -> str:
-        presets = [r.method for r in self.rows if r.role == "preset"]
-        head = " | ".join(f"{p.removeprefix('actmap-plus ')} - method [95%, paired]" for p in presets)  # fmt: skip
+        presets, head = preset_columns(self.rows)
         lines = [
             f"store {self.store}: {self.folds}-fold cross-fit over {self.n_rows} labelled rows "
             f"({self.prevalence:.1%} correct); {self.n_test} balanced test rows pooled over folds",

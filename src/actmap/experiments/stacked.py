@@ -166,6 +166,13 @@ class StackedRow:
     details: dict[str, Any]
 
 
+def preset_columns(rows) -> tuple[list[str], str]:
+    """The presets among a comparison's ``rows`` and their paired-difference header cells."""
+    presets = [r.method for r in rows if r.role == "preset"]
+    head = " | ".join(f"{p.removeprefix('actmap-plus ')} - method [95%, paired]" for p in presets)
+    return presets, head
+
+
 @dataclass(frozen=True)
 class StackedComparison:
     store: str
@@ -179,10 +186,7 @@ class StackedComparison:
         return asdict(self)
 
     def to_markdown(self) -> str:
-        presets = [r.method for r in self.rows if r.role == "preset"]
-        head = " | ".join(
-            f"{p.removeprefix('actmap-plus ')} - method [95%, paired]" for p in presets
-        )
+        presets, head = preset_columns(self.rows)
         lines = [
             f"store {self.store}: balanced test n={self.n_test}; all test n={self.n_test_all} "
             f"({self.test_prevalence:.1%} correct); prior correction to the training split's "
