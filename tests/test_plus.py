@@ -172,3 +172,15 @@ def test_load_detector_opens_either_kind(tmp_path):
     np.testing.assert_allclose(loaded.predict_proba(maps), paper.predict_proba(maps), rtol=1e-6)
     with pytest.raises(FileNotFoundError, match="config.json does not exist"):
         load_detector(tmp_path / "missing")
+
+
+def test_too_few_rows_of_a_class_for_the_folds_is_one_clear_error():
+    from actmap.errors import ActmapUserError
+
+    rng = np.random.default_rng(0)
+    maps = rng.normal(size=(24, 2, 4, 8)).astype(np.float16)
+    labels = np.array([1] * 4 + [0] * 20)  # 4 correct: fewer than the 5 folds
+    with pytest.raises(ActmapUserError, match="at least 5 rows of each class; got 4 correct"):
+        ActMapPlus(PlusConfig(n_components=4, use_scalars=False)).fit(maps, labels)
+    labels[4] = 1  # 5 correct: it fits
+    ActMapPlus(PlusConfig(n_components=4, use_scalars=False)).fit(maps, labels)

@@ -34,6 +34,7 @@ from sklearn.exceptions import NotFittedError
 
 from actmap.atomic import atomic_path
 from actmap.capture.answer_scalars import SCALAR_NAMES
+from actmap.errors import ActmapUserError
 from actmap.scoring.prior import shift_to_prevalence, sigmoid
 
 NAME = "actmap-plus"
@@ -164,6 +165,13 @@ class ActMapPlus:
         if y.shape != (len(x),) or not np.isin(y, (0, 1)).all() or len(np.unique(y)) < 2:
             raise ValueError(f"labels must be {len(x)} values of 0/1 holding both classes")
         y = y.astype(np.int64)
+        counts = np.bincount(y, minlength=2)
+        if counts.min() < cfg.cv_folds:
+            raise ActmapUserError(
+                f"actmap-plus v1 chooses its strength and calibration over {cfg.cv_folds} "
+                f"stratified folds and needs at least {cfg.cv_folds} rows of each class; got "
+                f"{counts[1]} correct and {counts[0]} incorrect"
+            )
         k = min(cfg.n_components, len(x) - 1, x.shape[1])
         self.map_shape_ = np.asarray(np.shape(maps)[1:], dtype=np.int64)
         if k > 0:

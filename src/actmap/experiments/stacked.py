@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from actmap.artifacts import write_json
+from actmap.errors import ActmapUserError
 from actmap.experiments.compare_product import (
     SINGLE_PASS_BASELINES,
     GenerationReader,
@@ -258,7 +259,12 @@ def compare_stacked(
     if not others:
         raise ValueError(f"{store.root}: none of the baselines {', '.join(baselines)} could run")
     strongest = max(others, key=lambda m: m.validation_auroc)
-    v1 = [plus_scored(sets)] if with_v1 else []
+    v1 = []
+    if with_v1:
+        try:
+            v1 = [plus_scored(sets)]
+        except ActmapUserError as err:  # too few rows for its folds: the others still compare
+            log.warning("actmap-plus v1 cannot run on %s: %s", store.root, err)
     for m in v1:
         m.name = "actmap-plus v1"
     methods = stacked + [strongest] + [m for m in others if m is not strongest] + v1
