@@ -164,12 +164,19 @@ def _error(status: int, message: str, type: str = "invalid_request_error", param
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def _failed(state, endpoint: str, failure: UpstreamFailure) -> JSONResponse:
+def _counted_failure(state, endpoint: str, failure: UpstreamFailure) -> ErrorResponse:
+    """An upstream failure logged and counted (by kind and by status), as the error the client
+    gets: a plain answer's body or a stream's last event."""
     log.warning("%s: upstream failure (%s, %d): %s", endpoint, failure.kind, failure.status, failure.message)  # fmt: skip
     state.proxy.failures.labels(failure.kind).inc()
     state.metrics.requests.labels(endpoint, str(failure.status)).inc()
     kind = "timeout" if failure.status == 504 else "upstream_error"
-    return _error(failure.status, failure.message, type=kind, code=failure.kind)
+    return ErrorResponse(error=ErrorInfo(message=failure.message, type=kind, code=failure.kind))
+
+
+def _failed(state, endpoint: str, failure: UpstreamFailure) -> JSONResponse:
+    body = _counted_failure(state, endpoint, failure)
+    return JSONResponse(body.model_dump(), status_code=failure.status)
 
 
 def _prompt(state, body: dict, endpoint: str) -> tuple[str, str]:
@@ -342,14 +349,7 @@ async def _proxy_stream(state, forward, endpoint, prompt, audit_text, asked_ids,
         return JSONResponse(refused.body, status_code=refused.status)
 
     def error_event(failure: UpstreamFailure) -> str:
-        log.warning("%s (stream): upstream failure (%s, %d): %s", endpoint, failure.kind, failure.status, failure.message)  # fmt: skip
-        proxy.failures.labels(failure.kind).inc()
-        state.metrics.requests.labels(endpoint, str(failure.status)).inc()
-        kind = "timeout" if failure.status == 504 else "upstream_error"
-        error = ErrorResponse(
-            error=ErrorInfo(message=failure.message, type=kind, code=failure.kind)
-        )
-        return f"data: {error.model_dump_json()}\n\n"
+        return f"data: {_counted_failure(state, endpoint, failure).model_dump_json()}\n\n"
 
     async def events():
         parts, ids, prompt_ids, head, done = [], [], None, {}, False
