@@ -99,8 +99,7 @@ def test_a_stratified_interval_matches_a_hand_written_bootstrap():
     with the same generator gives the same percentiles."""
     from sklearn.metrics import roc_auc_score
 
-    from actmap.experiments.cross_fit import stratified_auroc
-    from actmap.scoring.intervals import resample_indices
+    from actmap.scoring.intervals import resample_indices, stratified_auroc
 
     rng = np.random.default_rng(3)
     labels = [np.array([0, 1] * 6), np.array([0, 0, 1, 1, 1, 0, 1, 0])]

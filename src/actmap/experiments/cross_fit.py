@@ -36,7 +36,7 @@ from actmap.experiments.compare_product import (
 )
 from actmap.experiments.stacked import preset_columns, presets_scored, with_positions_only
 from actmap.scoring import metrics
-from actmap.scoring.intervals import Interval, auroc_rows, resample_indices
+from actmap.scoring.intervals import Interval, stratified_auroc
 from actmap.store.rows import Rows
 
 log = logging.getLogger(__name__)
@@ -104,45 +104,6 @@ def fold_sets(pool: Rows, folds: int = 5, seed: int = 0) -> list[dict[str, Rows]
             sets[name] = _take(pool, _balanced(labels, idx, rng))
         out.append(sets)
     return out
-
-
-def stratified_auroc(
-    scores: Sequence[np.ndarray],
-    labels: Sequence[np.ndarray],
-    other: Sequence[np.ndarray] | None = None,
-    n_resamples: int = 2000,
-    level: float = 0.95,
-    seed: int = 0,
-) -> Interval:
-    """Fold-stratified AUROC of per-fold ``scores`` (or, with ``other``, its difference from
-    ``other``'s on the same rows) with a bootstrap interval that resamples within each fold."""
-    pairs = [float(y.sum() * (len(y) - y.sum())) for y in labels]
-
-    def per_fold(s, y, idx):
-        return auroc_rows(s[idx], y[idx])
-
-    def diff(k, idx):
-        y = np.asarray(labels[k])
-        value = per_fold(np.asarray(scores[k], np.float64), y, idx)
-        if other is not None:
-            value = value - per_fold(np.asarray(other[k], np.float64), y, idx)
-        return value
-
-    every = [np.arange(len(y))[None] for y in labels]
-    estimate = sum(w * diff(k, every[k])[0] for k, w in enumerate(pairs)) / sum(pairs)
-    rng = np.random.default_rng(seed)
-    total, weight, redrawn = np.zeros(n_resamples), np.zeros(n_resamples), 0
-    for k, y in enumerate(labels):
-        y = np.asarray(y)
-        idx, refused = resample_indices(y, n_resamples, rng, need_both=True)
-        w = y[idx].sum(axis=1) * (y.shape[0] - y[idx].sum(axis=1))
-        total += w * diff(k, idx)
-        weight += w
-        redrawn += refused
-    tail = 100 * (1 - level) / 2
-    low, high = np.percentile(total / weight, [tail, 100 - tail])
-    n = sum(len(y) for y in labels)
-    return Interval(float(estimate), float(low), float(high), n, n_resamples, level, redrawn)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,14 @@ AUROC, AUPRC and ECE (`actmap.scoring.metrics`) are computed on all resamples at
 (`ROW_METRICS`: the same values as the scalar metric on each resample, tested against
 a direct loop), and so are coverage at a risk and risk at a coverage (`RowMetric`, whose
 ``rows`` does it); any other metric is called once per resample.
+
+`stratified_auroc` reads rows in groups scored by different models (a cross-fit's folds):
+AUROC over within-group pairs, resampled within each group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -262,3 +265,39 @@ def _bootstrap(scores, labels, metric, n_resamples, level, seed) -> Interval:
         redrawn = refused
     values = np.concatenate(parts)
     return _interval(estimate, values, len(y), n_resamples, level, redrawn)
+
+
+def stratified_auroc(
+    scores: Sequence[np.ndarray],
+    labels: Sequence[np.ndarray],
+    other: Sequence[np.ndarray] | None = None,
+    n_resamples: int = N_RESAMPLES,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Interval:
+    """AUROC over groups of rows (the folds of a cross-fit): the share of (correct, incorrect)
+    pairs *within a group* ordered right, i.e. each group's AUROC weighted by its pairs, so
+    groups scored by different models need not share a scale. With ``other`` (the same rows
+    scored by another method), the difference. The interval resamples rows within each group,
+    the same rows for both methods."""
+
+    def value(k: int, idx: np.ndarray) -> np.ndarray:  # (R, n) index rows -> (R,)
+        y = np.asarray(labels[k])[idx]
+        out = auroc_rows(np.asarray(scores[k], np.float64)[idx], y)
+        if other is not None:
+            out = out - auroc_rows(np.asarray(other[k], np.float64)[idx], y)
+        return out
+
+    pairs = [float(np.sum(y) * (len(y) - np.sum(y))) for y in labels]
+    estimate = sum(w * value(k, np.arange(len(labels[k]))[None])[0] for k, w in enumerate(pairs))
+    rng = np.random.default_rng(seed)
+    total, weight, redrawn = np.zeros(n_resamples), np.zeros(n_resamples), 0
+    for k, y in enumerate(labels):
+        y = np.asarray(y)
+        idx, refused = resample_indices(y, n_resamples, rng, need_both=True)
+        w = y[idx].sum(axis=1) * (len(y) - y[idx].sum(axis=1))
+        total += w * value(k, idx)
+        weight += w
+        redrawn += refused
+    n = sum(len(y) for y in labels)
+    return _interval(estimate / sum(pairs), total / weight, n, n_resamples, level, redrawn)
