@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from actmap.data.splits import balanced_ids
 from actmap.errors import ActmapUserError
 from actmap.experiments.compare_product import (
     SINGLE_PASS_BASELINES,
@@ -51,15 +52,6 @@ def _take(rows: Rows, index: np.ndarray) -> Rows:
         np.asarray(rows.maps)[index],
         None if rows.scalars is None else np.asarray(rows.scalars)[index],
     )
-
-
-def _balanced(labels: np.ndarray, index: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Every row of the rarer class in ``index`` and an equal random draw of the other, in
-    ``index``'s order."""
-    pos, neg = index[labels[index] == 1], index[labels[index] == 0]
-    n = min(len(pos), len(neg))
-    keep = set(rng.choice(pos, n, replace=False)) | set(rng.choice(neg, n, replace=False))
-    return np.array([i for i in index if i in keep], dtype=np.int64)
 
 
 def pooled_rows(sets: dict[str, Rows]) -> Rows:
@@ -92,16 +84,14 @@ def fold_sets(pool: Rows, folds: int = 5, seed: int = 0) -> list[dict[str, Rows]
     parts = [held for _, held in cut.split(np.zeros(len(labels)), labels)]
     out = []
     for k in range(folds):
-        rng = np.random.default_rng(seed + k)
-        index = {
-            "test": np.sort(parts[k]),
-            "validation": np.sort(parts[(k + 1) % folds]),
-            "train": np.sort(np.concatenate([p for j, p in enumerate(parts) if j not in (k, (k + 1) % folds)])),
-        }  # fmt: skip
+        role = np.full(len(labels), "train", dtype=object)
+        role[parts[k]], role[parts[(k + 1) % folds]] = "test", "validation"
+        # the store's own balancing rule (`balanced_ids`), over this fold's three row sets
+        chosen = balanced_ids(range(len(labels)), list(role), list(labels), seed + k).ids
         sets = {}
-        for name, idx in index.items():
-            sets[f"{name}_all"] = _take(pool, idx)
-            sets[name] = _take(pool, _balanced(labels, idx, rng))
+        for name in ("train", "validation", "test"):
+            sets[f"{name}_all"] = _take(pool, np.flatnonzero(role == name))
+            sets[name] = _take(pool, np.asarray(chosen[name], dtype=np.int64))
         out.append(sets)
     return out
 
