@@ -5,9 +5,10 @@
 # judge in bfloat16 (every sentence supported at 0.5), then compared. Each step resumes where
 # it stopped (captured rows and judged summaries are skipped); one thread:
 #   mkdir -p logs && setsid nohup scripts/cnn-dm-stacked.sh > logs/cnn-dm-stacked.log 2>&1 < /dev/null &
-# Cost on this machine (docs/data.md): 384-token summaries at a few per minute, then ~40 s of
-# judge per summary (10.8 s per claim, ~4 claims each): many hours, meant to span sessions.
-# UP_TO caps the judged summaries (the grid's store judged 608: 198 balanced test rows).
+# Cost on this machine: 384-token summaries at about 9 a minute (1 thread, 800 in 86 minutes), then
+# 3.1 s of judge per summary alone at 2 threads (608 in 31.5 minutes; ~40 s at load 6-7 on one
+# thread, docs/data.md). UP_TO caps the judged summaries (the grid's store judged 608: 198
+# balanced test rows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${OMP_NUM_THREADS:-1}
