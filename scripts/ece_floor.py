@@ -27,7 +27,7 @@ import numpy as np
 
 from actmap.experiments.compare_product import score_test_once, store_rows
 from actmap.experiments.stacked import presets_scored, with_positions_only
-from actmap.scoring.intervals import ece_rows
+from actmap.scoring.intervals import bootstrap, ece_rows
 from actmap.scoring.metrics import ece
 from actmap.scoring.prior import shift_to_prevalence
 from actmap.store import MapStore
@@ -63,13 +63,12 @@ def main() -> None:
         p = m.test_all
         at_train = shift_to_prevalence(p, train_prev, m.calibrated_prevalence)
         at_test = shift_to_prevalence(p, float(y.mean()), m.calibrated_prevalence)
-        idx = rng.integers(0, len(y), (args.draws, len(y)))
-        boot = ece_rows(at_train[idx], y[idx])
+        boot = bootstrap(at_train, y, ece, n_resamples=args.draws, seed=args.seed)
         out[m.name] = {
             "ece_raw": ece(p, y),
             "ece_at_train_prevalence": ece(at_train, y),
             "ece_at_test_prevalence_oracle": ece(at_test, y),
-            "ece_at_train_prevalence_95": [float(np.quantile(boot, q)) for q in (0.025, 0.975)],
+            "ece_at_train_prevalence_95": [boot.low, boot.high],
             "mean_p_at_train_prevalence": float(at_train.mean()),
             "noise_floor_median_95th": floor(at_train, args.draws, rng),
         }
