@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from actmap.cli.app import app
-from actmap.cli.common import console, user_errors, vllm_compile_option
+from actmap.cli.common import console, sampling_option, user_errors, vllm_compile_option
 from actmap.errors import ActmapUserError
 
 policy_app = typer.Typer(help="Decision policies: thresholds on p(correct).", no_args_is_help=True)
@@ -195,13 +195,16 @@ def policy_fit(
         2000, min=0, help="Bootstrap resamples for the intervals (0: none)."
     ),
     seed: int = typer.Option(None, help="Seed of the run (default: best validation AUROC)."),
+    sampling: str = sampling_option(),
 ) -> None:
     """Fit accept / review / route thresholds for target risks on a validation risk-coverage curve.
 
     The temperature and each band's coverage and risk come with 95% bootstrap intervals
     (printed and written to the policy file); fewer than 100 labelled rows is warned about.
     """
-    with user_errors():
+    from actmap.store.served import served_sampling
+
+    with user_errors(), served_sampling(sampling):
         from actmap.serve.fit import (
             MIN_POLICY_ROWS,
             detector_train_prevalence,

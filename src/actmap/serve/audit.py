@@ -38,15 +38,41 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from actmap.capture.answer_scalars import SCALAR_NAMES
+from actmap.data.splits import key_uniform
 from actmap.errors import ActmapUserError
 from actmap.maps import MapConfig
 from actmap.store import MapRecord, MapStore, StoreError
+from actmap.store.served import (
+    LABELS_TABLE,
+    REVIEW_TABLE,
+    SCALARS_TABLE,  # id + the six per-answer scalars, when the detector reads them
+    SERVED_KIND,
+)
 
 log = logging.getLogger(__name__)
 
 AUDIT_TABLE = "audit"
-SCALARS_TABLE = "audit_scalars"  # id + the six per-answer scalars, when the detector reads them
-AUDIT_KIND = "audit"
+AUDIT_KIND = SERVED_KIND
+LABELS_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("label", pa.int8()),
+        ("source", pa.string()),
+        ("labelled_at", pa.timestamp("us", tz="UTC")),
+        ("correct_answer", pa.string()),
+    ]
+)
+REVIEW_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("queued_at", pa.timestamp("us", tz="UTC")),
+        ("reason", pa.string()),  # "review" (decided review) | "sample" (the uniform sample)
+        ("rate", pa.float64()),  # the probability this answer had of entering the queue
+        ("in_sample", pa.bool_()),  # drawn in the uniform random sample (rate review_sample)
+        ("decision", pa.string()),
+        ("p_correct", pa.float64()),
+    ]
+)
 AUDIT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -63,6 +89,14 @@ AUDIT_SCHEMA = pa.schema(
         ("detector", pa.string()),
     ]
 )
+
+
+class UnknownMapId(KeyError):
+    """A label for a map id the audit store does not hold."""
+
+    def __init__(self, map_id: str) -> None:
+        super().__init__(map_id)
+        self.map_id = map_id
 
 
 def prompt_digest(text: str) -> str:
@@ -112,7 +146,11 @@ class AuditTrail:
         flush_rows: int = 64,
         flush_interval_s: float = 1.0,
         background: bool = True,
+        review_sample: float = 0.0,
+        review_seed: int = 0,
     ) -> None:
+        if not 0.0 <= review_sample <= 1.0:
+            raise ActmapUserError(f"audit review_sample must be in [0, 1], got {review_sample}")
         if max_rows is not None and max_rows < 1:
             raise ActmapUserError(f"audit max_rows must be >= 1, got {max_rows}")
         if max_age_days is not None and max_age_days <= 0:
@@ -127,7 +165,9 @@ class AuditTrail:
         self.keep_text = keep_text
         self.max_rows, self.max_age_days = max_rows, max_age_days
         self.flush_rows, self.flush_interval_s = flush_rows, flush_interval_s
+        self.review_sample, self.review_seed = review_sample, review_seed
         self.committed = 0  # rows this trail has committed
+        self._ids = self.store.ids("maps")  # committed map ids: what feedback may label
         self._buffer: list[AuditEntry] = []
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
@@ -203,6 +243,9 @@ class AuditTrail:
                 schema=AUDIT_SCHEMA,
             )
             self.store.write_table(AUDIT_TABLE, side)
+            queued = self.review_queue(entries)
+            if queued.num_rows:
+                self.store.write_table(REVIEW_TABLE, queued)
             with_scalars = [e for e in entries if e.scalars is not None]
             if with_scalars:
                 values = np.stack([e.scalars for e in with_scalars]).astype(np.float64)
@@ -211,7 +254,57 @@ class AuditTrail:
                 self.store.write_table(SCALARS_TABLE, pa.table(columns))
             self.store.write_maps([e.record for e in entries])  # last: the commit
             self.committed += len(entries)
+            self._ids.update(e.record.id for e in entries)
         return len(entries)
+
+    # -- the review queue ------------------------------------------------------------------
+    def in_sample(self, map_id: str) -> bool:
+        """Whether an answer is drawn in the uniform random review sample: a seeded hash of
+        its map id below ``review_sample`` (every decision band alike)."""
+        return key_uniform(map_id, self.review_seed, salt="review-sample") < self.review_sample
+
+    def review_queue(self, entries: list[AuditEntry]) -> pa.Table:
+        """The queue rows of ``entries``: every answer decided review (rate 1) and the
+        uniform random sample of all answers (rate ``review_sample``)."""
+        rows = []
+        for e in entries:
+            sampled = self.in_sample(e.record.id)
+            if e.decision != "review" and not sampled:
+                continue
+            review = e.decision == "review"
+            rows.append(
+                {
+                    "id": e.record.id, "queued_at": e.served_at,
+                    "reason": "review" if review else "sample",
+                    "rate": 1.0 if review else self.review_sample, "in_sample": sampled,
+                    "decision": e.decision, "p_correct": e.p_correct,
+                }
+            )  # fmt: skip
+        return pa.Table.from_pylist(rows, schema=REVIEW_SCHEMA)
+
+    # -- labels ----------------------------------------------------------------------------
+    def add_label(
+        self, map_id: str, label: int, source: str, correct_answer: str | None = None
+    ) -> dict:
+        """Append one label of a served answer (the latest label of an id wins; earlier ones
+        stay as history). An answer still buffered is committed first; an id the store
+        never held raises `UnknownMapId`. Returns the label row as written."""
+        if label not in (0, 1):
+            raise ActmapUserError(f"label must be 0 or 1, got {label!r}")
+        if map_id not in self._ids:
+            with self._cond:
+                buffered = any(e.record.id == map_id for e in self._buffer)
+            if buffered:
+                self.flush()
+            if map_id not in self._ids:
+                raise UnknownMapId(map_id)
+        row = {
+            "id": map_id, "label": int(label), "source": source,
+            "labelled_at": datetime.now(UTC), "correct_answer": correct_answer,
+        }  # fmt: skip
+        with self._write_lock:  # one shard per label: written atomically, durable on return
+            self.store.write_table(LABELS_TABLE, pa.Table.from_pylist([row], schema=LABELS_SCHEMA))
+        return row
 
     def _writer(self) -> None:
         flushes = 0
@@ -270,7 +363,8 @@ class AuditTrail:
                 self.store.forget_shards("maps", [path], unlink=True)
                 kept_rows -= len(ids)
                 dropped.update(ids)
-            for table in (AUDIT_TABLE, SCALARS_TABLE):
+            self._ids -= dropped
+            for table in (AUDIT_TABLE, SCALARS_TABLE, REVIEW_TABLE):
                 if not dropped or not self.store.has_table(table):
                     continue
                 for path in self.store.shards(table):
