@@ -48,6 +48,13 @@ def serve(
     audit_max_age_days: float = typer.Option(
         None, help="Audit retention: drop rows older than this."
     ),
+    review_sample: float = typer.Option(
+        0.0,
+        min=0.0,
+        max=1.0,
+        help="Share of all answers (every decision) queued for review at random, beside the "
+        "answers decided review; their labels check calibration without bias (--audit).",
+    ),
     host: str = typer.Option("127.0.0.1", help="Bind address (loopback by default)."),
     port: int = typer.Option(8000),
     api_key: str = typer.Option(
@@ -130,7 +137,8 @@ def serve(
         settings = ServeSettings(
             model=model, detector=detector, seed=seed, policy=policy, audit=audit,
             audit_text=audit_text, audit_max_rows=audit_max_rows,
-            audit_max_age_days=audit_max_age_days, served_model_name=served_model_name,
+            audit_max_age_days=audit_max_age_days, review_sample=review_sample,
+            served_model_name=served_model_name,
             api_key=api_key or None, default_max_tokens=max_tokens, max_tokens_cap=max_tokens_cap,
             max_body_bytes=max_body_bytes, max_context=max_context, max_batch=batch_size,
             batch_window_ms=batch_window_ms, max_queue=queue_size, timeout_s=timeout,

@@ -219,12 +219,14 @@ class AuditTrail:
                 self._cond.notify()
 
     def flush(self) -> int:
-        """Commit every buffered entry now; returns the number of rows committed."""
-        with self._cond:
-            entries, self._buffer = self._buffer, []
-        if not entries:
-            return 0
+        """Commit every buffered entry now; returns the number of rows committed. Entries are
+        taken under the write lock, so when it returns, every entry appended before the call
+        is committed (also those another thread's flush had taken)."""
         with self._write_lock:
+            with self._cond:
+                entries, self._buffer = self._buffer, []
+            if not entries:
+                return 0
             side = pa.table(
                 {
                     "id": [e.record.id for e in entries],
@@ -292,10 +294,7 @@ class AuditTrail:
         if label not in (0, 1):
             raise ActmapUserError(f"label must be 0 or 1, got {label!r}")
         if map_id not in self._ids:
-            with self._cond:
-                buffered = any(e.record.id == map_id for e in self._buffer)
-            if buffered:
-                self.flush()
+            self.flush()  # an answer just served may still be buffered, or being flushed
             if map_id not in self._ids:
                 raise UnknownMapId(map_id)
         row = {
