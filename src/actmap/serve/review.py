@@ -120,7 +120,7 @@ PAGE = """<!doctype html>
   input[type=text], input[type=password], textarea { font: inherit; padding: 6px 8px;
            border: 1px solid #9ca3af; border-radius: 4px; }
   textarea { width: 100%; box-sizing: border-box; height: 3.2em; }
-  #status { color: #374151; }
+  #status { color: #e5e7eb; }
   .hidden { display: none; }
 </style>
 </head>
@@ -147,7 +147,7 @@ PAGE = """<!doctype html>
       <button class="ok" id="mark-correct">Correct <kbd>c</kbd></button>
       <button class="bad" id="mark-incorrect">Incorrect <kbd>i</kbd></button>
       <button id="skip">Skip <kbd>s</kbd></button>
-      <span class="label">map <span id="map_id"></span></span>
+      <span class="label">map</span> <code id="map_id"></code>
     </p>
   </div>
   <div class="card hidden" id="empty">Nothing left to review.</div>
@@ -207,6 +207,7 @@ async function verdict(label) {
   try {
     await call("/v1/actmap/feedback", {method: "POST", body: JSON.stringify(body)});
     $("status").textContent = "saved " + (label ? "correct" : "incorrect") + ": " + item.map_id;
+    $("pending").textContent = Math.max(0, Number($("pending").textContent) - 1);
     if (items.length) show(); else await load();
   } catch (error) {
     $("status").textContent = "not saved: " + error.message;
