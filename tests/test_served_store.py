@@ -22,7 +22,7 @@ from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 from actmap.serve.audit import AuditTrail, open_audit_store, read_audit  # noqa: E402
 from actmap.serve.policy import Policy  # noqa: E402
 from actmap.store import MapStore  # noqa: E402
-from actmap.store.rows import natural_rows, row_metadata  # noqa: E402
+from actmap.store.rows import balanced_splits, natural_rows, row_metadata  # noqa: E402
 from actmap.store.served import served_sampling, served_splits  # noqa: E402
 
 runner = CliRunner()
@@ -141,6 +141,9 @@ def test_labelled_served_store_trains_evaluates_and_fits_a_policy(served, tmp_pa
         sampled = set(queue.loc[queue["in_sample"], "id"])
         counted = row_metadata(store).dropna(subset=["label"])
         assert set(counted["id"]) == sampled
+        # what train reads by default: balanced rows drawn from the uniform sample only
+        chosen = balanced_splits(store, persist=False)
+        assert set().union(*chosen.values()) <= sampled and chosen["train"]
     info = runner.invoke(app, ["store", "info", str(root), "--json"])
     assert info.exit_code == 0
     import json

@@ -213,34 +213,19 @@ def policy_fit(
     from actmap.store.served import served_sampling
 
     with user_errors(), served_sampling(sampling):
-        from actmap.serve.fit import (
-            MIN_POLICY_ROWS,
-            detector_train_prevalence,
-            fit_policy_on_store,
-            fit_policy_temperature,
-            natural_scores,
-            temperature_interval,
-        )
+        from actmap.serve.fit import MIN_POLICY_ROWS, fit_policy_from_store
         from actmap.serve.loaded_run import load_detector_run
         from actmap.serve.policy import save_policy
         from actmap.store import MapStore
 
         detector = load_detector_run(run, seed)
-        scores = natural_scores(MapStore.open(store), detector, split)
-        if train_prevalence is None:
-            train_prevalence = detector_train_prevalence(detector)
-        temperature = 1.0
-        if calibrate and resamples:
-            temperature = temperature_interval(
-                scores.p_raw, scores.labels, train_prevalence, n_resamples=resamples
-            )
-        elif calibrate:
-            temperature = fit_policy_temperature(scores.p_raw, scores.labels, train_prevalence)
-        about = {"run": str(run), "detector": detector.id, "store": str(store)}
-        policy = fit_policy_on_store(
-            scores, target_risk, review_risk, route_risk, prior, deployment_accuracy, about,
-            temperature, train_prevalence, resamples,
+        fitted = fit_policy_from_store(
+            MapStore.open(store), detector, target_risk, review_risk, route_risk, prior,
+            deployment_accuracy, split, calibrate, train_prevalence, resamples,
+            about={"run": str(run), "detector": detector.id, "store": str(store)},
         )  # fmt: skip
+        policy, scores, temperature = fitted.policy, fitted.scores, fitted.temperature
+        train_prevalence = fitted.train_prevalence
         save_policy(policy, out)
     console.print(
         f"{len(scores.labels)} {split} rows, accuracy {scores.accuracy:.3f}, "
@@ -264,6 +249,8 @@ def policy_fit(
             f"  [...]: 95% bootstrap intervals ({resamples} resamples of the rows; the "
             f"thresholds held fixed); below {MIN_POLICY_ROWS} rows expect them wide"
         )
+    if "sampling" in policy.fitted:
+        console.print(f"  audit store: labels counted: {policy.fitted['sampling']}")
     console.print(f"policy written to {out}")
 
 

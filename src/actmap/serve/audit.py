@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from actmap.capture.answer_scalars import SCALAR_NAMES
 from actmap.data.splits import key_uniform
 from actmap.errors import ActmapUserError
-from actmap.maps import MapConfig
+from actmap.maps import MapConfig, map_shape
 from actmap.store import MapRecord, MapStore, StoreError
 from actmap.store.served import (
     LABELS_TABLE,
@@ -155,7 +155,9 @@ class AuditTrail:
             raise ActmapUserError(f"audit max_rows must be >= 1, got {max_rows}")
         if max_age_days is not None and max_age_days <= 0:
             raise ActmapUserError(f"audit max_age_days must be > 0, got {max_age_days}")
-        self.store = MapStore.create(root, audit_config(map_config), resume=True)
+        self.store = MapStore.create(
+            root, audit_config(map_config), resume=True, map_shape=map_shape(map_config)
+        )
         self._lock_file = open(self.store.root / ".audit-writer.lock", "w")  # noqa: SIM115
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -288,22 +290,31 @@ class AuditTrail:
     def add_label(
         self, map_id: str, label: int, source: str, correct_answer: str | None = None
     ) -> dict:
-        """Append one label of a served answer (the latest label of an id wins; earlier ones
-        stay as history). An answer still buffered is committed first; an id the store
-        never held raises `UnknownMapId`. Returns the label row as written."""
-        if label not in (0, 1):
-            raise ActmapUserError(f"label must be 0 or 1, got {label!r}")
-        if map_id not in self._ids:
+        """Append one label of a served answer (see `add_labels`); returns the row written."""
+        return self.add_labels([(map_id, label, source, correct_answer)])[0]
+
+    def add_labels(self, labels: list[tuple[str, int, str, str | None]]) -> list[dict]:
+        """Append labels ``(map id, 0 | 1, source, correct answer or None)`` as one atomic
+        shard of the ``labels`` table, durable on return (the latest label of an id wins;
+        earlier ones stay as history). Answers still buffered are committed first; a map id
+        the store does not hold raises `UnknownMapId` and nothing is written."""
+        for _, label, _, _ in labels:
+            if isinstance(label, bool) or label not in (0, 1):
+                raise ActmapUserError(f"label must be 0 or 1, got {label!r}")
+        if any(key not in self._ids for key, *_ in labels):
             self.flush()  # an answer just served may still be buffered, or being flushed
-            if map_id not in self._ids:
-                raise UnknownMapId(map_id)
-        row = {
-            "id": map_id, "label": int(label), "source": source,
-            "labelled_at": datetime.now(UTC), "correct_answer": correct_answer,
-        }  # fmt: skip
-        with self._write_lock:  # one shard per label: written atomically, durable on return
-            self.store.write_table(LABELS_TABLE, pa.Table.from_pylist([row], schema=LABELS_SCHEMA))
-        return row
+            missing = [key for key, *_ in labels if key not in self._ids]
+            if missing:
+                raise UnknownMapId(missing[0])
+        now = datetime.now(UTC)
+        rows = [
+            {"id": key, "label": int(label), "source": source, "labelled_at": now,
+             "correct_answer": answer}
+            for key, label, source, answer in labels
+        ]  # fmt: skip
+        with self._write_lock:
+            self.store.write_table(LABELS_TABLE, pa.Table.from_pylist(rows, schema=LABELS_SCHEMA))
+        return rows
 
     def _writer(self) -> None:
         flushes = 0
