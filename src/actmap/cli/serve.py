@@ -169,6 +169,10 @@ def serve(
     )
     served = create_app(settings, lambda: engine)
     served.state.upstream_probe = probe
+    if engine.detector is not None:  # SIGHUP: reload the detector and policy files in use
+        from actmap.serve.reload import install_sighup
+
+        install_sighup(served)
     uvicorn.run(served, host=host, port=port, log_level="warning")
 
 

@@ -59,6 +59,7 @@ from actmap.serve.protocol import (
     random_id,
 )
 from actmap.serve.proxy import install_proxy_routes, start_proxy, stop_proxy
+from actmap.serve.reload import install_reload_route
 from actmap.serve.review import REVIEW_PAGE, install_review_routes
 from actmap.serve.score_endpoint import install_score_route
 
@@ -370,7 +371,8 @@ class ServerState:
             p_correct=answer.p_correct,
             p_correct_raw=answer.p_correct_raw,
             decision=answer.decision,
-            detector=self.engine.detector.id,
+            detector=answer.detector or self.engine.detector.id,  # the one that scored it
+            policy=answer.policy,
             map_id=answer.map_id,
             prevalence=answer.prevalence,
             shift=None if answer.shift is None else ShiftInfo(**answer.shift.to_json()),
@@ -519,6 +521,7 @@ def create_app(
     install_score_route(app)
     install_feedback_route(app)
     install_review_routes(app)
+    install_reload_route(app)
     if settings.upstream is not None:
         install_proxy_routes(app)  # answers come from the upstream, read by teacher forcing
         app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)

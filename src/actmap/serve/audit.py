@@ -87,6 +87,7 @@ AUDIT_SCHEMA = pa.schema(
         ("prevalence", pa.float64()),
         ("decision", pa.string()),
         ("detector", pa.string()),
+        ("policy", pa.string()),  # the policy's version (`policy_version`); null in older stores
     ]
 )
 
@@ -118,6 +119,7 @@ class AuditEntry:
     decision: str
     detector: str
     scalars: np.ndarray | None = None  # (6,) in SCALAR_NAMES order, when the detector reads them
+    policy: str | None = None  # the version of the policy that decided
 
 
 def audit_config(map_config: MapConfig = MapConfig()) -> dict:
@@ -181,7 +183,7 @@ class AuditTrail:
             self._thread.start()
 
     # -- building entries ------------------------------------------------------------------
-    def entry(self, job, answer, source, detector_id: str) -> AuditEntry:
+    def entry(self, job, answer, source, detector_id: str, policy: str | None = None) -> AuditEntry:
         """An `AuditEntry` from an engine job and its answer."""
         record = MapRecord(
             id=answer.map_id,
@@ -208,6 +210,7 @@ class AuditTrail:
             decision=answer.decision,
             detector=detector_id,
             scalars=answer.scalars,
+            policy=policy,
         )
 
     # -- writing ---------------------------------------------------------------------------
@@ -243,6 +246,7 @@ class AuditTrail:
                     "prevalence": [e.prevalence for e in entries],
                     "decision": [e.decision for e in entries],
                     "detector": [e.detector for e in entries],
+                    "policy": [e.policy for e in entries],
                 },
                 schema=AUDIT_SCHEMA,
             )
@@ -394,7 +398,8 @@ def read_audit(store: MapStore) -> pd.DataFrame:
     if not store.has_table("maps"):
         return pd.DataFrame(columns=["id", *AUDIT_SCHEMA.names[1:]])
     maps = store.metadata().drop_duplicates("id", keep="last")
-    side = store.read_table(AUDIT_TABLE).to_pandas().drop_duplicates("id", keep="last")
+    side = store.read_table(AUDIT_TABLE, schema=AUDIT_SCHEMA).to_pandas()  # older: no policy
+    side = side.drop_duplicates("id", keep="last")
     side = side.drop(columns=["n_tokens"])
     frame = maps.merge(side, on="id", how="inner", validate="one_to_one")
     return frame.sort_values("served_at", kind="stable").reset_index(drop=True)
