@@ -27,6 +27,7 @@ from actmap.serve.audit import AUDIT_SCHEMA, AuditTrail, open_audit_store, read_
 from actmap.serve.loaded_run import load_detector_run  # noqa: E402
 from actmap.serve.policy import Policy, load_policy, policy_version, save_policy  # noqa: E402
 from actmap.serve.reload import install_sighup  # noqa: E402
+from actmap.store.check import verify_store  # noqa: E402
 
 CLIENTS = 16
 
@@ -165,3 +166,6 @@ def test_audit_stores_without_the_policy_column_still_load(tmp_path):
     assert len(frame) == 16
     assert frame.loc[[e.record.id for e in old], "policy"].isna().all()
     assert (frame.loc[[e.record.id for e in entries(1)], "policy"] == "policy-new").all()
+    # older and newer audit shards side by side are not damage
+    report = verify_store(tmp_path / "a")
+    assert report.ok and not [f for f in report.findings if "schema" in f.message]

@@ -113,7 +113,9 @@ def install_reload_route(app: FastAPI) -> None:
         try:
             return await asyncio.to_thread(reloader(request.app).reload, state, body)
         except (ActmapUserError, OSError, ValueError) as error:
-            raise APIError(400, f"reload failed, still serving the previous pair: {error}") from None
+            raise APIError(
+                400, f"reload failed, still serving the previous pair: {error}"
+            ) from None
 
 
 def install_sighup(app: FastAPI):

@@ -43,6 +43,9 @@ SERVED_KIND = "audit"
 LABELS_TABLE = "labels"  # id, label, source, labelled_at, correct_answer (append-only)
 REVIEW_TABLE = "review"  # id, queued_at, reason, rate, in_sample, decision, p_correct
 SCALARS_TABLE = "audit_scalars"  # id + the six per-answer scalars, when the detector reads them
+# columns a table gained after stores were first written: older shards lack them (readers
+# pass the full schema and read nulls; `actmap store verify` does not call them damage)
+COLUMNS_ADDED_LATER = {"audit": ("policy",)}
 SERVED_SPLIT_SEED = 0
 SAMPLING_CHOICES = ("auto", "sample", "all")
 
