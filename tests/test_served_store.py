@@ -85,6 +85,11 @@ def label_all(root, blocks, seed=0) -> dict[str, int]:
     """A label for every served answer drawn from its own p(correct); returns {map id: label}."""
     rng = np.random.default_rng(seed)
     labels = {b["map_id"]: int(rng.random() < b["p_correct"]) for b in blocks}
+    for split in ("train", "validation", "test"):  # both labels in every split (map ids are
+        keys = [k for k in labels if hand_split(k) == split]  # random, so are the splits)
+        assert len(keys) >= 2, f"the served rows left '{split}' with {len(keys)} rows"
+        if len({labels[k] for k in keys}) == 1:
+            labels[keys[0]] = 1 - labels[keys[0]]
     trail = AuditTrail(root, background=False)
     try:
         for key, label in labels.items():
