@@ -206,3 +206,33 @@ def test_stores_written_before_labels_still_load(tmp_path):
     assert summary["served"] == {
         "labelled": 0, "in_sample": 0, "queued": 0, "history": 0, "counted": "all"
     }  # fmt: skip
+
+
+def test_verify_and_repair_a_damaged_labels_shard(served, tmp_path):
+    """A torn labels shard is damage that verify names and repair sets aside; the other
+    labels and every served row stay."""
+    import shutil
+
+    _, root, blocks = served
+    copy = tmp_path / "audit"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("*.lock"))
+    kept, torn = blocks[0]["map_id"], blocks[1]["map_id"]
+    with served_sampling("all"):  # (the module's other tests may have labelled them already)
+        earlier = row_metadata(MapStore.open(copy)).set_index("id").loc[torn, "label"]
+    trail = AuditTrail(copy, background=False)
+    trail.add_label(kept, 1, "test")
+    trail.add_label(torn, 0 if np.isnan(earlier) else 1 - int(earlier), "test")  # differs
+    trail.close()
+    shard = MapStore.open(copy).shards("labels")[-1]
+    shard.write_bytes(shard.read_bytes()[:40])  # a torn file
+    verify = runner.invoke(app, ["store", "verify", str(copy)])
+    assert verify.exit_code == 1 and shard.name in verify.output
+    repair = runner.invoke(app, ["store", "repair", str(copy)])
+    assert repair.exit_code == 0 and f"moved labels/{shard.name}" in repair.output
+    assert runner.invoke(app, ["store", "verify", str(copy)]).exit_code == 0
+    with served_sampling("all"):
+        meta = row_metadata(MapStore.open(copy)).set_index("id")
+    assert len(meta) == N_ANSWERS and meta.loc[kept, "label"] == 1
+    # the torn shard's label is gone: the answer has the label it had before, if any
+    after = meta.loc[torn, "label"]
+    assert (np.isnan(after) and np.isnan(earlier)) or after == earlier
