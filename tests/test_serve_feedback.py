@@ -6,6 +6,7 @@ nothing already in the store."""
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -85,3 +86,24 @@ def test_feedback_labels_reach_the_store_and_bad_input_loses_nothing(tmp_path):
     queued = set(open_audit_store(root).read_table("review").to_pandas()["id"])
     assert pending == queued - {first, second}
     assert queue.json()["pending"] == len(pending) and queue.json()["text_kept"] is True
+
+
+def test_review_sample_setting_reaches_the_audit_trail(tmp_path):
+    from actmap.errors import ActmapUserError
+    from actmap.serve.app import ServeSettings, _audit
+    from actmap.serve.audit import AuditTrail
+    from actmap.serve.loaded_run import load_detector_run
+
+    run = tmp_path / "run"
+    save_tiny_detector(run)
+    settings = ServeSettings(detector=run, audit=tmp_path / "audit", review_sample=0.25)
+    trail = _audit(settings, load_detector_run(run))
+    try:
+        assert trail.review_sample == 0.25
+        drawn = [trail.in_sample(f"id-{i}") for i in range(4000)]
+        assert abs(np.mean(drawn) - 0.25) < 0.03  # a uniform share of all answers
+        assert trail.in_sample("id-7") == trail.in_sample("id-7")  # fixed by the id
+    finally:
+        trail.close()
+    with pytest.raises(ActmapUserError, match=r"review_sample must be in \[0, 1\]"):
+        AuditTrail(tmp_path / "other", review_sample=1.5)
