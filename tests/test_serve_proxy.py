@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -21,6 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.testclient import TestClient  # noqa: E402
 from serve_helpers import (  # noqa: E402
     TINY_SOURCE,
+    ServerThread,
+    free_port,
     reference,
     save_tiny_detector,
     tiny_engine,
@@ -35,36 +36,6 @@ from actmap.serve.engine import Engine  # noqa: E402
 from actmap.store import MapStore  # noqa: E402
 
 QUESTION = "what is the capital of paris"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerThread:
-    """A uvicorn server on loopback in a thread (its lifespan runs as in `actmap serve`)."""
-
-    def __init__(self, app, port: int | None = None) -> None:
-        self.app, self.port = app, port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.time() > deadline:
-                raise RuntimeError(f"server on {self.url} did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 def plain_upstream() -> FastAPI:

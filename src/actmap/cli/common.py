@@ -342,3 +342,13 @@ def vllm_compile_option():
         help="vLLM engines: run vLLM's compiled model (piecewise CUDA graphs on a GPU) or eager "
         "mode (default: compiled on a GPU, eager on CPU, where Inductor takes minutes).",
     )
+
+
+def sampling_option():
+    """``--sampling`` of the commands that read an audit store's labelled rows."""
+    return typer.Option(
+        "auto",
+        help="Audit stores (`serve --audit`): which labels count. sample: only answers in the "
+        "review queue's uniform random sample (unbiased: the review band is over-sampled) | "
+        "all: every label | auto: sample when the queue holds a random sample, else all.",
+    )

@@ -9,7 +9,14 @@ import typer
 
 from actmap.atomic import atomic_write_text
 from actmap.cli.app import app
-from actmap.cli.common import console, mean_std, parse_ints, progress_bar, user_errors
+from actmap.cli.common import (
+    console,
+    mean_std,
+    parse_ints,
+    progress_bar,
+    sampling_option,
+    user_errors,
+)
 
 
 def train_with_progress(
@@ -91,9 +98,12 @@ def train(
         help="Delete --out first. Without it, --out may only hold seeds of the same detector "
         "and recipe (they are extended).",
     ),
+    sampling: str = sampling_option(),
 ) -> None:
     """Train a detector with the paper's recipe, one run per seed, and test each selected checkpoint once."""
-    with user_errors():
+    from actmap.store.served import served_sampling
+
+    with user_errors(), served_sampling(sampling):
         from actmap.device import resolve_device
         from actmap.experiments.seeds import recipe_config
         from actmap.training.run_folder import extend_run_record, prepare_run_folder
@@ -171,9 +181,12 @@ def evaluate(
     out: Path = typer.Option(
         None, "--out", "-o", help="JSON file for the metrics (default <run>/evaluation.json)."
     ),
+    sampling: str = sampling_option(),
 ) -> None:
     """AUROC / AUPRC / ECE per seed and their mean, written as JSON."""
-    with user_errors():
+    from actmap.store.served import served_sampling
+
+    with user_errors(), served_sampling(sampling):
         from actmap.experiments.seeds import evaluate_run
 
         result = evaluate_run(run, store, rows)

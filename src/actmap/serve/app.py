@@ -33,6 +33,7 @@ from actmap.serve.answers import PrefixCache, chat_prefix, score_answers
 from actmap.serve.api_errors import APIError
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
+from actmap.serve.feedback import install_feedback_route
 from actmap.serve.prometheus import ServeMetrics
 from actmap.serve.protocol import (
     ActmapInfo,
@@ -58,6 +59,8 @@ from actmap.serve.protocol import (
     random_id,
 )
 from actmap.serve.proxy import install_proxy_routes, start_proxy, stop_proxy
+from actmap.serve.reload import install_reload_route
+from actmap.serve.review import REVIEW_PAGE, install_review_routes
 from actmap.serve.score_endpoint import install_score_route
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,7 @@ class ServeSettings:
     audit_text: bool = False  # keep prompt and answer text in the audit store (off: hash only)
     audit_max_rows: int | None = None
     audit_max_age_days: float | None = None
+    review_sample: float = 0.0  # share of all answers queued for review at random (the audit)
     served_model_name: str | None = None  # the name clients send as "model"; default: model
     api_key: str | None = None  # bearer token; None = no auth
     default_max_tokens: int = 64
@@ -188,6 +192,7 @@ def _audit(settings: ServeSettings, detector):
         keep_text=settings.audit_text,
         max_rows=settings.audit_max_rows,
         max_age_days=settings.audit_max_age_days,
+        review_sample=settings.review_sample,
     )
 
 
@@ -366,7 +371,8 @@ class ServerState:
             p_correct=answer.p_correct,
             p_correct_raw=answer.p_correct_raw,
             decision=answer.decision,
-            detector=self.engine.detector.id,
+            detector=answer.detector or self.engine.detector.id,  # the one that scored it
+            policy=answer.policy,
             map_id=answer.map_id,
             prevalence=answer.prevalence,
             shift=None if answer.shift is None else ShiftInfo(**answer.shift.to_json()),
@@ -383,7 +389,7 @@ def _detector_id(state: ServerState) -> str | None:
 class Guard:
     """Bearer-token check and request body limit, before anything is parsed."""
 
-    OPEN_PATHS = ("/health",)
+    OPEN_PATHS = ("/health", REVIEW_PAGE)  # the review page holds no data: its calls need the key
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
@@ -513,6 +519,9 @@ def create_app(
         return ModelList(data=[card])
 
     install_score_route(app)
+    install_feedback_route(app)
+    install_review_routes(app)
+    install_reload_route(app)
     if settings.upstream is not None:
         install_proxy_routes(app)  # answers come from the upstream, read by teacher forcing
         app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)

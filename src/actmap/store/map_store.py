@@ -298,12 +298,14 @@ class MapStore:
                 found.append(relative.as_posix())
         return sorted(set(found))
 
-    def dataset(self, table: str = "maps") -> ds.Dataset:
+    def dataset(self, table: str = "maps", schema: pa.Schema | None = None) -> ds.Dataset:
+        """``table``'s shards as one dataset; with ``schema``, shards written before a column
+        was added read it as nulls (without it, the first shard's columns win)."""
         shards = self.shards(table)
         if not shards:
             raise StoreError(f"{self.root} has no table '{table}'")
         try:
-            return ds.dataset([str(s) for s in shards], format="parquet")
+            return ds.dataset([str(s) for s in shards], format="parquet", schema=schema)
         except pa.ArrowInvalid as error:
             raise StoreError(
                 f"a shard of '{table}' in {self.root} is corrupt: {error}; "
@@ -314,12 +316,16 @@ class MapStore:
         return bool(self.shards(table))
 
     def read_table(
-        self, table: str = "maps", columns: Sequence[str] | None = None, where=None
+        self,
+        table: str = "maps",
+        columns: Sequence[str] | None = None,
+        where=None,
+        schema: pa.Schema | None = None,
     ) -> pa.Table:
         """``table``'s ``columns`` (all by default), the rows that match ``where`` (a
-        `pyarrow.compute` expression, applied as each shard is read)."""
+        `pyarrow.compute` expression, applied as each shard is read); ``schema``: see `dataset`."""
         try:
-            return self.dataset(table).to_table(
+            return self.dataset(table, schema).to_table(
                 columns=list(columns) if columns else None, filter=where
             )
         except (pa.ArrowInvalid, OSError) as error:
