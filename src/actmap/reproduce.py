@@ -32,7 +32,7 @@ from actmap.baselines.options import BaselineOptions
 from actmap.baselines.runner import run_baselines
 from actmap.detectors import all_detectors
 from actmap.errors import ActmapUserError
-from actmap.experiments.seeds import PLUS_SEED, recipe_config, train_on_store, train_plus_run
+from actmap.experiments.seeds import recipe_config, train_on_store, train_plus_run
 from actmap.experiments.stacked import train_stacked_run
 from actmap.report.assemble import build_report
 from actmap.report.inputs import find_runs, read_judge_checks, store_refs
@@ -40,7 +40,12 @@ from actmap.report.registry import select_sections
 from actmap.report.sections import ReportContext, check_rows
 from actmap.store import MapStore
 from actmap.store.lock import StoreLocked, acquire
-from actmap.training.run_folder import extend_run_record, prepare_run_folder, seed_finished
+from actmap.training.run_folder import (
+    ONE_FIT_SEED,
+    extend_run_record,
+    prepare_run_folder,
+    seed_finished,
+)
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +426,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
 
     def seeds() -> tuple[int, ...]:
 
-        return (PLUS_SEED,) if plus else config.seeds
+        return (ONE_FIT_SEED,) if plus else config.seeds
 
     def work(progress: Progress) -> None:
 
@@ -509,7 +514,7 @@ def plus_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: P
         return (
             key is not None
             and key.get("source") == source_content(spec.path)
-            and seed_finished(out, 0)
+            and seed_finished(out, ONE_FIT_SEED)
         )
 
     return Stage(f"train/{spec.name}/{detector}", dict, work, state, ready=ready, store=spec.name)

@@ -42,6 +42,7 @@ from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
 from actmap.stacked import PRESETS, StackConfig, StackedPlus, stack_inputs
 from actmap.store import MapStore
 from actmap.store.rows import Rows
+from actmap.training.run_folder import ONE_FIT_SEED, seed_folder
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def train_stacked_run(
     sets = store_rows(store)
     scored = stacked_scored(store, sets, preset, fallback)
     est, test, out = scored.estimator, sets["test"], Path(out)
-    folder = out / "seed-0"
+    folder = seed_folder(out, ONE_FIT_SEED)
     inputs = {"store_config": store.manifest.get("config")}  # the map settings serving reads
     details = {"store": str(store_path), "inputs": inputs, "preset": preset, **scored.details}
     details["validation_auroc"] = scored.validation_auroc
@@ -146,7 +147,7 @@ def train_stacked_run(
     scores.write_parquet(folder / "test_scores.parquet")
     result = scoring_metrics(scores)
     write_json(folder / "metrics.json", result)
-    summary = summarize_runs([SimpleNamespace(seed=0, test_metrics=result)])
+    summary = summarize_runs([SimpleNamespace(seed=ONE_FIT_SEED, test_metrics=result)])
     write_json(out / "summary.json", {"detector": "actmap-plus", **summary, **details})
     return {**summary, "detector": f"actmap-plus ({preset})", "selected": est.selected_}
 
