@@ -58,6 +58,7 @@ def test_running_auroc_matches_a_naive_loop(tmp_path):
     test = [(t, r) for t, r in zip(trajectories, records, strict=True) if r.split == "test"]
     labels = np.array([r.label for _, r in test])
     assert result.n == 12 and result.n_correct == labels.sum()
+    running = 0
     for position in result.positions:
         k = position.position
         scores, alive = [], []
@@ -73,6 +74,10 @@ def test_running_auroc_matches_a_naive_loop(tmp_path):
             assert position.auroc_running == pytest.approx(
                 roc_auc_score(labels[alive], scores[alive]), abs=1e-9
             )
+            running += 1
+        else:
+            assert position.auroc_running is None
+    assert running >= 2  # the running AUROC was compared at positions 1 and 2 at least
     # whole answers: the stored maps' scores
     maps, meta = store.load_maps([r.id for _, r in test])
     assert result.final_auroc == pytest.approx(

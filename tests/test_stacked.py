@@ -88,9 +88,8 @@ def test_presets_fit_choose_on_validation_and_round_trip(preset, data, tmp_path)
     (train, y), (val, y_val), (test, _) = data["train"], data["val"], data["test"]
     config = StackConfig(preset=preset, map_components=8, tad_previous=KEYS)
     est = StackedPlus(config).fit(train, y, val, y_val)
-    probe = est.blocks_.get("probe:last_answer")
-    if probe is not None:
-        assert probe.choices["layer"] == INFORMATIVE_LAYER  # chosen on validation
+    probe = est.blocks_["probe:last_answer"]  # in both presets, and the rows hold positions
+    assert probe.choices["layer"] == INFORMATIVE_LAYER  # chosen on validation
     assert est.selected_  # at least one block stacked
     if preset == "deployable":
         assert not set(est.selected_) & set(ATTENTION_BLOCKS)
@@ -136,9 +135,9 @@ def test_full_preset_needs_attention_where_it_uses_it(data):
     (train, y), (val, y_val) = data["train"], data["val"]
     est = StackedPlus(StackConfig(preset="full", map_components=8, tad_previous=KEYS))
     est.fit(train, y, val, y_val)
-    if set(est.selected_) & set(ATTENTION_BLOCKS):
-        with pytest.raises(ValueError, match="attention"):
-            est.decision_function(StackRows(val.maps, val.scalars, val.positions, None))
+    assert set(est.selected_) & set(ATTENTION_BLOCKS)  # selection "all": every block stacks
+    with pytest.raises(ValueError, match="attention"):
+        est.decision_function(StackRows(val.maps, val.scalars, val.positions, None))
 
 
 def test_version_1_still_loads_and_names_version_2(tmp_path, data):
