@@ -36,7 +36,7 @@ from actmap.experiments.compare_product import (
     score_test_once,
     store_rows,
 )
-from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs
+from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs, train_plus_run
 from actmap.scoring import metrics
 from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
 from actmap.stacked import PRESETS, StackConfig, StackedPlus, stack_inputs
@@ -114,6 +114,27 @@ def preset_for_store(store) -> str:
     if not store.has_table("positions"):
         return "v1"
     return "full" if store.has_table("attention") else "deployable"
+
+
+PLUS_PRESETS = ("auto", "v1", *PRESETS)  # what `train_plus_preset` takes
+
+
+def train_plus_preset(
+    store_path: str | Path, out: str | Path, preset: str = "auto", fallback: bool = True
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Train actmap-plus on a store into the run folder ``out`` with ``preset``: "v1"
+    (`train_plus_run`), a stacked preset (`train_stacked_run`), or "auto", the richest the
+    store can train (`preset_for_store`). Returns (the preset trained, the run summary, the
+    fit's details: v1's chosen settings, or the stacked blocks selected)."""
+    if preset not in PLUS_PRESETS:
+        raise ActmapUserError(f"--preset must be one of {', '.join(PLUS_PRESETS)}, got {preset!r}")
+    if preset == "auto":
+        preset = preset_for_store(MapStore.open(store_path))
+    if preset == "v1":
+        summary, details = train_plus_run(store_path, out)
+        return preset, summary, details
+    summary = train_stacked_run(store_path, out, preset, fallback)
+    return preset, summary, {"selected": summary["selected"]}
 
 
 def train_stacked_run(
