@@ -134,12 +134,18 @@ def test_proxied_answer_map_and_score_equal_generation_time_capture(proxy, upstr
     assert np.abs(served - expected).max() <= 2e-3 * max(1.0, np.abs(expected).max())
 
 
-def test_openai_client_plain_and_streaming(proxy):
+def test_openai_client_plain_and_streaming(proxy, run):
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "who wrote the red river"}]
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
     block = plain.model_extra["actmap"]
-    assert 0 <= block["p_correct"] <= 1 and block["detector"].startswith("logreg:")
+    assert block["detector"].startswith("logreg:")
+    # the reference: generation-time capture on the same weights, read by the same detector
+    engine = tiny_engine(run)
+    gen, p_raw = reference(engine, engine.render_chat(messages), max_tokens=6)
+    assert plain.choices[0].message.content == gen.answer
+    assert block["p_correct_raw"] == pytest.approx(p_raw, abs=1e-5)
+    assert block["p_correct"] == pytest.approx(p_raw, abs=1e-5)  # no policy: no prior shift
     chunks = list(
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, stream=True)
     )
@@ -151,6 +157,9 @@ def test_openai_client_plain_and_streaming(proxy):
     )
     completion = client.completions.create(model="tiny", prompt="the capital of", max_tokens=4)
     assert completion.model_extra["actmap"]["tokens"]["source"] == "retokenized"
+    gen, p_raw = reference(engine, "the capital of", max_tokens=4)
+    assert completion.choices[0].text == gen.answer
+    assert completion.model_extra["actmap"]["p_correct_raw"] == pytest.approx(p_raw, abs=1e-5)
     streamed = list(client.completions.create(model="tiny", prompt="the capital of", max_tokens=4, stream=True))  # fmt: skip
     assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.choices[0].text
     assert streamed[-1].model_extra["actmap"]["p_correct_raw"] == pytest.approx(

@@ -110,26 +110,19 @@ def train(
 
         resolve_device(device)  # a device this machine lacks fails before any work
         if detector == "actmap-plus":
-            from actmap.experiments.seeds import train_plus_run
+            from actmap.experiments.stacked import train_plus_preset
 
             prepare_run_folder(out, detector, None, overwrite)
+            chosen, summary, details = train_plus_preset(store, out, preset, fallback)
             if preset == "auto":
-                from actmap.experiments.stacked import preset_for_store
-                from actmap.store import MapStore
-
-                preset = preset_for_store(MapStore.open(store))
-                console.print(f"actmap-plus preset: {preset} (what {store} holds)")
-            if preset == "v1":
-                summary, details = train_plus_run(store, out)
+                console.print(f"actmap-plus preset: {chosen} (what {store} holds)")
+            if chosen == "v1":
                 console.print(
                     f"actmap-plus: {details['selected']} on {details['train_rows']} rows "
                     f"(validation AUROC {details['validation_auroc']:.3f})"
                 )
             else:
-                from actmap.experiments.stacked import train_stacked_run
-
-                summary = train_stacked_run(store, out, preset, fallback)
-                console.print(f"actmap-plus ({preset}): blocks {', '.join(summary['selected'])}")
+                console.print(f"actmap-plus ({chosen}): blocks {', '.join(details['selected'])}")
             print_summary(summary)
             console.print(f"run written to {out}")
             return

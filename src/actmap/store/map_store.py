@@ -29,7 +29,7 @@ from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
 from actmap.maps import MAP_SHAPE, stored_form
 from actmap.store.config import check_config, normalize_config
-from actmap.store.encoding import latest_rows, maps_from_column, write_parquet
+from actmap.store.encoding import decode_rows, latest_rows, maps_from_column, write_parquet
 from actmap.store.errors import StoreError
 from actmap.store.lock import acquire
 from actmap.store.schema import (
@@ -347,6 +347,19 @@ class MapStore:
         if ids is not None:
             where = pc.field("id").isin(pa.array(sorted(set(ids)), pa.string()))
         return latest_rows(self.read_table(table, wanted, where))
+
+    def read_arrays(self, table: str, ids: Sequence[str], hint: str = "") -> dict[str, np.ndarray]:
+        """{id: float16 array} of side table ``table`` (trajectories, dense, positions,
+        attention) for ``ids``, the last row of each; only those rows are read. An id without
+        a row raises `StoreError` (``hint`` says how to add them)."""
+        out = decode_rows(self.read_latest(table, ids=ids), table, ids)
+        missing = [key for key in ids if key not in out]
+        if missing:
+            raise StoreError(
+                f"{self.root}: {len(missing)} rows have no {table} (e.g. {missing[:3]})"
+                + (f"; {hint}" if hint else "")
+            )
+        return out
 
     def ids(self, table: str = "maps") -> set[str]:
         if not self.has_table(table):
