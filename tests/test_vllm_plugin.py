@@ -66,13 +66,10 @@ def detector_for(run: Path, generator: Path) -> Path:
     """An actmap-plus run whose training maps, it says, came from ``generator``."""
     from actmap.detectors.plus import ActMapPlus
 
-    plus = ActMapPlus.load(save_tiny_plus(run / "fit"))
+    plus = ActMapPlus.load(save_tiny_plus(run.with_name(run.name + "-fit")))
     store_config = {"model": {"name": str(generator), "revision": "local", "gguf_file": None}}
     plus.save(run / "seed-0", metadata={"validation_auroc": 0.5,
                                         "inputs": {"store_config": store_config}})  # fmt: skip
-    for path in (run / "fit").iterdir():
-        path.unlink()
-    (run / "fit").rmdir()
     return run
 
 
@@ -149,6 +146,16 @@ def expected(reference_model, token_ids: list[int], messages=MESSAGES):
     return float(detector.detector.predict_proba(stored[None], scalars)[0]), stored
 
 
+def same_score(served: float, reference: float) -> bool:
+    """Equal within 1e-3, and in log-odds within 1e-3 (the detector's scores sit near 0 on these
+    random answers, where an absolute tolerance alone says little)."""
+
+    def logit(p: float) -> float:
+        return float(np.log(p) - np.log1p(-p))
+
+    return abs(served - reference) <= 1e-3 and abs(logit(served) - logit(reference)) <= 1e-3
+
+
 def audit_maps(root: Path, wanted: set[str], timeout_s: float = 60) -> dict:
     """The audit store's maps of ``wanted`` ids (the server's writer commits in the background)."""
     deadline = time.time() + timeout_s
@@ -181,7 +188,7 @@ def test_plain_and_streamed_answers_carry_the_block(servers, reference_model):
     tokens = plain.choices[0].model_extra["token_ids"]
     assert len(tokens) == plain.usage.completion_tokens
     p_raw, stored = expected(reference_model, tokens)
-    assert block["p_correct_raw"] == pytest.approx(p_raw, abs=1e-3)
+    assert same_score(block["p_correct_raw"], p_raw)
     # the policy's default prior: none, so the corrected score is the raw one
     assert block["p_correct"] == pytest.approx(block["p_correct_raw"], abs=1e-9)
 
@@ -190,7 +197,7 @@ def test_plain_and_streamed_answers_carry_the_block(servers, reference_model):
         model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
     )
     assert again.choices[0].message.content == plain.choices[0].message.content
-    assert again.model_extra["actmap"]["p_correct_raw"] == pytest.approx(p_raw, abs=1e-3)
+    assert same_score(again.model_extra["actmap"]["p_correct_raw"], p_raw)
     assert again.model_extra["actmap"]["map_id"] != block["map_id"]
 
     chunks = list(
@@ -202,7 +209,7 @@ def test_plain_and_streamed_answers_carry_the_block(servers, reference_model):
     assert text == plain.choices[0].message.content
     final = chunks[-1]
     assert final.choices == [] and final.id == chunks[0].id
-    assert final.model_extra["actmap"]["p_correct_raw"] == pytest.approx(p_raw, abs=1e-3)
+    assert same_score(final.model_extra["actmap"]["p_correct_raw"], p_raw)
 
     maps = audit_maps(servers["root"], {block["map_id"]})
     served = maps[block["map_id"]].astype(np.float32)
@@ -220,7 +227,7 @@ def test_n_2_completion_and_tools_carry_a_block_each(servers, reference_model):
     for choice in two.choices:
         block = choice.model_extra["actmap"]
         p_raw, _ = expected(reference_model, choice.model_extra["token_ids"])
-        assert block["p_correct_raw"] == pytest.approx(p_raw, abs=1e-3), choice.index
+        assert same_score(block["p_correct_raw"], p_raw), choice.index
     assert two.model_extra["actmap"] == two.choices[0].model_extra["actmap"]
     assert two.choices[0].model_extra["actmap"]["map_id"] != two.choices[1].model_extra[
         "actmap"]["map_id"]  # fmt: skip
@@ -248,7 +255,7 @@ def test_n_2_completion_and_tools_carry_a_block_each(servers, reference_model):
         tool_choice="none", extra_body={"return_token_ids": True},
     )  # fmt: skip
     p_raw, _ = expected(reference_model, with_tools.choices[0].model_extra["token_ids"])
-    assert with_tools.model_extra["actmap"]["p_correct_raw"] == pytest.approx(p_raw, abs=1e-3)
+    assert same_score(with_tools.model_extra["actmap"]["p_correct_raw"], p_raw)
 
 
 def test_structured_output_passes_through_with_a_block(servers, reference_model):
@@ -257,9 +264,9 @@ def test_structured_output_passes_through_with_a_block(servers, reference_model)
         model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"structured_outputs": {"choice": ["paris", "rome"]}, "return_token_ids": True},
     )  # fmt: skip
-    assert chosen.choices[0].message.content in ("paris", "rome")
+    assert chosen.choices[0].message.content.strip() in ("paris", "rome")
     p_raw, _ = expected(reference_model, chosen.choices[0].model_extra["token_ids"])
-    assert chosen.model_extra["actmap"]["p_correct_raw"] == pytest.approx(p_raw, abs=1e-3)
+    assert same_score(chosen.model_extra["actmap"]["p_correct_raw"], p_raw)
 
 
 def test_requests_vllm_rejects_get_vllms_own_error(servers):
