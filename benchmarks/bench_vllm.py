@@ -258,12 +258,16 @@ def part_servers(args, prompts: list[str], folder: str) -> list[dict]:
                     if r["mode"] == kind:
                         r["peak_rss_mib"] = round(peak, 1) if peak else None
             finally:
-                process.terminate()
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+                stop_server(process)
     return rows
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def tree_peak_rss_mib(pid: int) -> float | None:

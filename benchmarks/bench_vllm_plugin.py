@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import free_port, make_detector, questions  # noqa: E402
-from bench_vllm import SRC, http_load, tree_peak_rss_mib, wait  # noqa: E402
+from bench_vllm import SRC, http_load, stop_server, tree_peak_rss_mib, wait  # noqa: E402
 
 PLUGIN = [
     "--worker-extension-cls", "actmap.capture.vllm_worker.ActmapWorker",
@@ -77,11 +77,7 @@ def one_server(args, folder: str, prompts: list[str], plugin: bool) -> list[dict
             for row in rows:
                 row["peak_rss_mib"] = round(peak, 1) if peak else None
         finally:
-            process.terminate()
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_server(process)
     return rows
 
 

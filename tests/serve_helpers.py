@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +102,13 @@ def reference(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS, n_token
         scalars = answer_scalars(gen.logprobs[:n], gen.entropies[:n])[None]
         return gen, float(detector.predict_proba(stored, scalars)[0])
     return gen, float(detector.predict_proba(stored)[0])
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """End a server started with ``start_new_session=True`` and every process it started."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'actmap[vllm]')")
 from conftest import make_word_tokenizer  # noqa: E402
 from serve_helpers import CHAT_TEMPLATE, save_tiny_plus  # noqa: E402
+from serve_helpers import stop_process_group as stop  # noqa: E402
 from test_serve_proxy import free_port  # noqa: E402
 
 import actmap  # noqa: E402
@@ -89,15 +89,6 @@ def start_vllm(folder: Path, run: Path, audit: Path, log: Path) -> tuple[subproc
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     return process, f"http://127.0.0.1:{port}"
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +225,13 @@ def test_n_2_completion_and_tools_carry_a_block_each(servers, reference_model):
 
     streamed = list(
         client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0, n=2,
-            seed=3, stream=True,
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            n=2,
+            seed=3,
+            stream=True,
         )  # fmt: skip
     )
     final = streamed[-1]
@@ -248,8 +244,16 @@ def test_n_2_completion_and_tools_carry_a_block_each(servers, reference_model):
     )  # fmt: skip
     assert 0 <= completion.model_extra["actmap"]["p_correct"] <= 1
 
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "find a city",
-              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "find a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     with_tools = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, tools=tools,
         tool_choice="none", extra_body={"return_token_ids": True},

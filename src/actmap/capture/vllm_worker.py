@@ -126,7 +126,7 @@ def _check_compilation(vllm_config) -> None:
     if "FULL" in mode:
         raise ActmapUserError(
             f"cudagraph_mode={mode} replays the layers without Python: actmap's capture needs "
-            "PIECEWISE or NONE (-cc '{\"cudagraph_mode\": \"PIECEWISE\"}')"
+            'PIECEWISE or NONE (-cc \'{"cudagraph_mode": "PIECEWISE"}\')'
         )
     if compilation.splitting_ops is not None and RECORD_OP not in compilation.splitting_ops:
         compilation.splitting_ops.append(RECORD_OP)

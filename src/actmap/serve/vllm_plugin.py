@@ -188,9 +188,7 @@ class VllmPlugin:
         started = time.perf_counter()
         items = await self.taker.take(base)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self.pool, self._score, items, body, endpoint, started
-        )
+        return await loop.run_in_executor(self.pool, self._score, items, body, endpoint, started)
 
     def _score(self, items: list[dict], body: dict, endpoint: str, started: float) -> dict:
         stop = _stop_strings(body)
