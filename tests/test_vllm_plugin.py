@@ -298,3 +298,15 @@ def test_a_detector_of_another_generator_refuses_to_start(servers):
     assert len(lines) == 1, log[-3000:]
     assert "another-model" in lines[0] and str(servers["folder"]) in lines[0]
     assert "Application startup failed" in log
+
+
+def test_client_request_id_and_metrics(servers):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    out = httpx.post(servers["url"] + "/v1/chat/completions", json=body,
+                     headers={"X-Request-Id": "client-chose-this"}, timeout=120).json()  # fmt: skip
+    assert out["id"] == "chatcmpl-client-chose-this" and out["actmap"]["map_id"]
+    text = httpx.get(servers["url"] + "/metrics", timeout=60).text
+    answered = [line for line in text.splitlines()
+                if line.startswith('actmap_requests_total{endpoint="chat",status="200"}')]  # fmt: skip
+    assert answered and float(answered[0].split()[-1]) >= 1
+    assert "actmap_p_correct_count" in text and "vllm:" in text  # beside vLLM's own metrics

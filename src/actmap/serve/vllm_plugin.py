@@ -39,7 +39,7 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from actmap.capture.vllm_engine import _end_ids
@@ -49,6 +49,7 @@ from actmap.llm.models import ModelSource, resolve_model
 from actmap.serve.app import ServeSettings, actmap_info, audit_trail, load_scoring
 from actmap.serve.engine import Engine, Job
 from actmap.serve.loaded_run import generator_problem
+from actmap.serve.prometheus import ServeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,16 @@ class VllmPlugin:
     def __init__(self, engine: Engine, taker: _Taker, ends: set[int]) -> None:
         self.engine, self.taker, self.ends = engine, taker, ends
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="actmap-score")
+        self.metrics = ServeMetrics()  # actmap serve's metrics, on vLLM's /metrics
+
+    def expose_metrics(self) -> None:
+        """Serve the ``actmap_*`` metrics from vLLM's own ``/metrics`` (its registry)."""
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        try:
+            get_prometheus_registry().register(self.metrics.registry)
+        except ValueError as error:  # names taken (a second plugin in this process)
+            log.warning("actmap: metrics not exposed: %s", error)
 
     @classmethod
     async def start(cls, app_state) -> VllmPlugin:
@@ -176,19 +187,21 @@ class VllmPlugin:
             monitor=monitor,
         )  # fmt: skip
         log.info("actmap: scoring vLLM's answers with %s (workers: %s)", detector.id, infos)
-        return cls(engine, _Taker(client), _end_ids(model_config.tokenizer, tokenizer))
+        plugin = cls(engine, _Taker(client), _end_ids(model_config.tokenizer, tokenizer))
+        plugin.expose_metrics()
+        return plugin
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         if self.engine.audit is not None:
             self.engine.audit.close()
 
-    async def blocks(self, base: str, body: dict, endpoint: str) -> dict[int, dict]:
-        """choice index -> its ``actmap`` block, for the request vLLM named after ``base``."""
-        started = time.perf_counter()
+    async def blocks(self, base: str, body: dict, endpoint: str, arrived: float) -> dict[int, dict]:
+        """choice index -> its ``actmap`` block, for the request vLLM named after ``base``
+        (``arrived``: `time.perf_counter` when the request came in, for the latency metric)."""
         items = await self.taker.take(base)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self._score, items, body, endpoint, started)
+        return await loop.run_in_executor(self.pool, self._score, items, body, endpoint, arrived)
 
     def _score(self, items: list[dict], body: dict, endpoint: str, started: float) -> dict:
         stop = _stop_strings(body)
@@ -207,6 +220,10 @@ class VllmPlugin:
             for g in generations
         ]  # fmt: skip
         answers = self.engine.score(jobs, generations, started) if jobs else []
+        for answer in answers:
+            self.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
+        if self.engine.monitor is not None and answers:
+            self.metrics.observe_shift(self.engine.monitor.state())
         return {
             item["index"]: actmap_info(self.engine, answer).model_dump()
             for item, answer in zip(items, answers, strict=True)
@@ -311,19 +328,33 @@ class ActmapMiddleware:
             scope = {**scope, "headers": headers}
         n = body.get("n")
         n = n if isinstance(n, int) and n > 1 else 1
+        request = _Request(base, body, endpoint, n, time.perf_counter())
         if body.get("stream"):
-            sender = _StreamSender(send, self.plugin, base, body, endpoint, n)
+            sender = _StreamSender(send, self.plugin, request)
         else:
-            sender = _JsonSender(send, self.plugin, base, body, endpoint, n)
+            sender = _JsonSender(send, self.plugin, request)
         await self.app(scope, replay, sender)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One chat / completion request as the middleware sees it."""
+
+    base: str  # the X-Request-Id vLLM names the request (and its children) after
+    body: dict
+    endpoint: str  # chat | completion
+    n: int  # choices
+    arrived: float  # time.perf_counter()
+
+    async def blocks(self, plugin: VllmPlugin) -> dict[int, dict]:
+        return await plugin.blocks(self.base, self.body, self.endpoint, self.arrived)
 
 
 class _JsonSender:
     """Holds vLLM's JSON answer until the blocks are in it (other statuses pass untouched)."""
 
-    def __init__(self, send, plugin: VllmPlugin, base, body, endpoint, n) -> None:
-        self.send, self.plugin = send, plugin
-        self.base, self.body, self.endpoint, self.n = base, body, endpoint, n
+    def __init__(self, send, plugin: VllmPlugin, request: _Request) -> None:
+        self.send, self.plugin, self.request = send, plugin, request
         self.start: dict | None = None
         self.parts: list[bytes] = []
 
@@ -343,15 +374,15 @@ class _JsonSender:
         raw = b"".join(self.parts)
         try:
             out = json.loads(raw)
-            blocks = await self.plugin.blocks(self.base, self.body, self.endpoint)
+            blocks = await self.request.blocks(self.plugin)
             out["actmap"] = blocks.get(0, _missing(0))
-            if self.n > 1:
+            if self.request.n > 1:
                 for choice in out.get("choices") or ():
                     index = choice.get("index", 0)
                     choice["actmap"] = blocks.get(index, _missing(index))
             raw = json.dumps(out, ensure_ascii=False).encode()
         except Exception:  # vLLM's answer goes out as it was; the block says nothing
-            log.exception("actmap: scoring request %s failed", self.base)
+            log.exception("actmap: scoring request %s failed", self.request.base)
         headers = [(k, v) for k, v in self.start["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(raw)).encode()))
         await self.send({**self.start, "headers": headers})
@@ -363,9 +394,8 @@ class _StreamSender:
     chunk with the ``actmap`` block (``choices: []``; with ``n > 1`` one entry per choice,
     ``{"index", "delta": {}, "actmap"}``)."""
 
-    def __init__(self, send, plugin: VllmPlugin, base, body, endpoint, n) -> None:
-        self.send, self.plugin = send, plugin
-        self.base, self.body, self.endpoint, self.n = base, body, endpoint, n
+    def __init__(self, send, plugin: VllmPlugin, request: _Request) -> None:
+        self.send, self.plugin, self.request = send, plugin, request
         self.streaming = False
         self.pending = b""
         self.head: dict | None = None
@@ -413,15 +443,15 @@ class _StreamSender:
 
     async def _final(self) -> bytes:
         try:
-            blocks = await self.plugin.blocks(self.base, self.body, self.endpoint)
+            blocks = await self.request.blocks(self.plugin)
         except Exception:
-            log.exception("actmap: scoring request %s failed", self.base)
+            log.exception("actmap: scoring request %s failed", self.request.base)
             return b""
         chunk = {**(self.head or {}), "choices": [], "actmap": blocks.get(0, _missing(0))}
-        if self.n > 1:
-            empty = {"delta": {}} if self.endpoint == "chat" else {"text": ""}
+        if self.request.n > 1:
+            empty = {"delta": {}} if self.request.endpoint == "chat" else {"text": ""}
             chunk["choices"] = [
                 {"index": i, **empty, "finish_reason": None, "actmap": blocks.get(i, _missing(i))}
-                for i in range(self.n)
+                for i in range(self.request.n)
             ]
         return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
