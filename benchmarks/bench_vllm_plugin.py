@@ -13,7 +13,14 @@ Targets (issue 54): plugin >= 0.95x plain throughput at 16 and 64 concurrent, p5
 
     OMP_NUM_THREADS=1 python benchmarks/bench_vllm_plugin.py --concurrency 16,64 \\
         --requests 256 --repeats 3 --out runs/bench-vllm-plugin.json
-    # smoke run (tiny settings): --concurrency 2 --requests 4 --repeats 1 --max-tokens 4
+    # GPU (issue 54 item 6): an 8B-shaped folder (benchmarks/llama_8b_shaped.py), random
+    # weights, vLLM's compiled model with piecewise CUDA graphs (full ones are refused):
+    python benchmarks/llama_8b_shaped.py /tmp/llama-8b-shaped
+    python benchmarks/bench_vllm_plugin.py --model /tmp/llama-8b-shaped --dtype bfloat16 \
+        --compiled --concurrency 16,64 --requests 256 --repeats 3 \
+        --vllm-args "--load-format dummy -cc '{\"cudagraph_mode\": \"PIECEWISE\"}'"
+    # smoke run (tiny settings): --model <tiny folder> --max-model-len 256 --concurrency 2 \
+    #     --requests 4 --repeats 1 --max-tokens 4
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -43,10 +51,11 @@ def command(args, folder: str, port: int, plugin: bool, audit: Path) -> list[str
     out = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
         "--served-model-name", "bench", "--dtype", args.dtype, "--port", str(port),
-        "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "2048",
+        "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
     ]  # fmt: skip
     if not args.compiled:
         out.append("--enforce-eager")
+    out += shlex.split(args.vllm_args)
     if plugin:
         settings = {"actmap": {"detector": str(args.detector), "audit": str(audit)}}
         out += [*PLUGIN, "--additional-config", json.dumps(settings)]
@@ -59,13 +68,14 @@ def one_server(args, folder: str, prompts: list[str], plugin: bool) -> list[dict
     env = {**os.environ, "PYTHONPATH": SRC}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "w") as log:
+        # vLLM logs a lot: a pipe nobody reads would fill up and stop the server
         process = subprocess.Popen(
             command(args, folder, port, plugin, Path(tmp) / "audit"),
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
-            wait(process, base, "/health")
+            wait(process, base, "/health", log=Path(tmp) / "server.log")
             asyncio.run(http_load(base, "bench", prompts[:2], 1, args.max_tokens))  # warm-up
             for width in args.concurrency:
                 n = max(args.requests, width)
@@ -89,8 +99,12 @@ def main() -> None:
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--requests", type=int, default=256, help="requests per concurrency")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3, help="alternated server pairs")
     parser.add_argument("--compiled", action="store_true", help="no --enforce-eager")
+    parser.add_argument(
+        "--vllm-args", default="", help='more flags for both servers, e.g. "--load-format dummy"'
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]

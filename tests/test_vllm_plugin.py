@@ -45,16 +45,18 @@ MAX_TOKENS = 6
 START_S = 900
 
 
-def tiny_folder(folder: Path, seed: int = 0) -> Path:
-    """A random-weight Llama vLLM's CPU attention runs (head size 64) + the word tokenizer."""
+def tiny_folder(folder: Path, seed: int = 0, heads: int = 2) -> Path:
+    """A random-weight Llama vLLM's CPU attention runs (head size 64; ``heads`` query heads,
+    half as many key/value heads) + the word tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_word_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        vocab_size=len(tokenizer), hidden_size=64 * heads, intermediate_size=128 * heads,
+        num_hidden_layers=3, num_attention_heads=heads, num_key_value_heads=heads // 2,
+        max_position_embeddings=256,
         pad_token_id=0, eos_token_id=1, bos_token_id=None,
     )  # fmt: skip
     LlamaForCausalLM(config).eval().save_pretrained(folder)
@@ -73,10 +75,14 @@ def detector_for(run: Path, generator: Path) -> Path:
     return run
 
 
-def start_vllm(folder: Path, run: Path, audit: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start_vllm(
+    folder: Path, run: Path, audit: Path, log: Path, tensor_parallel: int = 1
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(actmap.__file__).parents[1])}  # fmt: skip
+    if tensor_parallel == 2:  # one core per rank (vLLM's CPU workers need a binding each)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     settings = {"actmap": {"detector": str(run), "audit": str(audit)}}
     with open(log, "w") as out:
         process = subprocess.Popen(
@@ -85,44 +91,59 @@ def start_vllm(folder: Path, run: Path, audit: Path, log: Path) -> tuple[subproc
              "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8",
              "--worker-extension-cls", "actmap.capture.vllm_worker.ActmapWorker",
              "--middleware", "actmap.serve.vllm_plugin.ActmapMiddleware",
-             "--additional-config", json.dumps(settings)],
+             "--additional-config", json.dumps(settings),
+             "--tensor-parallel-size", str(tensor_parallel)],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     return process, f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-plugin")
-    folder = tiny_folder(root / "tiny")
-    run = detector_for(root / "run", folder)
-    other = detector_for(root / "run-other", root / "another-model")
-    good, url = start_vllm(folder, run, root / "audit", root / "vllm.log")
-    refused, _ = start_vllm(folder, other, root / "audit-other", root / "refused.log")
-    deadline = time.time() + START_S
+def wait_up(process: subprocess.Popen, url: str, log: Path, deadline: float) -> str | None:
+    """None once ``url`` answers, else why not."""
     while time.time() < deadline:
-        if good.poll() is not None:
-            stop(refused)
-            pytest.fail(f"vLLM with the plugin exited: {(root / 'vllm.log').read_text()[-3000:]}")
+        if process.poll() is not None:
+            return f"vLLM with the plugin exited: {log.read_text()[-3000:]}"
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                break
+                return None
         except httpx.TransportError:
             time.sleep(2)
-    else:
-        stop(good), stop(refused)
-        pytest.fail("vLLM with the plugin did not come up")
-    yield {"url": url, "root": root, "folder": folder, "run": run, "refused": refused}
-    stop(good), stop(refused)
+    return "vLLM with the plugin did not come up"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Three vLLM servers started side by side: the plugin (TP=1), the plugin at tensor
+    parallel 2 (a 4-head model), and a start the plugin refuses."""
+    root = tmp_path_factory.mktemp("vllm-plugin")
+    folder, folder_tp = tiny_folder(root / "tiny"), tiny_folder(root / "tiny-tp", heads=4)
+    run, run_tp = detector_for(root / "run", folder), detector_for(root / "run-tp", folder_tp)
+    other = detector_for(root / "run-other", root / "another-model")
+    good, url = start_vllm(folder, run, root / "audit", root / "vllm.log")
+    tp, url_tp = start_vllm(folder_tp, run_tp, root / "audit-tp", root / "tp.log", 2)
+    refused, _ = start_vllm(folder, other, root / "audit-other", root / "refused.log")
+    deadline = time.time() + START_S
+    problem = wait_up(good, url, root / "vllm.log", deadline) or wait_up(
+        tp, url_tp, root / "tp.log", deadline
+    )
+    if problem is not None:
+        stop(good), stop(tp), stop(refused)
+        pytest.fail(problem)
+    yield {"url": url, "url_tp": url_tp, "root": root, "folder": folder, "run": run,
+           "folder_tp": folder_tp, "run_tp": run_tp, "refused": refused}  # fmt: skip
+    stop(good), stop(tp), stop(refused)
+
+
+def load_reference(folder: Path, run: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder), load_detector_run(run)
 
 
 @pytest.fixture(scope="module")
 def reference_model(servers):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = servers["folder"]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder), load_detector_run(servers["run"])
+    return load_reference(servers["folder"], servers["run"])
 
 
 def expected(reference_model, token_ids: list[int], messages=MESSAGES):
@@ -147,13 +168,19 @@ def same_score(served: float, reference: float) -> bool:
     return abs(served - reference) <= 1e-3 and abs(logit(served) - logit(reference)) <= 1e-3
 
 
-def audit_maps(root: Path, wanted: set[str], timeout_s: float = 60) -> dict:
+def same_map(served: np.ndarray, reference: np.ndarray) -> bool:
+    """Float16 stored maps equal within 2e-3 of their largest value (one float16 step)."""
+    diff = np.abs(served.astype(np.float32) - reference.astype(np.float32)).max()
+    return bool(diff <= 2e-3 * max(1.0, float(np.abs(reference).max())))
+
+
+def audit_maps(audit: Path, wanted: set[str], timeout_s: float = 60) -> dict:
     """The audit store's maps of ``wanted`` ids (the server's writer commits in the background)."""
     deadline = time.time() + timeout_s
     found: dict = {}
     while time.time() < deadline:
-        if (root / "audit" / "manifest.json").is_file():
-            store = MapStore.open(root / "audit")
+        if (audit / "manifest.json").is_file():
+            store = MapStore.open(audit)
             for batch, meta in store.iter_maps(batch_size=64, columns=("id",)):
                 found.update(zip(meta.column("id").to_pylist(), batch, strict=True))
             if wanted <= set(found):
@@ -202,10 +229,8 @@ def test_plain_and_streamed_answers_carry_the_block(servers, reference_model):
     assert final.choices == [] and final.id == chunks[0].id
     assert same_score(final.model_extra["actmap"]["p_correct_raw"], p_raw)
 
-    maps = audit_maps(servers["root"], {block["map_id"]})
-    served = maps[block["map_id"]].astype(np.float32)
-    diff = np.abs(served - stored.astype(np.float32)).max()
-    assert diff <= 2e-3 * max(1.0, float(np.abs(stored).max())), diff
+    maps = audit_maps(servers["root"] / "audit", {block["map_id"]})
+    assert same_map(maps[block["map_id"]], stored)
 
 
 def test_n_2_completion_and_tools_carry_a_block_each(servers, reference_model):
@@ -310,3 +335,24 @@ def test_client_request_id_and_metrics(servers):
                 if line.startswith('actmap_requests_total{endpoint="chat",status="200"}')]  # fmt: skip
     assert answered and float(answered[0].split()[-1]) >= 1
     assert "actmap_p_correct_count" in text and "vllm:" in text  # beside vLLM's own metrics
+
+
+def test_tensor_parallel_2_gives_the_reference_maps(servers):
+    """TP=2 (two worker processes, rank 0 records): the blocks and audit maps of greedy and
+    sampled answers equal the single-device transformers reference."""
+    reference = load_reference(servers["folder_tp"], servers["run_tp"])
+    client = openai.OpenAI(base_url=servers["url_tp"] + "/v1", api_key="none", max_retries=0,
+                           timeout=300)  # fmt: skip
+    wanted = {}
+    for options in ({"temperature": 0}, {"temperature": 1.0, "n": 2, "seed": 3}):
+        out = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
+            extra_body={"return_token_ids": True}, **options,
+        )  # fmt: skip
+        for choice in out.choices:
+            block = choice.model_extra.get("actmap") or out.model_extra["actmap"]
+            p_raw, stored = expected(reference, choice.model_extra["token_ids"])
+            assert same_score(block["p_correct_raw"], p_raw)
+            wanted[block["map_id"]] = stored
+    maps = audit_maps(servers["root"] / "audit-tp", set(wanted))
+    assert all(same_map(maps[key], stored) for key, stored in wanted.items())

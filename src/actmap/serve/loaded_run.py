@@ -152,7 +152,7 @@ def generator_problem(detector: LoadedDetector, served: ModelSource) -> str | No
     into (``<stem>-<digest>``, what vLLM loads); a local folder matches the same folder; a hub
     id matches the same id and revision."""
     recorded = detector.generator
-    if not recorded:
+    if not recorded or not recorded.get("name"):
         return None
     name, revision, gguf = recorded.get("name"), recorded.get("revision"), recorded.get("gguf_file")
     folder = Path(served.path).expanduser()

@@ -147,7 +147,7 @@ class VllmPlugin:
         problem = generator_problem(detector, served)
         if problem is not None and not options.get("allow_generator_mismatch"):
             raise ActmapUserError(problem)
-        if detector.generator is None:
+        if not (detector.generator or {}).get("name"):
             log.warning("actmap: %s records no generator; not checked against %s",
                         detector.id, served.path)  # fmt: skip
         if "attention" in detector.requires:
