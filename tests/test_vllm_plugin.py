@@ -37,6 +37,7 @@ from actmap.capture.answer_scalars import answer_scalars  # noqa: E402
 from actmap.maps import build_map, stored_form  # noqa: E402
 from actmap.serve.loaded_run import load_detector_run  # noqa: E402
 from actmap.store import MapStore  # noqa: E402
+from actmap.store.errors import StoreError  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
 MODEL = "tiny"
@@ -179,12 +180,14 @@ def audit_maps(audit: Path, wanted: set[str], timeout_s: float = 60) -> dict:
     deadline = time.time() + timeout_s
     found: dict = {}
     while time.time() < deadline:
-        if (audit / "manifest.json").is_file():
+        try:
             store = MapStore.open(audit)
             for batch, meta in store.iter_maps(batch_size=64, columns=("id",)):
                 found.update(zip(meta.column("id").to_pylist(), batch, strict=True))
-            if wanted <= set(found):
-                return found
+        except StoreError:  # not created yet, or no maps committed yet
+            pass
+        if wanted <= set(found):
+            return found
         time.sleep(1)
     return found
 
