@@ -39,7 +39,7 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from actmap.capture.vllm_engine import _end_ids
@@ -142,6 +142,11 @@ class VllmPlugin:
         model_config = vllm_config.model_config
         options = (vllm_config.additional_config or {}).get(CONFIG_KEY)
         settings, worker_options = plugin_settings(options, model_config.model)
+        parallel = vllm_config.parallel_config
+        count = int(getattr(parallel, "_api_process_count", 1))
+        if count > 1 and settings.audit is not None:  # one audit store per API-server process
+            rank = int(getattr(parallel, "_api_process_rank", 0))
+            settings = replace(settings, audit=settings.audit / f"api-{rank}")
         detector, policy, monitor = load_scoring(settings)
         served = _served_source(model_config)
         problem = generator_problem(detector, served)
