@@ -175,14 +175,14 @@ class VllmPlugin:
         try:
             infos = await client.collective_rpc("actmap_configure", args=(worker,))
         except Exception as error:
-            if "actmap_configure" in str(error):
+            if "actmap_configure" in str(error) and "not implemented" in str(error).lower():
                 raise ActmapUserError(
                     f"vLLM's workers do not have actmap's extension: add --worker-extension-cls "
                     f"{WORKER_EXTENSION}"
                 ) from None
             raise ActmapUserError(f"vLLM's workers could not start recording: {error}") from None
         if not any(info["recording"] for info in infos):
-            raise ActmapUserError("no vLLM worker records (rank 0 missing?)")
+            raise ActmapUserError(f"no vLLM worker of global rank 0 started recording: {infos}")
         tokenizer = AutoTokenizer.from_pretrained(
             model_config.tokenizer, revision=model_config.tokenizer_revision
         )
@@ -221,7 +221,7 @@ class VllmPlugin:
         text = _audit_text(body, endpoint)
         jobs = [
             Job(prompt=g.prompt, prompt_tokens=g.prompt_tokens, max_tokens=max(1, g.n_tokens),
-                stop=stop, prompt_for_audit=text, endpoint=endpoint)
+                stop=stop, prompt_for_audit=text, endpoint=endpoint, enqueued_at=started)
             for g in generations
         ]  # fmt: skip
         answers = self.engine.score(jobs, generations, started) if jobs else []
