@@ -43,7 +43,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from actmap.capture.vllm_engine import _end_ids
-from actmap.capture.vllm_worker import generation_from_payload
+from actmap.capture.vllm_rows import generation_from_payload
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, resolve_model
 from actmap.serve.app import ServeSettings, actmap_info, audit_trail, load_scoring
