@@ -48,11 +48,13 @@ START_S = 900
 
 def tiny_folder(folder: Path, seed: int = 0, heads: int = 2) -> Path:
     """A random-weight Llama vLLM's CPU attention runs (head size 64; ``heads`` query heads,
-    half as many key/value heads) + the word tokenizer."""
+    half as many key/value heads) + the word tokenizer with JSON's punctuation added, so that
+    structured output can write JSON (decoded with spaces between tokens)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_word_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.add_tokens(["{", "}", '"', ":", ","])
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64 * heads, intermediate_size=128 * heads,
@@ -292,6 +294,17 @@ def test_n_2_completion_and_tools_carry_a_block_each(servers, reference_model):
 
 def test_structured_output_passes_through_with_a_block(servers, reference_model):
     client = client_for(servers)
+    schema = {"type": "object", "properties": {"city": {"enum": ["paris", "rome"]}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    shaped = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    content = shaped.choices[0].message.content.replace(" ", "")  # word tokens: spaced
+    assert json.loads(content)["city"] in ("paris", "rome")
+    p_raw, _ = expected(reference_model, shaped.choices[0].model_extra["token_ids"])
+    assert same_score(shaped.model_extra["actmap"]["p_correct_raw"], p_raw)
     chosen = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"structured_outputs": {"choice": ["paris", "rome"]}, "return_token_ids": True},
@@ -359,3 +372,26 @@ def test_tensor_parallel_2_gives_the_reference_maps(servers):
             wanted[block["map_id"]] = stored
     maps = audit_maps(servers["root"] / "audit-tp", set(wanted))
     assert all(same_map(maps[key], stored) for key, stored in wanted.items())
+
+
+def test_an_answer_the_client_abandons_is_not_scored(servers):
+    """A stream closed after its first token: vLLM aborts the request; no block is computed
+    and no map is audited for it (the answers count of actmap's metrics says so)."""
+    url = servers["url"]
+
+    def scored() -> float:
+        text = httpx.get(url + "/metrics", timeout=60).text
+        lines = [line for line in text.splitlines() if line.startswith("actmap_requests_total{")]
+        return sum(float(line.split()[-1]) for line in lines)
+
+    before = scored()
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 240, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if '"content":"' in line.replace(" ", "") and '"content":""' not in line:
+                break  # the first token: hang up
+    client = client_for(servers)
+    ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert ok.model_extra["actmap"]["map_id"]
+    assert scored() == before + 1
