@@ -49,6 +49,9 @@ unpooled into a second buffer, ``(rows, L, D)``, copied with the same per-step t
 a request that keeps them is in the step; the host keeps those rows per request and
 `actmap.capture.positions.position_states` picks the named positions once the answer's end
 is known, as the transformers capture does.
+
+The vLLM plugin (vLLM's own server and worker processes) records with this module's recorder,
+row plan, record op and cut: `actmap.capture.vllm_worker`, `actmap.serve.vllm_plugin`.
 """
 
 from __future__ import annotations
