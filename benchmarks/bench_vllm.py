@@ -223,11 +223,16 @@ def start(kind: str, args, port: int, folder: str, audit: Path) -> subprocess.Po
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def wait(process: subprocess.Popen, base: str, path: str, limit_s: float = 900) -> None:
+def wait(
+    process: subprocess.Popen, base: str, path: str, limit_s: float = 900, log: Path | None = None
+) -> None:
+    """Until ``base + path`` answers 200; the server's output is its stdout pipe, or ``log``."""
     deadline = time.time() + limit_s
     while time.time() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"server exited:\n{process.stdout.read().decode()[-3000:]}")
+            output = log.read_text() if log is not None else process.stdout.read().decode()
+            errors = "\n".join([line for line in output.splitlines() if "ERROR" in line][-5:])
+            raise SystemExit(f"server exited:\n{output[-3000:]}\n{errors}")
         try:
             if httpx.get(f"{base}{path}", timeout=1).status_code == 200:
                 return
@@ -258,12 +263,16 @@ def part_servers(args, prompts: list[str], folder: str) -> list[dict]:
                     if r["mode"] == kind:
                         r["peak_rss_mib"] = round(peak, 1) if peak else None
             finally:
-                process.terminate()
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+                stop_server(process)
     return rows
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def tree_peak_rss_mib(pid: int) -> float | None:

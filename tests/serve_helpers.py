@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -134,3 +137,13 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """End a server started with ``start_new_session=True`` and every process it started."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-from serve_helpers import save_tiny_detector  # noqa: E402
+from serve_helpers import save_tiny_detector, stop_process_group  # noqa: E402
 from test_serve_proxy import ServerThread, audit_rows, free_port  # noqa: E402
 
 from actmap.capture import CaptureConfig, generate_with_capture  # noqa: E402
@@ -94,11 +94,7 @@ def vllm_server(smollm2, tmp_path_factory):
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail("vLLM did not come up in 900 s")
     yield url
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+    stop_process_group(process)
 
 
 @pytest.fixture(scope="module")

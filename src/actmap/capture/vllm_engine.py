@@ -49,6 +49,9 @@ unpooled into a second buffer, ``(rows, L, D)``, copied with the same per-step t
 a request that keeps them is in the step; the host keeps those rows per request and
 `actmap.capture.positions.position_states` picks the named positions once the answer's end
 is known, as the transformers capture does.
+
+The vLLM plugin (vLLM's own server and worker processes) records with this module's recorder,
+row plan, record op and cut: `actmap.capture.vllm_worker`, `actmap.serve.vllm_plugin`.
 """
 
 from __future__ import annotations
@@ -149,10 +152,30 @@ class _Request:
     seen: bool = False  # scheduled at least once
     internal_id: str = ""
     finish_reason: str | None = None
+    max_rows: int | None = None  # None: ``states`` holds every row (allocated up front)
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def row_limit(self) -> int:
+        return self.states.shape[1] if self.max_rows is None else self.max_rows
+
+    def reserve(self, rows: int) -> None:
+        """Room for rows ``0..rows-1`` (a request tracked without an up-front allocation grows
+        its host arrays by doubling)."""
+        have = self.states.shape[1]
+        if rows <= have:
+            return
+        size = max(rows, 2 * have)
+        states = torch.zeros(self.states.shape[0], size, self.states.shape[2])
+        states[:, :have] = self.states
+        self.states = states
+        if self.entropies is not None:
+            entropies = torch.zeros(size)
+            entropies[:have] = self.entropies
+            self.entropies = entropies
 
 
 @dataclass(frozen=True)
@@ -175,6 +198,11 @@ class _Pending:
     has_entropy: np.ndarray  # (n,) bool: the token is its request's sampled position
     event: object = None  # a CUDA event on GPU; None on CPU
     full: torch.Tensor | None = None  # (n, L, D) unpooled states, when positions are kept
+    # own_tokens (the vLLM plugin's workers): the step's sampled tokens and their log-probs
+    sampled: torch.Tensor | None = None  # (m,) logits rows of the sampled selected tokens
+    logp: torch.Tensor | None = None  # (m, V) their raw log-softmax, until the sampler ran
+    tokens: torch.Tensor | None = None  # (m,) the tokens vLLM sampled there
+    chosen: torch.Tensor | None = None  # (m,) their raw log-probs (greybox)
 
 
 # -- record points: put into the model at load time, before vLLM compiles it -----------------
@@ -224,10 +252,12 @@ def _record_hook(index: int):
     return hook
 
 
-@contextlib.contextmanager
-def _record_points_at_load(layers_path: str | None):
-    """While vLLM builds its engine in this process, every model runner that loads a model
-    puts the record points in before the model is compiled, warmed up or graph-captured."""
+def patch_model_loading(
+    layers_path: str | None = None, before: Callable | None = None
+) -> Callable[[], None]:
+    """From now on, every model runner of this process that loads a model puts the record
+    points in before the model is compiled, warmed up or graph-captured (``before(runner)``
+    runs first). Returns the function that undoes it."""
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -236,16 +266,29 @@ def _record_points_at_load(layers_path: str | None):
         original = cls.__dict__["load_model"]
 
         def load_model(self, *args, _original=original, **kwargs):
+            if before is not None:
+                before(self)
             _original(self, *args, **kwargs)
             _add_record_points(self.get_model(), layers_path)
 
         cls.load_model = load_model
         patched.append((cls, original))
+
+    def restore() -> None:
+        for cls, original in patched:
+            cls.load_model = original
+
+    return restore
+
+
+@contextlib.contextmanager
+def _record_points_at_load(layers_path: str | None):
+    """While vLLM builds its engine in this process (`patch_model_loading`, undone after)."""
+    restore = patch_model_loading(layers_path)
     try:
         yield
     finally:
-        for cls, original in patched:
-            cls.load_model = original
+        restore()
 
 
 def _check_no_active_engine() -> None:
@@ -277,12 +320,20 @@ def _compilation_config(engine_args: dict) -> dict:
 
 
 class _Recorder:
-    """The hooks and buffers inside vLLM's model runner."""
+    """The hooks and buffers inside vLLM's model runner.
+
+    ``own_tokens``: the recorder also keeps each request's sampled tokens and (greybox) their
+    raw log-probs, read at the model runner's sampler, for a process that sees no engine
+    outputs (the plugin's worker, `actmap.capture.vllm_worker`). ``track(req_id)`` makes the
+    request for an id vLLM schedules that nobody submitted here (None: not recorded)."""
 
     def __init__(self, runner, model: nn.Module, n_layers: int, pooled_dim: int,
-                 capacity: int, greybox: bool) -> None:  # fmt: skip
+                 capacity: int, greybox: bool, own_tokens: bool = False,
+                 track: Callable[[str], _Request | None] | None = None) -> None:  # fmt: skip
         self.runner, self.model = runner, model
         self.pooled_dim, self.n_layers, self.greybox = pooled_dim, n_layers, greybox
+        self.own_tokens, self.track = own_tokens, track
+        self._awaiting: _Pending | None = None  # the step whose sampled tokens are not yet read
         self.device = next(model.parameters()).device
         self.width = self.n_layers * pooled_dim + 1  # pooled states of every layer + entropy
         self.buffer = torch.zeros(capacity, self.width, device=self.device)
@@ -318,28 +369,39 @@ class _Recorder:
                     "points that were never installed); use cudagraph_mode=PIECEWISE or "
                     "enforce_eager=True"
                 )
-            if not self.greybox and self._plan is not None:
+            if not (self.greybox or self.own_tokens) and self._plan is not None:
                 self._end_step()
             return out
 
         runner._model_forward = model_forward
         self._restore = [(runner, "_model_forward", original_forward)]
-        if self.greybox:
+        if self.greybox or self.own_tokens:
             original_logits = self.model.compute_logits
 
             def compute_logits(hidden_states, *args, **kwargs):
                 logits = original_logits(hidden_states, *args, **kwargs)
                 if self._plan is not None:
-                    if self._sampled is not None and logits is not None:
+                    logp = None
+                    if self.greybox and self._sampled is not None and logits is not None:
                         rows = logits.index_select(0, self._sampled).float()
                         logp = torch.log_softmax(rows, dim=-1)
                         entropy = -(logp.exp() * logp).sum(-1)
                         self.buffer[:, -1].index_copy_(0, self._sampled_to, entropy)
-                    self._end_step()
+                    self._end_step(logp)
                 return logits
 
             self.model.compute_logits = compute_logits
             self._restore.append((self.model, "compute_logits", None))
+        if self.own_tokens:
+            original_sample = runner._sample
+
+            def sample(*args, **kwargs):
+                out = original_sample(*args, **kwargs)
+                self._read_sampled(out.sampled_token_ids)
+                return out
+
+            runner._sample = sample
+            self._restore.append((runner, "_sample", original_sample))
         _ACTIVE.append(self)
 
     def remove(self) -> None:
@@ -359,7 +421,7 @@ class _Recorder:
         self._fired = 0
         batch = self.runner.input_batch
         n_reqs = batch.num_reqs
-        if n_reqs == 0 or not self.requests:
+        if n_reqs == 0 or (not self.requests and self.track is None):
             return
         starts = self.runner.query_start_loc.np[: n_reqs + 1]
         computed = batch.num_computed_tokens_cpu[:n_reqs]
@@ -368,6 +430,10 @@ class _Recorder:
         partial = False
         for i, req_id in enumerate(batch.req_ids[:n_reqs]):
             request = self.requests.get(req_id)
+            if request is None and self.track is not None:
+                request = self.track(req_id)
+                if request is not None:
+                    self.requests[req_id] = request
             if request is None:
                 continue
             n = int(starts[i + 1] - starts[i])
@@ -380,7 +446,7 @@ class _Recorder:
                 self.recomputed += 1
                 self.recomputed_keys.add(request.key)
             lo = max(request.recorded, first_row, 0)
-            hi = min(first_row + n, request.states.shape[1])
+            hi = min(first_row + n, request.row_limit)
             for row in range(lo, hi):
                 if row == first_row + n - 1:  # the request's sampled position this step
                     sampled.append(i)
@@ -402,7 +468,7 @@ class _Recorder:
         device = self.device
         self._select = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
         self._sampled = self._sampled_to = None
-        if sampled and self.greybox:
+        if sampled and (self.greybox or self.own_tokens):
             self._sampled = torch.tensor(sampled, dtype=torch.long).to(device, non_blocking=True)
             self._sampled_to = torch.tensor(sampled_to, dtype=torch.long).to(
                 device, non_blocking=True
@@ -424,7 +490,7 @@ class _Recorder:
             self.full[:n, index] = saturated_float16(picked)
         self._fired += 1
 
-    def _end_step(self) -> None:
+    def _end_step(self, logp: torch.Tensor | None = None) -> None:
         owners, rows, has_entropy = self._plan
         n = len(rows)
         full = None
@@ -441,17 +507,36 @@ class _Recorder:
             full = self.full[:n].clone() if self._keep_full else None
         for request, row in zip(owners, rows.tolist(), strict=True):
             request.recorded = max(request.recorded, row + 1)
-        self.pending.append(_Pending(host, owners, rows, has_entropy, event, full))
+        step = _Pending(host, owners, rows, has_entropy, event, full)
+        if self.own_tokens and self._sampled is not None:
+            step.sampled, step.logp = self._sampled, logp
+            self._awaiting = step
+        self.pending.append(step)
         self._plan = None
+
+    def _read_sampled(self, sampled_token_ids: torch.Tensor) -> None:
+        """The sampler's tokens (one row per scheduled request) for the step just recorded."""
+        step, self._awaiting = self._awaiting, None
+        if step is None:
+            return
+        tokens = sampled_token_ids.index_select(0, step.sampled)[:, 0].long()
+        step.tokens = tokens
+        if step.logp is not None:
+            step.chosen = step.logp.gather(1, tokens[:, None])[:, 0]
+            step.logp = None
 
     def scatter(self) -> None:
         """Move every finished step's rows into their requests' host trajectories."""
         d, n_layers = self.pooled_dim, self.n_layers
+        waiting = [s for s in self.pending if s is self._awaiting]  # its sampler has not run
         for step in self.pending:
+            if step is self._awaiting:
+                continue
             if step.event is not None:
                 step.event.synchronize()
             states = step.host[:, :-1].view(-1, n_layers, d)
             for k, (request, row) in enumerate(zip(step.requests, step.rows.tolist(), strict=True)):
+                request.reserve(row + 1)
                 request.states[:, row] = states[k]
                 if request.entropies is not None and step.has_entropy[k]:
                     request.entropies[row] = step.host[k, -1]
@@ -461,7 +546,22 @@ class _Recorder:
                             f"request {request.key}: position row {row} out of order"
                         )
                     request.full_rows.append(step.full[k].clone())
-        self.pending.clear()
+            if step.tokens is not None:
+                self._scatter_tokens(step)
+        self.pending = waiting
+
+    @staticmethod
+    def _scatter_tokens(step: _Pending) -> None:
+        """own_tokens: each sampled row's token (and raw log-prob) onto its request, in order."""
+        tokens = step.tokens.tolist()
+        chosen = step.chosen.tolist() if step.chosen is not None else None
+        for j, k in enumerate(np.flatnonzero(step.has_entropy).tolist()):
+            request, row = step.requests[k], int(step.rows[k])
+            if len(request.token_ids) != row:
+                raise RuntimeError(f"request {request.key}: token row {row} out of order")
+            request.token_ids.append(tokens[j])
+            if chosen is not None:
+                request.logprobs.append(chosen[j])
 
 
 class VllmCapture:

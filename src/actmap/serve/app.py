@@ -120,8 +120,6 @@ class ServeSettings:
 def build_engine(settings: ServeSettings) -> Engine:
     """Load generator, detector, policy and audit trail (the server's lifespan calls this once)."""
     from actmap.llm.models import load_model
-    from actmap.serve.loaded_run import load_detector_run
-    from actmap.serve.policy import Policy, load_policy
 
     if settings.detector is None:  # a plain generator: nothing to score, decide or audit
         needs = [n for n in ("policy", "audit", "monitor", "upstream") if getattr(settings, n)]
@@ -129,10 +127,7 @@ def build_engine(settings: ServeSettings) -> Engine:
             raise ActmapUserError(
                 "a detector run folder is required (--detector RUN) with --" + ", --".join(needs)
             )
-    policy = load_policy(settings.policy) if settings.policy else Policy()
-    detector = None
-    if settings.detector is not None:
-        detector = load_detector_run(settings.detector, settings.seed, settings.device)
+    detector, policy, monitor = load_scoring(settings)
     dtype = settings.dtype or (detector.dtype if detector is not None else "float32")
     if detector is not None and settings.upstream is not None:  # refused unless allowed
         from actmap.llm.models import check_dtype
@@ -149,7 +144,6 @@ def build_engine(settings: ServeSettings) -> Engine:
             detector.id,
             detector.dtype,
         )
-    monitor = load_streaming_monitor(settings.monitor, settings.monitor_window)
     if settings.engine not in ("local", "vllm"):
         raise ActmapUserError(f"--engine must be 'local' or 'vllm', got {settings.engine!r}")
     if settings.engine == "vllm" and settings.upstream is not None:
@@ -161,7 +155,7 @@ def build_engine(settings: ServeSettings) -> Engine:
         from actmap.serve.vllm_serving import build_vllm_engine
 
         return build_vllm_engine(
-            settings, detector, policy, _audit(settings, detector), monitor, dtype
+            settings, detector, policy, audit_trail(settings, detector), monitor, dtype
         )
     # no remote code
     model, tokenizer, source = load_model(settings.model, device=settings.device, dtype=dtype)
@@ -176,12 +170,27 @@ def build_engine(settings: ServeSettings) -> Engine:
         policy,
         max_context=settings.max_context or int(limit),
         score_every=settings.score_every,
-        audit=_audit(settings, detector),
+        audit=audit_trail(settings, detector),
         monitor=monitor,
     )
 
 
-def _audit(settings: ServeSettings, detector):
+def load_scoring(settings: ServeSettings):
+    """(detector or None, policy, shift monitor or None) of ``settings``: what scores answers
+    (`build_engine`, and the vLLM plugin's middleware)."""
+    from actmap.serve.loaded_run import load_detector_run
+    from actmap.serve.policy import Policy, load_policy
+
+    policy = load_policy(settings.policy) if settings.policy else Policy()
+    detector = None
+    if settings.detector is not None:
+        detector = load_detector_run(settings.detector, settings.seed, settings.device)
+    monitor = load_streaming_monitor(settings.monitor, settings.monitor_window)
+    return detector, policy, monitor
+
+
+def audit_trail(settings: ServeSettings, detector):
+    """The audit trail of ``settings`` (None without ``--audit``)."""
     from actmap.serve.audit import AuditTrail
 
     if settings.audit is None:
@@ -365,18 +374,24 @@ class ServerState:
         return future
 
     def info(self, answer: Answer) -> ActmapInfo | None:
-        if self.engine.detector is None:  # a plain generator: no actmap block
-            return None
-        return ActmapInfo(
-            p_correct=answer.p_correct,
-            p_correct_raw=answer.p_correct_raw,
-            decision=answer.decision,
-            detector=answer.detector or self.engine.detector.id,  # the one that scored it
-            policy=answer.policy,
-            map_id=answer.map_id,
-            prevalence=answer.prevalence,
-            shift=None if answer.shift is None else ShiftInfo(**answer.shift.to_json()),
-        )
+        return actmap_info(self.engine, answer)
+
+
+def actmap_info(engine: Engine, answer: Answer) -> ActmapInfo | None:
+    """The ``actmap`` block of one answer (None from a plain generator); the vLLM plugin's
+    blocks are these too (`actmap.serve.vllm_plugin`)."""
+    if engine.detector is None:  # a plain generator: no actmap block
+        return None
+    return ActmapInfo(
+        p_correct=answer.p_correct,
+        p_correct_raw=answer.p_correct_raw,
+        decision=answer.decision,
+        detector=answer.detector or engine.detector.id,  # the one that scored it
+        policy=answer.policy,
+        map_id=answer.map_id,
+        prevalence=answer.prevalence,
+        shift=None if answer.shift is None else ShiftInfo(**answer.shift.to_json()),
+    )
 
 
 def _detector_id(state: ServerState) -> str | None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from actmap.detectors.plus import ActMapPlus
-from actmap.llm.models import file_digest
+from actmap.llm.models import ModelSource, file_digest
 from actmap.maps import MapConfig, build_maps, build_maps_from_list, stored_form
 from actmap.stacked import StackedPlus, StackRows
 from actmap.training.run_folder import seed_folders
@@ -39,6 +39,9 @@ class LoadedDetector:
     map_config: MapConfig
     path: Path
     dtype: str = "float32"  # the generator's dtype when the detector's training maps were captured
+    # the generator its training maps came from (a store config's ``model``: name, revision,
+    # gguf_file); None when the run does not record it
+    generator: dict | None = None
 
     @property
     def requires(self) -> tuple[str, ...]:
@@ -138,7 +141,40 @@ def load_detector_run(
     name = f"{run.name}/{folder.name}" if folder != run else folder.name
     ident = f"{kind}:{name}:{file_digest(folder / 'model.safetensors')[:12]}"
     log.info("detector %s from %s", ident, folder)
-    return LoadedDetector(detector, ident, map_config, folder, dtype)
+    return LoadedDetector(detector, ident, map_config, folder, dtype, store_config.get("model"))
+
+
+def generator_problem(detector: LoadedDetector, served: ModelSource) -> str | None:
+    """Why ``detector`` should not score answers of ``served`` (None: the same generator, or a
+    run that does not say which generator it was trained on).
+
+    A GGUF generator matches the file itself or the safetensors folder actmap de-quantizes it
+    into (``<stem>-<digest>``, what vLLM loads); a local folder matches the same folder; a hub
+    id matches the same id and revision."""
+    recorded = detector.generator
+    if not recorded or not recorded.get("name"):
+        return None
+    name, revision, gguf = recorded.get("name"), recorded.get("revision"), recorded.get("gguf_file")
+    folder = Path(served.path).expanduser()
+    if gguf:
+        if served.gguf_file is not None:
+            same = served.gguf_file == gguf and served.revision == revision
+        else:
+            same = folder.name == f"{Path(gguf).stem}-{revision}"
+        what = f"{gguf} ({revision})"
+    elif revision == "local":
+        same = Path(str(name)).expanduser().resolve() == folder.resolve()
+        what = f"the folder {name}"
+    else:
+        same = name == served.name and revision in (served.revision, None)
+        what = f"{name} ({revision})"
+    if same:
+        return None
+    served_as = served.gguf_file or served.path
+    return (
+        f"detector {detector.id} was trained on maps of {what}, but this server generates "
+        f"with {served_as}: serve that model, or use a detector trained on this one"
+    )
 
 
 def answer_maps(trajectories: Sequence[torch.Tensor], config: MapConfig) -> np.ndarray:

@@ -1,0 +1,148 @@
+"""vLLM's own OpenAI server with and without the actmap plugin, same flags, same threads.
+
+Two servers, started one after the other and alternated ``--repeats`` times (plain, plugin,
+plain, plugin, ...), each driven by ``c`` concurrent HTTP chat clients on loopback
+(`bench_vllm.http_load`: built-in arithmetic questions, greedy, at most ``--max-tokens`` new
+tokens). Both run ``python -m vllm.entrypoints.openai.api_server`` with the same flags; the
+plugin's adds the worker extension, the middleware and ``--additional-config`` with a detector
+(default: a logreg fitted on random maps; ``--detector RUN`` for a real one, e.g. an
+actmap-plus, which also reads log-probs and entropies) and an audit store.
+
+Targets (issue 54): plugin >= 0.95x plain throughput at 16 and 64 concurrent, p50 latency
+<= 1.05x. Printed per concurrency: every repeat's req/s, the medians and their ratio.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_vllm_plugin.py --concurrency 16,64 \\
+        --requests 256 --repeats 3 --out runs/bench-vllm-plugin.json
+    # GPU (issue 54 item 6): an 8B-shaped folder (benchmarks/llama_8b_shaped.py), random
+    # weights, vLLM's compiled model with piecewise CUDA graphs (full ones are refused):
+    python benchmarks/llama_8b_shaped.py /tmp/llama-8b-shaped
+    python benchmarks/bench_vllm_plugin.py --model /tmp/llama-8b-shaped --dtype bfloat16 \
+        --compiled --concurrency 16,64 --requests 256 --repeats 3 \
+        --vllm-args "--load-format dummy -cc '{\"cudagraph_mode\": \"PIECEWISE\"}'"
+    # smoke run (tiny settings): --model <tiny folder> --max-model-len 256 --concurrency 2 \
+    #     --requests 4 --repeats 1 --max-tokens 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import free_port, make_detector, questions  # noqa: E402
+from bench_vllm import SRC, http_load, stop_server, tree_peak_rss_mib, wait  # noqa: E402
+
+PLUGIN = [
+    "--worker-extension-cls", "actmap.capture.vllm_worker.ActmapWorker",
+    "--middleware", "actmap.serve.vllm_plugin.ActmapMiddleware",
+]  # fmt: skip
+
+
+def command(args, folder: str, port: int, plugin: bool, audit: Path) -> list[str]:
+    out = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+        "--served-model-name", "bench", "--dtype", args.dtype, "--port", str(port),
+        "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
+    ]  # fmt: skip
+    if not args.compiled:
+        out.append("--enforce-eager")
+    out += shlex.split(args.vllm_args)
+    if plugin:
+        settings = {"actmap": {"detector": str(args.detector), "audit": str(audit)}}
+        out += [*PLUGIN, "--additional-config", json.dumps(settings)]
+    return out
+
+
+def one_server(args, folder: str, prompts: list[str], plugin: bool) -> list[dict]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": SRC}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "w") as log:
+        # vLLM logs a lot: a pipe nobody reads would fill up and stop the server
+        process = subprocess.Popen(
+            command(args, folder, port, plugin, Path(tmp) / "audit"),
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            wait(process, base, "/health", log=Path(tmp) / "server.log")
+            asyncio.run(http_load(base, "bench", prompts[:2], 1, args.max_tokens))  # warm-up
+            for width in args.concurrency:
+                n = max(args.requests, width)
+                batch = (prompts * (n // len(prompts) + 1))[:n]
+                result = asyncio.run(http_load(base, "bench", batch, width, args.max_tokens))
+                rows.append({"mode": "plugin" if plugin else "plain", "concurrency": width,
+                             "load": os.getloadavg()[0], **result})  # fmt: skip
+            peak = tree_peak_rss_mib(process.pid)
+            for row in rows:
+                row["peak_rss_mib"] = round(peak, 1) if peak else None
+        finally:
+            stop_server(process)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--detector", type=Path, default=None)
+    parser.add_argument("--concurrency", default="16,64")
+    parser.add_argument("--requests", type=int, default=256, help="requests per concurrency")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3, help="alternated server pairs")
+    parser.add_argument("--compiled", action="store_true", help="no --enforce-eager")
+    parser.add_argument(
+        "--vllm-args", default="", help='more flags for both servers, e.g. "--load-format dummy"'
+    )
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"load at start: {os.getloadavg()}  OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-plugin-"))
+    if args.detector is None:
+        args.detector = make_detector(tmp / "run")
+    from actmap.capture.vllm_engine import vllm_model_folder
+
+    folder, _ = vllm_model_folder(args.model)
+    prompts = questions(max(args.requests, 64))
+    rows = []
+    for _ in range(args.repeats):
+        for plugin in (False, True):
+            rows += one_server(args, folder, prompts, plugin)
+    print("c    plain req/s (repeats)        plugin req/s (repeats)       ratio  p50 ratio")
+    summary = []
+    for width in args.concurrency:
+        got = {m: [r for r in rows if r["mode"] == m and r["concurrency"] == width]
+               for m in ("plain", "plugin")}  # fmt: skip
+        rate = {m: float(np.median([r["req_per_s"] for r in got[m]])) for m in got}
+        p50 = {m: float(np.median([r["p50_s"] for r in got[m]])) for m in got}
+        ratio, p50_ratio = rate["plugin"] / rate["plain"], p50["plugin"] / p50["plain"]
+        summary.append({"concurrency": width, "plain_req_per_s": rate["plain"],
+                        "plugin_req_per_s": rate["plugin"], "ratio": round(ratio, 3),
+                        "p50_ratio": round(p50_ratio, 3)})  # fmt: skip
+        print(f"{width:<4} {rate['plain']:>7.2f} {[r['req_per_s'] for r in got['plain']]!s:<22}"
+              f"{rate['plugin']:>7.2f} {[r['req_per_s'] for r in got['plugin']]!s:<22}"
+              f"{ratio:>6.3f} {p50_ratio:>6.3f}")  # fmt: skip
+    errors = [e for r in rows for e in r["errors"]]
+    if errors:
+        print("errors:", errors[:3])
+    print(f"load at end: {os.getloadavg()}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

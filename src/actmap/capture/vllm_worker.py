@@ -1,0 +1,201 @@
+"""actmap inside vLLM's own worker processes: the worker half of the vLLM plugin.
+
+``--worker-extension-cls actmap.capture.vllm_worker.ActmapWorker`` mixes `ActmapWorker` into
+every vLLM worker (vLLM's documented extension point, reachable with ``collective_rpc``). The
+capture is the in-process engine's (`actmap.capture.vllm_engine`): the same record points, put
+in while vLLM loads the model; the same host-side row plan before each forward (chunked
+prefill, preemption with recompute, prefix caching); the same pooled buffer copied once per
+step. What differs is who submits: nobody does. Every request vLLM schedules is tracked when it
+first appears in the runner's batch (``_Recorder(track=...)``), and since this process sees no
+engine outputs the recorder also reads each sampled token and its raw log-prob at the runner's
+sampler (``own_tokens``).
+
+A request's rows wait here until the API server's middleware (`actmap.serve.vllm_plugin`)
+takes them with ``collective_rpc("actmap_take", ...)`` once vLLM has answered; a request vLLM
+finished that nobody takes (a client that went away, an endpoint without the middleware) is
+dropped after ``hold_s`` seconds or when more than ``max_held`` wait. Only the worker of global
+rank 0 records (with tensor parallel the residual stream after each layer's all-reduce is the
+same on every rank); the others keep their record points idle.
+
+Loading this module (vLLM does, in each worker process, before it builds the worker) makes
+every model runner of the process put the record points in when it loads its model; they cost
+one opaque op call per layer and return at once until ``actmap_configure`` starts a recorder.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import torch
+
+from actmap.capture.records import CaptureConfig
+from actmap.capture.vllm_engine import (
+    _ACTIVE,
+    RECORD_OP,
+    _Recorder,
+    _Request,
+    patch_model_loading,
+)
+from actmap.capture.vllm_rows import child_index, payload
+from actmap.errors import ActmapUserError
+
+log = logging.getLogger(__name__)
+
+HOLD_S = 120.0  # a finished request's rows wait this long to be taken
+MAX_HELD = 4096  # finished requests kept at most
+FIRST_ROWS = 64  # host rows allocated when a request is first seen (grown by doubling)
+
+
+def _check_compilation(vllm_config) -> None:
+    """A compiled model keeps the record op as a piecewise split point (it runs eagerly between
+    captured graphs); full CUDA graphs would replay the layers without it."""
+    compilation = vllm_config.compilation_config
+    if vllm_config.model_config.enforce_eager or not compilation.mode:
+        return
+    mode = str(compilation.cudagraph_mode).upper()
+    if "FULL" in mode:
+        raise ActmapUserError(
+            f"cudagraph_mode={mode} replays the layers without Python: actmap's capture needs "
+            'PIECEWISE or NONE (-cc \'{"cudagraph_mode": "PIECEWISE"}\')'
+        )
+    if compilation.splitting_ops is not None and RECORD_OP not in compilation.splitting_ops:
+        compilation.splitting_ops.append(RECORD_OP)
+
+
+def _before_load(runner) -> None:
+    _check_compilation(runner.vllm_config)
+
+
+patch_model_loading(before=_before_load)
+
+
+class ActmapWorker:
+    """Mixed into every vLLM worker: ``actmap_configure`` once, ``actmap_take`` per answer."""
+
+    def actmap_configure(self, settings: dict) -> dict:
+        """Start recording (rank 0 only). ``settings``: greybox, keep_positions, pooled_dim,
+        and optionally hold_s, max_held. A second call with the same settings (another API
+        server process) changes nothing."""
+        current = getattr(self, "_actmap_settings", None)
+        if current is not None:
+            if current != settings:
+                raise ActmapUserError(
+                    f"actmap is already recording with {current}; an API server asked for "
+                    f"{settings}: start every API server with the same detector"
+                )
+            return self._actmap_info()
+        runner = self.model_runner
+        model = runner.get_model()
+        if not hasattr(model, "_actmap_hooks"):
+            raise ActmapUserError(
+                "vLLM loaded its model without actmap's record points: this worker module "
+                "must be loaded before the model (--worker-extension-cls "
+                "actmap.capture.vllm_worker.ActmapWorker)"
+            )
+        self._actmap_settings = dict(settings)
+        self._actmap_done: OrderedDict[str, tuple[float, _Request]] = OrderedDict()
+        self._actmap_recorder = None
+        if self.rank == 0:
+            if _ACTIVE:
+                raise ActmapUserError("one actmap recorder per process: another one is open")
+            self._actmap_config = CaptureConfig(
+                max_new_tokens=1,
+                greybox=bool(settings.get("greybox", False)),
+                keep_positions=bool(settings.get("keep_positions", False)),
+            )
+            self._actmap_recorder = _Recorder(
+                runner,
+                model,
+                len(model._actmap_hooks),
+                int(settings.get("pooled_dim", 128)),
+                int(runner.scheduler_config.max_num_seqs),
+                self._actmap_config.greybox,
+                own_tokens=True,
+                track=self._actmap_track,
+            )
+            self._actmap_wrap_execute(runner)
+        return self._actmap_info()
+
+    def actmap_take(self, bases: list[str]) -> list[dict]:
+        """The captured rows of every request whose id holds one of ``bases`` (each taken
+        once; a worker that does not record returns nothing)."""
+        recorder = getattr(self, "_actmap_recorder", None)
+        if recorder is None:
+            return []
+        recorder.scatter()
+        found = []
+        for base in bases:
+            for rid in [r for r in recorder.requests if child_index(r, base) is not None]:
+                found.append((base, recorder.requests.pop(rid)))
+            for rid in [r for r in self._actmap_done if child_index(r, base) is not None]:
+                found.append((base, self._actmap_done.pop(rid)[1]))
+        out = []
+        for base, request in found:
+            item = payload(request, child_index(request.key, base))
+            item["base"] = base
+            out.append(item)
+        return out
+
+    def actmap_held(self) -> dict:
+        """How many requests the recorder follows and how many finished ones wait (tests)."""
+        recorder = getattr(self, "_actmap_recorder", None)
+        if recorder is None:
+            return {"live": 0, "held": 0}
+        return {"live": len(recorder.requests), "held": len(self._actmap_done)}
+
+    # -- inside the worker ---------------------------------------------------------------------
+    def _actmap_info(self) -> dict:
+        model = self.model_runner.get_model()
+        return {
+            "rank": int(self.rank),
+            "recording": getattr(self, "_actmap_recorder", None) is not None,
+            "n_layers": len(model._actmap_hooks),
+            "hidden_size": int(self.model_runner.model_config.get_hidden_size()),
+        }
+
+    def _actmap_track(self, req_id: str) -> _Request | None:
+        """A request vLLM scheduled: its host arrays start small and grow with its answer."""
+        state = self.model_runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        if state is None or params is None or state.prompt_token_ids is None:
+            return None  # pooling requests and prompt embeddings have no answer rows
+        recorder = self._actmap_recorder
+        config = self._actmap_config
+        max_rows = int(params.max_tokens) if params.max_tokens else None
+        first = min(FIRST_ROWS, max_rows or FIRST_ROWS)
+        states = torch.zeros(recorder.n_layers, first, recorder.pooled_dim)
+        entropies = torch.zeros(first) if config.greybox else None
+        request = _Request(
+            req_id, "", list(state.prompt_token_ids), config, states, entropies,
+            full_rows=[] if config.keep_positions else None, internal_id=req_id,
+            max_rows=max_rows if max_rows is not None else 1 << 30,
+        )  # fmt: skip
+        return request
+
+    def _actmap_wrap_execute(self, runner) -> None:
+        """Before each step: move the last step's rows to the host and retire the requests vLLM
+        says are finished (they wait to be taken)."""
+        original = runner.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            self._actmap_retire(scheduler_output.finished_req_ids)
+            return original(scheduler_output, *args, **kwargs)
+
+        runner.execute_model = execute_model
+
+    def _actmap_retire(self, finished) -> None:
+        recorder = self._actmap_recorder
+        recorder.scatter()
+        now = time.monotonic()
+        for rid in finished or ():
+            request = recorder.requests.pop(rid, None)
+            if request is not None:
+                self._actmap_done[rid] = (now, request)
+        hold = float(self._actmap_settings.get("hold_s", HOLD_S))
+        limit = int(self._actmap_settings.get("max_held", MAX_HELD))
+        done = self._actmap_done
+        while done and (len(done) > limit or now - next(iter(done.values()))[0] > hold):
+            rid, _ = done.popitem(last=False)
+            log.debug("actmap: dropped the rows of %s (never taken)", rid)

@@ -1,0 +1,462 @@
+"""actmap inside vLLM's own OpenAI server: the API-server half of the vLLM plugin.
+
+vLLM's server, started with three flags (docs/vllm.md)::
+
+    python -m vllm.entrypoints.openai.api_server --model FOLDER \\
+        --worker-extension-cls actmap.capture.vllm_worker.ActmapWorker \\
+        --middleware actmap.serve.vllm_plugin.ActmapMiddleware \\
+        --additional-config '{"actmap": {"detector": "runs/plus"}}'
+
+captures every generated token's map in vLLM's worker processes (`actmap.capture.vllm_worker`)
+and adds the ``actmap`` block of ``actmap serve`` to vLLM's own chat and completion responses.
+`ActmapMiddleware` is plain ASGI middleware on vLLM's app:
+
+* at start-up (the ASGI lifespan) it loads the detector, policy, audit trail and shift monitor
+  (`actmap.serve.app.load_scoring`: the settings are ``actmap serve``'s, under
+  ``additional_config["actmap"]``), refuses a detector trained on another generator
+  (`actmap.serve.loaded_run.generator_problem`) and asks the workers to start recording
+  (``collective_rpc("actmap_configure")``); any of these failing stops vLLM's server with one
+  line saying why;
+* each ``POST /v1/chat/completions`` or ``/v1/completions`` goes to vLLM unchanged, with an
+  ``X-Request-Id`` header when the client sent none, so that vLLM names the request (and its
+  ``n > 1`` children) after an id the middleware knows;
+* when vLLM has answered (status 200), it takes the answer's rows from the workers (one
+  ``collective_rpc("actmap_take")`` for every answer finished meanwhile), cuts them as the
+  in-process engine does (`actmap.capture.vllm_worker.generation_from_payload`) and scores them
+  with `actmap.serve.engine.Engine.score` (the same maps, detector, prior correction, policy and
+  audit as ``actmap serve``); the block goes into the JSON body (``actmap``, and per choice
+  with ``n > 1``) or, for a stream, into one more chunk before ``data: [DONE]``.
+
+Anything vLLM answers with another status (its own validation errors) passes through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from actmap.capture.vllm_engine import _end_ids
+from actmap.capture.vllm_rows import generation_from_payload
+from actmap.errors import ActmapUserError
+from actmap.llm.models import ModelSource, resolve_model
+from actmap.serve.app import ServeSettings, actmap_info, audit_trail, load_scoring
+from actmap.serve.engine import Engine, Job
+from actmap.serve.loaded_run import generator_problem
+from actmap.serve.prometheus import ServeMetrics
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+CONFIG_KEY = "actmap"
+# ServeSettings fields the plugin reads from additional_config["actmap"]
+SETTINGS = (
+    "detector", "seed", "policy", "audit", "audit_text", "audit_max_rows",
+    "audit_max_age_days", "monitor", "monitor_window", "device",
+)  # fmt: skip
+WORKER_EXTENSION = "actmap.capture.vllm_worker.ActmapWorker"
+
+
+def plugin_settings(options: object, model: str) -> tuple[ServeSettings, dict]:
+    """(ServeSettings, worker options) from ``additional_config["actmap"]``."""
+    if not isinstance(options, dict) or not options.get("detector"):
+        raise ActmapUserError(
+            f"""--additional-config needs '{{"{CONFIG_KEY}": {{"detector": "RUN"}}}}' """
+            "(a run folder from `actmap train`)"
+        )
+    worker = {k: options[k] for k in ("hold_s", "max_held") if k in options}
+    unknown = sorted(set(options) - set(SETTINGS) - set(worker) - {"allow_generator_mismatch"})
+    if unknown:
+        raise ActmapUserError(
+            f"unknown actmap settings {unknown}; known: {', '.join(SETTINGS)}, hold_s, "
+            "max_held, allow_generator_mismatch"
+        )
+    paths = {f.name for f in fields(ServeSettings) if "Path" in str(f.type)}
+    values = {k: Path(v) if k in paths and v is not None else v for k, v in options.items()
+              if k in SETTINGS}  # fmt: skip
+    return ServeSettings(model=model, **values), worker
+
+
+class _Taker:
+    """Takes answers' rows from the workers, one ``collective_rpc`` for all waiting answers."""
+
+    def __init__(self, engine_client) -> None:
+        self.client = engine_client
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.task: asyncio.Task | None = None
+
+    async def take(self, base: str) -> list[dict]:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[base] = future
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        while self.waiting:
+            batch, self.waiting = self.waiting, {}
+            try:
+                per_worker = await self.client.collective_rpc("actmap_take", args=(list(batch),))
+            except Exception as error:  # every waiting answer learns why
+                for future in batch.values():
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            found = defaultdict(list)
+            for items in per_worker:
+                for item in items or ():
+                    found[item["base"]].append(item)
+            for base, future in batch.items():
+                if not future.done():
+                    future.set_result(found.get(base, []))
+
+
+class VllmPlugin:
+    """The scoring side: an `Engine` without a generator, fed with the workers' rows."""
+
+    def __init__(self, engine: Engine, taker: _Taker, ends: set[int]) -> None:
+        self.engine, self.taker, self.ends = engine, taker, ends
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="actmap-score")
+        self.metrics = ServeMetrics()  # actmap serve's metrics, on vLLM's /metrics
+
+    def expose_metrics(self) -> None:
+        """Serve the ``actmap_*`` metrics from vLLM's own ``/metrics`` (its registry)."""
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        try:
+            get_prometheus_registry().register(self.metrics.registry)
+        except ValueError as error:  # names taken (a second plugin in this process)
+            log.warning("actmap: metrics not exposed: %s", error)
+
+    @classmethod
+    async def start(cls, app_state) -> VllmPlugin:
+        from transformers import AutoTokenizer
+
+        vllm_config = app_state.vllm_config
+        model_config = vllm_config.model_config
+        options = (vllm_config.additional_config or {}).get(CONFIG_KEY)
+        settings, worker_options = plugin_settings(options, model_config.model)
+        parallel = vllm_config.parallel_config
+        count = int(getattr(parallel, "_api_process_count", 1))
+        if count > 1 and settings.audit is not None:  # one audit store per API-server process
+            rank = int(getattr(parallel, "_api_process_rank", 0))
+            settings = replace(settings, audit=settings.audit / f"api-{rank}")
+        detector, policy, monitor = load_scoring(settings)
+        served = _served_source(model_config)
+        problem = generator_problem(detector, served)
+        if problem is not None and not options.get("allow_generator_mismatch"):
+            raise ActmapUserError(problem)
+        if not (detector.generator or {}).get("name"):
+            log.warning("actmap: %s records no generator; not checked against %s",
+                        detector.id, served.path)  # fmt: skip
+        if "attention" in detector.requires:
+            raise ActmapUserError(
+                f"{detector.id} reads attention weights (actmap-plus --preset full), which the "
+                "vLLM plugin does not capture yet: serve a deployable run"
+            )
+        dtype = str(model_config.dtype).removeprefix("torch.")
+        if dtype != detector.dtype:
+            log.warning("actmap: vLLM runs %s, but %s was fit on %s maps: scores may shift",
+                        dtype, detector.id, detector.dtype)  # fmt: skip
+        capture = detector.capture_settings()
+        worker = {
+            "greybox": capture["greybox"],
+            "keep_positions": bool(capture.get("keep_positions")),
+            "pooled_dim": 128,
+            **worker_options,
+        }
+        client = app_state.engine_client
+        try:
+            infos = await client.collective_rpc("actmap_configure", args=(worker,))
+        except Exception as error:
+            if "actmap_configure" in str(error) and "not implemented" in str(error).lower():
+                raise ActmapUserError(
+                    f"vLLM's workers do not have actmap's extension: add --worker-extension-cls "
+                    f"{WORKER_EXTENSION}"
+                ) from None
+            raise ActmapUserError(f"vLLM's workers could not start recording: {error}") from None
+        if not any(info["recording"] for info in infos):
+            raise ActmapUserError(f"no vLLM worker of global rank 0 started recording: {infos}")
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer, revision=model_config.tokenizer_revision
+        )
+        engine = Engine(
+            None, tokenizer, served, detector, policy,
+            max_context=int(model_config.max_model_len), audit=audit_trail(settings, detector),
+            monitor=monitor,
+        )  # fmt: skip
+        log.info("actmap: scoring vLLM's answers with %s (workers: %s)", detector.id, infos)
+        plugin = cls(engine, _Taker(client), _end_ids(model_config.tokenizer, tokenizer))
+        plugin.expose_metrics()
+        return plugin
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        if self.engine.audit is not None:
+            self.engine.audit.close()
+
+    async def blocks(self, base: str, body: dict, endpoint: str, arrived: float) -> dict[int, dict]:
+        """choice index -> its ``actmap`` block, for the request vLLM named after ``base``
+        (``arrived``: `time.perf_counter` when the request came in, for the latency metric)."""
+        items = await self.taker.take(base)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._score, items, body, endpoint, arrived)
+
+    def _score(self, items: list[dict], body: dict, endpoint: str, started: float) -> dict:
+        stop = _stop_strings(body)
+        ends = set(self.ends)
+        if body.get("ignore_eos"):
+            ends = set()
+        ends.update(int(t) for t in body.get("stop_token_ids") or ())
+        items = sorted(items, key=lambda item: item["index"])
+        generations = [
+            generation_from_payload(item, self.engine.tokenizer, ends, stop) for item in items
+        ]
+        text = _audit_text(body, endpoint)
+        jobs = [
+            Job(prompt=g.prompt, prompt_tokens=g.prompt_tokens, max_tokens=max(1, g.n_tokens),
+                stop=stop, prompt_for_audit=text, endpoint=endpoint, enqueued_at=started)
+            for g in generations
+        ]  # fmt: skip
+        answers = self.engine.score(jobs, generations, started) if jobs else []
+        for answer in answers:
+            self.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
+        if self.engine.monitor is not None and answers:
+            self.metrics.observe_shift(self.engine.monitor.state())
+        return {
+            item["index"]: actmap_info(self.engine, answer).model_dump()
+            for item, answer in zip(items, answers, strict=True)
+        }
+
+
+def _served_source(model_config) -> ModelSource:
+    try:
+        return resolve_model(model_config.model, model_config.revision or "main")
+    except (FileNotFoundError, ActmapUserError):
+        return ModelSource(model_config.model, model_config.model, None, "unknown")
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(s for s in stop if isinstance(s, str))
+
+
+def _audit_text(body: dict, endpoint: str) -> str:
+    """The request's text as ``actmap serve`` audits it (hashed unless audit_text)."""
+    if endpoint == "completion":
+        prompt = body.get("prompt")
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+    lines = []
+    for message in body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        lines.append(f"{message.get('role', '')}: {content or ''}")
+    return "\n".join(lines)
+
+
+def _missing(index: int) -> dict:
+    return {"error": f"no map was recorded for choice {index}"}
+
+
+class ActmapMiddleware:
+    """ASGI middleware on vLLM's API server (``--middleware actmap.serve.vllm_plugin.
+    ActmapMiddleware``): the actmap block on vLLM's chat and completion answers."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.plugin: VllmPlugin | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await self._lifespan(scope, receive, send)
+        endpoint = ENDPOINTS.get(scope.get("path", ""))
+        if (
+            scope["type"] != "http"
+            or endpoint is None
+            or scope.get("method") != "POST"
+            or self.plugin is None
+        ):
+            return await self.app(scope, receive, send)
+        return await self._request(scope, receive, send, endpoint)
+
+    async def _lifespan(self, scope, receive, send) -> None:
+        async def wrapped(message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                try:
+                    self.plugin = await VllmPlugin.start(scope["app"].state)
+                except (ActmapUserError, FileNotFoundError, ValueError) as error:
+                    message = {"type": "lifespan.startup.failed", "message": f"actmap: {error}"}
+            elif message["type"] == "lifespan.shutdown.complete" and self.plugin is not None:
+                self.plugin.close()
+            await send(message)
+
+        await self.app(scope, receive, wrapped)
+
+    async def _request(self, scope, receive, send, endpoint: str) -> None:
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await receive()
+
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):  # vLLM answers it with its own error
+            return await self.app(scope, replay, send)
+        headers = list(scope["headers"])
+        base = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None)
+        if base is None:
+            base = f"actmap-{uuid.uuid4().hex}"
+            headers.append((b"x-request-id", base.encode()))
+            scope = {**scope, "headers": headers}
+        n = body.get("n")
+        n = n if isinstance(n, int) and n > 1 else 1
+        request = _Request(base, body, endpoint, n, time.perf_counter())
+        if body.get("stream"):
+            sender = _StreamSender(send, self.plugin, request)
+        else:
+            sender = _JsonSender(send, self.plugin, request)
+        await self.app(scope, replay, sender)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One chat / completion request as the middleware sees it."""
+
+    base: str  # the X-Request-Id vLLM names the request (and its children) after
+    body: dict
+    endpoint: str  # chat | completion
+    n: int  # choices
+    arrived: float  # time.perf_counter()
+
+    async def blocks(self, plugin: VllmPlugin) -> dict[int, dict]:
+        return await plugin.blocks(self.base, self.body, self.endpoint, self.arrived)
+
+
+class _JsonSender:
+    """Holds vLLM's JSON answer until the blocks are in it (other statuses pass untouched)."""
+
+    def __init__(self, send, plugin: VllmPlugin, request: _Request) -> None:
+        self.send, self.plugin, self.request = send, plugin, request
+        self.start: dict | None = None
+        self.parts: list[bytes] = []
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            if message["status"] != 200:
+                self.start = None
+                self.passthrough = True
+                return await self.send(message)
+            self.start, self.passthrough = message, False
+            return None
+        if message["type"] != "http.response.body" or getattr(self, "passthrough", True):
+            return await self.send(message)
+        self.parts.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return None
+        raw = b"".join(self.parts)
+        try:
+            out = json.loads(raw)
+            blocks = await self.request.blocks(self.plugin)
+            out["actmap"] = blocks.get(0, _missing(0))
+            if self.request.n > 1:
+                for choice in out.get("choices") or ():
+                    index = choice.get("index", 0)
+                    choice["actmap"] = blocks.get(index, _missing(index))
+            raw = json.dumps(out, ensure_ascii=False).encode()
+        except Exception:  # vLLM's answer goes out as it was; the block says nothing
+            log.exception("actmap: scoring request %s failed", self.request.base)
+        headers = [(k, v) for k, v in self.start["headers"] if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(raw)).encode()))
+        await self.send({**self.start, "headers": headers})
+        await self.send({"type": "http.response.body", "body": raw, "more_body": False})
+
+
+class _StreamSender:
+    """Passes vLLM's server-sent events through as they come; before ``data: [DONE]`` adds one
+    chunk with the ``actmap`` block (``choices: []``; with ``n > 1`` one entry per choice,
+    ``{"index", "delta": {}, "actmap"}``)."""
+
+    def __init__(self, send, plugin: VllmPlugin, request: _Request) -> None:
+        self.send, self.plugin, self.request = send, plugin, request
+        self.streaming = False
+        self.pending = b""
+        self.head: dict | None = None
+        self.failed = False
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            headers = dict((k.lower(), v) for k, v in message.get("headers", []))
+            self.streaming = message["status"] == 200 and headers.get(
+                b"content-type", b""
+            ).startswith(b"text/event-stream")
+            return await self.send(message)
+        if message["type"] != "http.response.body" or not self.streaming:
+            return await self.send(message)
+        self.pending += message.get("body", b"")
+        out = []
+        while b"\n\n" in self.pending:
+            event, self.pending = self.pending.split(b"\n\n", 1)
+            data = event.strip()
+            if data == b"data: [DONE]":
+                if not self.failed:
+                    out.append(await self._final())
+            else:
+                self._look(data)
+            out.append(event + b"\n\n")
+        more = message.get("more_body", False)
+        if not more:
+            out.append(self.pending)
+            self.pending = b""
+        await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": more})
+
+    def _look(self, data: bytes) -> None:
+        if not data.startswith(b"data: "):
+            return
+        try:
+            chunk = json.loads(data[6:])
+        except ValueError:
+            return
+        if not isinstance(chunk, dict):
+            return
+        if "error" in chunk:
+            self.failed = True
+        elif self.head is None and "id" in chunk:
+            self.head = {k: chunk[k] for k in ("id", "object", "created", "model") if k in chunk}
+
+    async def _final(self) -> bytes:
+        try:
+            blocks = await self.request.blocks(self.plugin)
+        except Exception:
+            log.exception("actmap: scoring request %s failed", self.request.base)
+            return b""
+        chunk = {**(self.head or {}), "choices": [], "actmap": blocks.get(0, _missing(0))}
+        if self.request.n > 1:
+            empty = {"delta": {}} if self.request.endpoint == "chat" else {"text": ""}
+            chunk["choices"] = [
+                {"index": i, **empty, "finish_reason": None, "actmap": blocks.get(i, _missing(i))}
+                for i in range(self.request.n)
+            ]
+        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"

@@ -1,0 +1,418 @@
+"""The vLLM plugin: vLLM's own OpenAI server (a subprocess, default multiprocess engine core,
+its worker in its own process) with actmap's worker extension and middleware, on loopback,
+driven by the official openai client. A tiny random-weight Llama folder and an actmap-plus
+detector (maps + the six scalars, so the workers' log-probs and entropies are read too).
+
+Every answer's block is checked against an independent reference: a teacher-forced
+transformers pass over the same prompt and the answer tokens vLLM returned
+(`actmap.capture.capture_answers`), its map (float16 stored form) and scalars scored by the
+detector directly. One plugin server and one refused start (a detector trained on another
+generator), started together once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'actmap[vllm]')")
+from conftest import make_word_tokenizer  # noqa: E402
+from serve_helpers import CHAT_TEMPLATE, save_tiny_plus  # noqa: E402
+from serve_helpers import stop_process_group as stop  # noqa: E402
+from test_serve_proxy import free_port  # noqa: E402
+
+import actmap  # noqa: E402
+from actmap.capture import CaptureConfig, capture_answers  # noqa: E402
+from actmap.capture.answer_scalars import answer_scalars  # noqa: E402
+from actmap.maps import build_map, stored_form  # noqa: E402
+from actmap.serve.loaded_run import load_detector_run  # noqa: E402
+from actmap.store import MapStore  # noqa: E402
+from actmap.store.errors import StoreError  # noqa: E402
+
+pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "what is the capital city"}]
+MAX_TOKENS = 6
+START_S = 900
+
+
+def tiny_folder(folder: Path, seed: int = 0, heads: int = 2) -> Path:
+    """A random-weight Llama vLLM's CPU attention runs (head size 64; ``heads`` query heads,
+    half as many key/value heads) + the word tokenizer with JSON's punctuation added, so that
+    structured output can write JSON (decoded with spaces between tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.add_tokens(["{", "}", '"', ":", ","])
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64 * heads, intermediate_size=128 * heads,
+        num_hidden_layers=3, num_attention_heads=heads, num_key_value_heads=heads // 2,
+        max_position_embeddings=256,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def detector_for(run: Path, generator: Path) -> Path:
+    """An actmap-plus run whose training maps, it says, came from ``generator``."""
+    from actmap.detectors.plus import ActMapPlus
+
+    plus = ActMapPlus.load(save_tiny_plus(run.with_name(run.name + "-fit")))
+    store_config = {"model": {"name": str(generator), "revision": "local", "gguf_file": None}}
+    plus.save(run / "seed-0", metadata={"validation_auroc": 0.5,
+                                        "inputs": {"store_config": store_config}})  # fmt: skip
+    return run
+
+
+def start_vllm(
+    folder: Path, run: Path, audit: Path, log: Path, tensor_parallel: int = 1
+) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(actmap.__file__).parents[1])}  # fmt: skip
+    if tensor_parallel == 2:  # one core per rank (vLLM's CPU workers need a binding each)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    settings = {"actmap": {"detector": str(run), "audit": str(audit)}}
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+             "--served-model-name", MODEL, "--dtype", "float32", "--port", str(port),
+             "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8",
+             "--worker-extension-cls", "actmap.capture.vllm_worker.ActmapWorker",
+             "--middleware", "actmap.serve.vllm_plugin.ActmapMiddleware",
+             "--additional-config", json.dumps(settings),
+             "--tensor-parallel-size", str(tensor_parallel)],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_up(process: subprocess.Popen, url: str, log: Path, deadline: float) -> str | None:
+    """None once ``url`` answers, else why not."""
+    while time.time() < deadline:
+        if process.poll() is not None:
+            return f"vLLM with the plugin exited: {log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return None
+        except httpx.TransportError:
+            time.sleep(2)
+    return "vLLM with the plugin did not come up"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Three vLLM servers started side by side: the plugin (TP=1), the plugin at tensor
+    parallel 2 (a 4-head model), and a start the plugin refuses."""
+    root = tmp_path_factory.mktemp("vllm-plugin")
+    folder, folder_tp = tiny_folder(root / "tiny"), tiny_folder(root / "tiny-tp", heads=4)
+    run, run_tp = detector_for(root / "run", folder), detector_for(root / "run-tp", folder_tp)
+    other = detector_for(root / "run-other", root / "another-model")
+    good, url = start_vllm(folder, run, root / "audit", root / "vllm.log")
+    tp, url_tp = start_vllm(folder_tp, run_tp, root / "audit-tp", root / "tp.log", 2)
+    refused, _ = start_vllm(folder, other, root / "audit-other", root / "refused.log")
+    deadline = time.time() + START_S
+    problem = wait_up(good, url, root / "vllm.log", deadline) or wait_up(
+        tp, url_tp, root / "tp.log", deadline
+    )
+    if problem is not None:
+        stop(good), stop(tp), stop(refused)
+        pytest.fail(problem)
+    yield {"url": url, "url_tp": url_tp, "root": root, "folder": folder, "run": run,
+           "folder_tp": folder_tp, "run_tp": run_tp, "refused": refused}  # fmt: skip
+    stop(good), stop(tp), stop(refused)
+
+
+def load_reference(folder: Path, run: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder), load_detector_run(run)
+
+
+@pytest.fixture(scope="module")
+def reference_model(servers):
+    return load_reference(servers["folder"], servers["run"])
+
+
+def expected(reference_model, token_ids: list[int], messages=MESSAGES):
+    """(raw p(correct), stored map) of the answer ``token_ids`` read by teacher forcing."""
+    model, tokenizer, detector = reference_model
+    answer = [t for t in token_ids if t != tokenizer.eos_token_id]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    config = CaptureConfig(max_new_tokens=len(answer) + 1, max_context=256)
+    (gen,) = capture_answers(model, tokenizer, [prompt], [answer], config)
+    stored = stored_form(build_map(gen.trajectory))
+    scalars = answer_scalars(gen.logprobs, gen.entropies)[None]
+    return float(detector.detector.predict_proba(stored[None], scalars)[0]), stored
+
+
+def same_score(served: float, reference: float) -> bool:
+    """Equal within 1e-3, and in log-odds within 1e-3 (the detector's scores sit near 0 on these
+    random answers, where an absolute tolerance alone says little)."""
+
+    def logit(p: float) -> float:
+        return float(np.log(p) - np.log1p(-p))
+
+    return abs(served - reference) <= 1e-3 and abs(logit(served) - logit(reference)) <= 1e-3
+
+
+def same_map(served: np.ndarray, reference: np.ndarray) -> bool:
+    """Float16 stored maps equal within 2e-3 of their largest value (one float16 step)."""
+    diff = np.abs(served.astype(np.float32) - reference.astype(np.float32)).max()
+    return bool(diff <= 2e-3 * max(1.0, float(np.abs(reference).max())))
+
+
+def audit_maps(audit: Path, wanted: set[str], timeout_s: float = 60) -> dict:
+    """The audit store's maps of ``wanted`` ids (the server's writer commits in the background)."""
+    deadline = time.time() + timeout_s
+    found: dict = {}
+    while time.time() < deadline:
+        try:
+            store = MapStore.open(audit)
+            for batch, meta in store.iter_maps(batch_size=64, columns=("id",)):
+                found.update(zip(meta.column("id").to_pylist(), batch, strict=True))
+        except StoreError:  # not created yet, or no maps committed yet
+            pass
+        if wanted <= set(found):
+            return found
+        time.sleep(1)
+    return found
+
+
+def client_for(servers):
+    return openai.OpenAI(base_url=servers["url"] + "/v1", api_key="none", max_retries=0,
+                         timeout=300)  # fmt: skip
+
+
+def test_plain_and_streamed_answers_carry_the_block(servers, reference_model):
+    client = client_for(servers)
+    ids = {"return_token_ids": True}
+    plain = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, extra_body=ids
+    )
+    block = plain.model_extra["actmap"]
+    assert set(block) >= {"p_correct", "p_correct_raw", "decision", "map_id", "detector"}
+    assert block["decision"] in ("accept", "abstain") and block["map_id"]
+    tokens = plain.choices[0].model_extra["token_ids"]
+    assert len(tokens) == plain.usage.completion_tokens
+    p_raw, stored = expected(reference_model, tokens)
+    assert same_score(block["p_correct_raw"], p_raw)
+    # the policy's default prior: none, so the corrected score is the raw one
+    assert block["p_correct"] == pytest.approx(block["p_correct_raw"], abs=1e-9)
+
+    # the same prompt without asking for ids: vLLM's body as it was, the same block
+    again = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert again.choices[0].message.content == plain.choices[0].message.content
+    assert same_score(again.model_extra["actmap"]["p_correct_raw"], p_raw)
+    assert again.model_extra["actmap"]["map_id"] != block["map_id"]
+    # asking for vLLM's log-probs changes nothing for the block; vLLM's own are there
+    with_logprobs = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    assert len(with_logprobs.choices[0].logprobs.content) == len(tokens)
+    assert same_score(with_logprobs.model_extra["actmap"]["p_correct_raw"], p_raw)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    final = chunks[-1]
+    assert final.choices == [] and final.id == chunks[0].id
+    assert same_score(final.model_extra["actmap"]["p_correct_raw"], p_raw)
+
+    maps = audit_maps(servers["root"] / "audit", {block["map_id"]})
+    assert same_map(maps[block["map_id"]], stored)
+
+
+def test_n_2_completion_and_tools_carry_a_block_each(servers, reference_model):
+    client = client_for(servers)
+    two = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0, n=2, seed=3,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert len(two.choices) == 2
+    for choice in two.choices:
+        block = choice.model_extra["actmap"]
+        p_raw, _ = expected(reference_model, choice.model_extra["token_ids"])
+        assert same_score(block["p_correct_raw"], p_raw), choice.index
+    assert two.model_extra["actmap"] == two.choices[0].model_extra["actmap"]
+    assert two.choices[0].model_extra["actmap"]["map_id"] != two.choices[1].model_extra[
+        "actmap"]["map_id"]  # fmt: skip
+
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            n=2,
+            seed=3,
+            stream=True,
+        )  # fmt: skip
+    )
+    final = streamed[-1]
+    assert [c.index for c in final.choices] == [0, 1]
+    assert all(0 <= c.model_extra["actmap"]["p_correct"] <= 1 for c in final.choices)
+
+    completion = client.completions.create(
+        model=MODEL, prompt="what is the capital city", max_tokens=4, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert 0 <= completion.model_extra["actmap"]["p_correct"] <= 1
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "find a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    with_tools = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, tools=tools,
+        tool_choice="none", extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    p_raw, _ = expected(reference_model, with_tools.choices[0].model_extra["token_ids"])
+    assert same_score(with_tools.model_extra["actmap"]["p_correct_raw"], p_raw)
+
+
+def test_structured_output_passes_through_with_a_block(servers, reference_model):
+    client = client_for(servers)
+    schema = {"type": "object", "properties": {"city": {"enum": ["paris", "rome"]}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    shaped = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    content = shaped.choices[0].message.content.replace(" ", "")  # word tokens: spaced
+    assert json.loads(content)["city"] in ("paris", "rome")
+    p_raw, _ = expected(reference_model, shaped.choices[0].model_extra["token_ids"])
+    assert same_score(shaped.model_extra["actmap"]["p_correct_raw"], p_raw)
+    chosen = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["paris", "rome"]}, "return_token_ids": True},
+    )  # fmt: skip
+    assert chosen.choices[0].message.content.strip() in ("paris", "rome")
+    p_raw, _ = expected(reference_model, chosen.choices[0].model_extra["token_ids"])
+    assert same_score(chosen.model_extra["actmap"]["p_correct_raw"], p_raw)
+
+
+def test_requests_vllm_rejects_get_vllms_own_error(servers):
+    client = client_for(servers)
+    with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, n=2)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    bad = httpx.post(servers["url"] + "/v1/chat/completions", content=b"{not json",
+                     headers={"content-type": "application/json"}, timeout=60)  # fmt: skip
+    assert bad.status_code == 400 and "actmap" not in bad.json()
+    # the server still answers afterwards
+    ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert "actmap" in ok.model_extra
+
+
+def test_a_detector_of_another_generator_refuses_to_start(servers):
+    refused = servers["refused"]
+    try:
+        refused.wait(START_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail("vLLM with a mismatched detector did not stop")
+    log = (servers["root"] / "refused.log").read_text()
+    lines = [line for line in log.splitlines() if "actmap: detector" in line]
+    assert len(lines) == 1, log[-3000:]
+    assert "another-model" in lines[0] and str(servers["folder"]) in lines[0]
+    assert "Application startup failed" in log
+
+
+def test_client_request_id_and_metrics(servers):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    out = httpx.post(servers["url"] + "/v1/chat/completions", json=body,
+                     headers={"X-Request-Id": "client-chose-this"}, timeout=120).json()  # fmt: skip
+    assert out["id"] == "chatcmpl-client-chose-this" and out["actmap"]["map_id"]
+    text = httpx.get(servers["url"] + "/metrics", timeout=60).text
+    answered = [line for line in text.splitlines()
+                if line.startswith('actmap_requests_total{endpoint="chat",status="200"}')]  # fmt: skip
+    assert answered and float(answered[0].split()[-1]) >= 1
+    assert "actmap_p_correct_count" in text and "vllm:" in text  # beside vLLM's own metrics
+
+
+def test_tensor_parallel_2_gives_the_reference_maps(servers):
+    """TP=2 (two worker processes, rank 0 records): the blocks and audit maps of greedy and
+    sampled answers equal the single-device transformers reference."""
+    reference = load_reference(servers["folder_tp"], servers["run_tp"])
+    client = openai.OpenAI(base_url=servers["url_tp"] + "/v1", api_key="none", max_retries=0,
+                           timeout=300)  # fmt: skip
+    wanted = {}
+    for options in ({"temperature": 0}, {"temperature": 1.0, "n": 2, "seed": 3}):
+        out = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
+            extra_body={"return_token_ids": True}, **options,
+        )  # fmt: skip
+        for choice in out.choices:
+            block = choice.model_extra.get("actmap") or out.model_extra["actmap"]
+            p_raw, stored = expected(reference, choice.model_extra["token_ids"])
+            assert same_score(block["p_correct_raw"], p_raw)
+            wanted[block["map_id"]] = stored
+    maps = audit_maps(servers["root"] / "audit-tp", set(wanted))
+    assert all(same_map(maps[key], stored) for key, stored in wanted.items())
+
+
+def test_an_answer_the_client_abandons_writes_no_partial_map(servers):
+    """A stream closed after its first token of 240: vLLM aborts the request and no block is
+    computed, or (on a loaded machine) it had already finished all 240 tokens before the
+    hang-up reached the server: then its map is the whole answer's, never a part of it."""
+    url = servers["url"]
+
+    def scored() -> float:
+        text = httpx.get(url + "/metrics", timeout=60).text
+        lines = [line for line in text.splitlines() if line.startswith("actmap_requests_total{")]
+        return sum(float(line.split()[-1]) for line in lines)
+
+    before = scored()
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 240, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if '"content":"' in line.replace(" ", "") and '"content":""' not in line:
+                break  # the first token: hang up
+    client = client_for(servers)
+    ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert ok.model_extra["actmap"]["map_id"]
+    extra = scored() - before - 1
+    assert extra in (0, 1)
+    if extra:  # finished before the hang-up: the audit holds its whole answer (every other
+        deadline = time.time() + 60  # answer of this module is 20 tokens at most)
+        lengths: list[int] = []
+        while time.time() < deadline and not any(n > 20 for n in lengths):
+            time.sleep(1)
+            try:
+                store = MapStore.open(servers["root"] / "audit")
+                lengths = [n for _, meta in store.iter_maps(columns=("id", "n_tokens"))
+                           for n in meta.column("n_tokens").to_pylist()]  # fmt: skip
+            except StoreError:
+                continue
+        assert [n for n in lengths if n > 20] == [240]

@@ -1,0 +1,152 @@
+"""The vLLM plugin's parts that need no vLLM server: request ids, the rows' round trip from a
+worker to the API server, and how the middleware splices the block into vLLM's answers (an
+ASGI app answering as vLLM's server does, chunked the way uvicorn may deliver it).
+The plugin inside a real vLLM server: tests/test_vllm_plugin.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from actmap.capture.records import CaptureConfig
+from actmap.capture.vllm_engine import _record, _Request
+from actmap.capture.vllm_rows import child_index, generation_from_payload, payload
+from actmap.serve.vllm_plugin import ActmapMiddleware
+
+BASE = "actmap-0123abcd"
+
+
+def test_child_index_reads_vllms_request_ids():
+    assert child_index(f"chatcmpl-{BASE}-1a2b3c4d", BASE) == 0
+    assert child_index(f"1_chatcmpl-{BASE}-1a2b3c4d", BASE) == 1
+    assert child_index(f"12_cmpl-{BASE}-1a2b3c4d", BASE) == 12
+    assert child_index(f"chatcmpl-{BASE}x-1a2b3c4d", BASE) is None  # another id's prefix
+    assert child_index("chatcmpl-other-1a2b3c4d", BASE) is None
+
+
+def test_rows_round_trip_to_the_in_process_engines_generation(word_tokenizer):
+    """What the worker sends becomes exactly the `Generation` the in-process engine cuts
+    from the same request (end token excluded, its statistics kept)."""
+    torch.manual_seed(0)
+    tokens = [word_tokenizer.convert_tokens_to_ids(w) for w in ("paris", "is", "<eos>")]
+    states, entropies = torch.randn(3, 8, 128), torch.rand(8)
+    full = [torch.randn(3, 16).half() for _ in range(3)]
+
+    def request() -> _Request:
+        config = CaptureConfig(max_new_tokens=4, keep_positions=True)
+        return _Request(
+            "0_chatcmpl-x", "", [5, 6, 7], config, states.clone(), entropies.clone(),
+            full_rows=[f.clone() for f in full], token_ids=list(tokens),
+            logprobs=[-0.5, -1.0, -0.1], recorded=3,
+        )  # fmt: skip
+
+    ends = {word_tokenizer.eos_token_id}
+    item = json.loads(json.dumps(payload(request(), 1), default=lambda b: b.hex()))
+    for key in ("states", "entropies", "full"):  # bytes as the RPC carries them
+        item[key] = bytes.fromhex(item[key])
+    got = generation_from_payload(item, word_tokenizer, ends)
+    want = _record(request(), word_tokenizer, ends)
+    assert got.token_ids == want.token_ids == tokens[:2] and got.answer == want.answer
+    assert torch.equal(got.trajectory, want.trajectory) and got.trajectory.shape == (3, 2, 128)
+    assert torch.equal(got.entropies, entropies[:2]) and torch.equal(got.logprobs, want.logprobs)
+    assert got.extras == want.extras and got.extras["eos_entropy"] == pytest.approx(
+        float(entropies[2])
+    )
+    assert torch.equal(got.positions, want.positions)
+
+
+class Blocks:
+    """Scores by choice index (what `VllmPlugin.blocks` returns); records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked = []
+
+    async def blocks(self, base, body, endpoint, arrived):
+        self.asked.append((base, endpoint))
+        return {i: {"p_correct": 0.25 + i / 10} for i in range(body.get("n", 1))}
+
+
+def vllm_like(status: int, parts: list[bytes], content_type: bytes):
+    """An ASGI app answering with ``parts`` (one body message each), and the headers it saw."""
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen["headers"] = dict(scope["headers"])
+        message = await receive()
+        seen["body"] = message["body"]
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", content_type)]})  # fmt: skip
+        for k, part in enumerate(parts):
+            more = k < len(parts) - 1
+            await send({"type": "http.response.body", "body": part, "more_body": more})
+
+    return app, seen
+
+
+def call(app, body: bytes, headers=()):
+    plugin = Blocks()
+    middleware = ActmapMiddleware(app)
+    middleware.plugin = plugin
+    sent = []
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": list(headers)}  # fmt: skip
+    messages = [{"type": "http.request", "body": body[:5], "more_body": True},
+                {"type": "http.request", "body": body[5:], "more_body": False}]  # fmt: skip
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(middleware(scope, receive, send))
+    out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0], out, plugin
+
+
+def test_json_answers_get_the_block_per_choice():
+    answer = {"id": "chatcmpl-x", "choices": [{"index": 0}, {"index": 1}]}
+    raw = json.dumps(answer).encode()
+    app, seen = vllm_like(200, [raw[:7], raw[7:]], b"application/json")
+    start, out, plugin = call(app, json.dumps({"n": 2, "messages": []}).encode())
+    data = json.loads(out)
+    assert data["actmap"] == {"p_correct": 0.25}
+    assert [c["actmap"]["p_correct"] for c in data["choices"]] == [0.25, 0.35]
+    assert dict(start["headers"])[b"content-length"] == str(len(out)).encode()
+    base = seen["headers"][b"x-request-id"].decode()  # named for vLLM, taken by that name
+    assert base.startswith("actmap-") and plugin.asked == [(base, "chat")]
+    assert json.loads(seen["body"]) == {"n": 2, "messages": []}  # the body vLLM reads
+
+
+def test_a_clients_request_id_is_kept_and_errors_pass_untouched():
+    error = b'{"error": {"message": "n must be 1", "code": 400}}'
+    app, seen = vllm_like(400, [error], b"application/json")
+    start, out, plugin = call(app, b'{"n": 2, "temperature": 0}', [(b"x-request-id", b"mine")])
+    assert start["status"] == 400 and out == error and plugin.asked == []
+    assert seen["headers"][b"x-request-id"] == b"mine"
+
+
+def test_a_stream_gets_one_more_chunk_before_done():
+    events = [b'data: {"id": "c1", "object": "chat.completion.chunk", "created": 1, '
+              b'"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n',
+              b"data: [DONE]\n\n"]  # fmt: skip
+    stream = b"".join(events)
+    parts = [stream[:30], stream[30:-9], stream[-9:]]  # events split across body messages
+    app, _ = vllm_like(200, parts, b"text/event-stream")
+    _, out, plugin = call(app, b'{"stream": true}')
+    chunks = [e for e in out.decode().split("\n\n") if e]
+    assert chunks[0] == events[0].decode().strip() and chunks[-1] == "data: [DONE]"
+    final = json.loads(chunks[-2][len("data: ") :])
+    assert final == {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                     "choices": [], "actmap": {"p_correct": 0.25}}  # fmt: skip
+    assert len(plugin.asked) == 1
+
+
+def test_a_stream_that_reported_an_error_gets_no_block():
+    stream = b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n'
+    app, _ = vllm_like(200, [stream], b"text/event-stream")
+    _, out, plugin = call(app, b'{"stream": true}')
+    assert out == stream and plugin.asked == []
