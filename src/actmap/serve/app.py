@@ -6,14 +6,16 @@ validated here (clear 4xx JSON errors in OpenAI's shape), rendered to prompts,
 and handed to the micro-batcher (`actmap.serve.batcher`), which runs
 `actmap.serve.engine.Engine.run` off the event loop. Endpoints:
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``, and ``POST /v1/actmap/score``
-(existing answers, `actmap.serve.score_endpoint`). With ``upstream`` set, the two
+``GET /v1/models``, ``GET /health``, ``GET /ready`` (readiness, `actmap.serve.lifecycle`),
+``GET /metrics``, and ``POST /v1/actmap/score`` (existing answers,
+`actmap.serve.score_endpoint`). With ``upstream`` set, the two
 completion endpoints forward to that server instead (`actmap.serve.proxy`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -30,9 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actmap.errors import ActmapUserError
 from actmap.serve.answers import PrefixCache, chat_prefix, score_answers
-from actmap.serve.api_errors import APIError
+from actmap.serve.api_errors import APIError, retry_headers, server_busy
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
+from actmap.serve.lifecycle import install_readiness
 from actmap.serve.prometheus import ServeMetrics
 from actmap.serve.protocol import (
     ActmapInfo,
@@ -78,6 +81,7 @@ class ServeSettings:
     audit_text: bool = False  # keep prompt and answer text in the audit store (off: hash only)
     audit_max_rows: int | None = None
     audit_max_age_days: float | None = None
+    audit_sync: bool = False  # an answer is sent once its audit row is committed (SIGKILL-safe)
     served_model_name: str | None = None  # the name clients send as "model"; default: model
     api_key: str | None = None  # bearer token; None = no auth
     default_max_tokens: int = 64
@@ -188,6 +192,7 @@ def _audit(settings: ServeSettings, detector):
         keep_text=settings.audit_text,
         max_rows=settings.audit_max_rows,
         max_age_days=settings.audit_max_age_days,
+        sync=settings.audit_sync,
     )
 
 
@@ -351,13 +356,25 @@ class ServerState:
         self.metrics.observe_batch(timings)
 
     def submit(self, job: Job) -> asyncio.Future:
+        job.on_drop = self.metrics.on_drop(job.endpoint)  # cancelled and dropped: counted
         try:
             future = self.batcher.submit(job)
         except QueueFull as error:
             self.metrics.rejected.inc()
-            raise APIError(503, f"server busy: {error}; retry later", type="server_busy") from None
+            raise server_busy(str(error)) from None
         self.metrics.queue_depth.set(self.batcher.depth)
         return future
+
+    async def audit_committed(self, answers: list[Answer]) -> None:
+        """``audit_sync``: wait until the answers' audit rows are committed, so that a crash
+        loses no answer a client received (a failed flush is logged by the writer; the answer
+        still goes out)."""
+        if not self.settings.audit_sync:
+            return
+        for answer in answers:
+            if answer.committed is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wrap_future(answer.committed)
 
     def info(self, answer: Answer) -> ActmapInfo | None:
         if self.engine.detector is None:  # a plain generator: no actmap block
@@ -383,7 +400,7 @@ def _detector_id(state: ServerState) -> str | None:
 class Guard:
     """Bearer-token check and request body limit, before anything is parsed."""
 
-    OPEN_PATHS = ("/health",)
+    OPEN_PATHS = ("/health", "/ready")
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
@@ -459,7 +476,7 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        return error.response({"Retry-After": "1"} if error.status == 503 else None)
+        return error.response(retry_headers(error))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -513,6 +530,7 @@ def create_app(
         return ModelList(data=[card])
 
     install_score_route(app)
+    install_readiness(app)  # GET /ready: off from SIGTERM on (`actmap.serve.lifecycle`)
     if settings.upstream is not None:
         install_proxy_routes(app)  # answers come from the upstream, read by teacher forcing
         app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
@@ -548,6 +566,7 @@ async def _serve(state: ServerState, body, job: Job, endpoint: str):
         raise APIError(
             504, f"request timed out after {state.settings.timeout_s:g} s", type="timeout"
         ) from None
+    await state.audit_committed([answer])
     state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
     usage = _usage(answer)
     if endpoint == "chat":
@@ -604,12 +623,24 @@ def _usage(answer: Answer) -> UsageInfo:
     )
 
 
+def _end_events(events: asyncio.Queue) -> Callable[[asyncio.Future], None]:
+    """The answer future's done callback: ends the stream's events, and reads the future's
+    exception so that one nobody awaits (the client left) is not logged as an error."""
+
+    def done(future: asyncio.Future) -> None:
+        if not future.cancelled():
+            future.exception()
+        events.put_nowait(None)
+
+    return done
+
+
 async def _stream(state: ServerState, body, job: Job, endpoint: str, started: float):
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     job.sink = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
-    future = state.submit(job)  # a full queue is a 503 before the stream starts
-    future.add_done_callback(lambda _: events.put_nowait(None))
+    future = state.submit(job)  # a full queue is a 429 before the stream starts
+    future.add_done_callback(_end_events(events))
     chunks = _Chunks(endpoint, state.settings.model_name)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     deadline = loop.time() + state.settings.timeout_s
@@ -644,6 +675,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                 yield f"data: {message.model_dump_json()}\n\n"
                 return
             answer: Answer = future.result()
+            await state.audit_committed([answer])
             rest = answer.text[len(sent) :] if answer.text.startswith(sent) else ""
             if rest:
                 yield _sse(chunks.make(rest))
@@ -663,5 +695,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                 job.cancelled = True
 
     return StreamingResponse(
-        generate(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        state.metrics.watch_stream(generate(), endpoint),  # a client that leaves is counted
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
     )

@@ -13,7 +13,10 @@ Writes are batched: answers are buffered and a writer thread flushes them every
 ``audit`` shard first and the ``maps`` shard last, each atomically (temporary
 file + rename), so a row is committed exactly when its map is in ``maps``: a
 crash at any moment leaves committed rows whole and loses only the answers not
-yet flushed. Readers join ``audit`` onto the committed ids.
+yet flushed. Readers join ``audit`` onto the committed ids. With ``sync`` (``actmap serve
+--audit-sync``) the writer flushes as soon as anything is buffered (answers that arrive during
+a flush share the next one: group commit) and the server sends an answer only once its row is
+committed (`AuditTrail.append` returns that moment), so a crash loses no answer a client got.
 
 Retention (`AuditTrail.apply_retention`) drops whole flushed shards that are older
 than ``max_age_days`` or beyond the newest ``max_rows`` rows, maps shard first.
@@ -27,6 +30,7 @@ import fcntl
 import hashlib
 import logging
 import threading
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -112,6 +116,7 @@ class AuditTrail:
         flush_rows: int = 64,
         flush_interval_s: float = 1.0,
         background: bool = True,
+        sync: bool = False,
     ) -> None:
         if max_rows is not None and max_rows < 1:
             raise ActmapUserError(f"audit max_rows must be >= 1, got {max_rows}")
@@ -127,8 +132,10 @@ class AuditTrail:
         self.keep_text = keep_text
         self.max_rows, self.max_age_days = max_rows, max_age_days
         self.flush_rows, self.flush_interval_s = flush_rows, flush_interval_s
+        self.sync = sync  # the writer flushes as soon as anything is buffered (group commit)
         self.committed = 0  # rows this trail has committed
         self._buffer: list[AuditEntry] = []
+        self._waiting: list[Future] = []  # one per append, resolved by the flush that commits it
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
         self._closed = False
@@ -169,21 +176,39 @@ class AuditTrail:
         )
 
     # -- writing ---------------------------------------------------------------------------
-    def append(self, entries: list[AuditEntry]) -> None:
-        """Buffer entries; the writer thread (or `flush`) commits them."""
+    def append(self, entries: list[AuditEntry]) -> Future:
+        """Buffer entries; the writer thread (or `flush`) commits them. The future resolves
+        (with the rows of its flush, or the flush's error) once they are committed."""
+        committed: Future = Future()
         with self._cond:
             if self._closed:
                 raise StoreError("the audit trail is closed")
             self._buffer.extend(entries)
-            if len(self._buffer) >= self.flush_rows:
+            self._waiting.append(committed)
+            if self.sync or len(self._buffer) >= self.flush_rows:
                 self._cond.notify()
+        return committed
 
     def flush(self) -> int:
         """Commit every buffered entry now; returns the number of rows committed."""
         with self._cond:
             entries, self._buffer = self._buffer, []
+            waiting, self._waiting = self._waiting, []
         if not entries:
+            for committed in waiting:
+                committed.set_result(0)
             return 0
+        try:
+            self._commit(entries)
+        except BaseException as error:
+            for committed in waiting:
+                committed.set_exception(error)
+            raise
+        for committed in waiting:
+            committed.set_result(len(entries))
+        return len(entries)
+
+    def _commit(self, entries: list[AuditEntry]) -> None:
         with self._write_lock:
             side = pa.table(
                 {
@@ -211,13 +236,13 @@ class AuditTrail:
                 self.store.write_table(SCALARS_TABLE, pa.table(columns))
             self.store.write_maps([e.record for e in entries])  # last: the commit
             self.committed += len(entries)
-        return len(entries)
 
     def _writer(self) -> None:
         flushes = 0
         while True:
             with self._cond:
-                if not self._closed and len(self._buffer) < self.flush_rows:
+                wanted = 1 if self.sync else self.flush_rows
+                if not self._closed and len(self._buffer) < wanted:
                     self._cond.wait(self.flush_interval_s)
                 closing = self._closed
             try:
