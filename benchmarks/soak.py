@@ -51,15 +51,10 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import free_port, make_detector, questions  # noqa: E402
+from fault_servers import rss_bytes, tiny_model_folder, wait_ready  # noqa: E402
 
 RSS_GROWTH_TARGET = 0.05
 WORDS = ["the cat", "a dog runs", "one two three", "the red house", "four and five"]
-
-
-def rss_bytes(pid: int) -> int:
-    from fault_servers import rss_bytes as read
-
-    return read(pid)
 
 
 class Server:
@@ -81,18 +76,8 @@ class Server:
         self.base = f"http://127.0.0.1:{port}"
 
     def wait_ready(self, limit_s: float = 900) -> None:
-        deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"actmap serve exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.base}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        self.process.kill()
-        raise SystemExit("actmap serve did not come up")
+        alive = lambda: self.process.poll() is None  # noqa: E731
+        wait_ready(self.base, alive, self.log.read_text, self.process.kill, limit_s)
 
     def counters(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
@@ -301,8 +286,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="actmap-soak-") as tmp:
         work = Path(tmp)
         if args.tiny:
-            from fault_servers import tiny_model_folder
-
             args.model = str(tiny_model_folder(work))
         if args.detector is None:
             args.detector = make_detector(work / "run")

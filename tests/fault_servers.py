@@ -68,6 +68,23 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+def wait_ready(base: str, alive, output, kill, limit_s: float) -> None:
+    """Until ``GET /ready`` answers 200; RuntimeError with the server's ``output()`` when it
+    exits first or is not up in ``limit_s`` (then it is ``kill()``-ed)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"actmap serve exited: {output()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    kill()
+    raise RuntimeError(f"actmap serve did not come up in {limit_s:.0f} s: {output()[-3000:]}")
+
+
 def _serve(args: list[str], log: str) -> None:  # the child: `actmap serve ARGS`, output to log
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -91,18 +108,7 @@ class ServeProcess:
             target=_serve, args=([*args, "--port", str(self.port)], str(self.log))
         )
         self.process.start()
-        deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline:
-            if not self.process.is_alive():
-                raise RuntimeError(f"actmap serve exited: {self.output()[-3000:]}")
-            try:
-                if httpx.get(f"{self.base}/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.process.kill()
-        raise RuntimeError(f"actmap serve did not come up in {limit_s:.0f} s: {self.output()}")
+        wait_ready(self.base, self.process.is_alive, self.output, self.process.kill, limit_s)
 
     @property
     def pid(self) -> int:
