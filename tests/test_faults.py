@@ -49,7 +49,7 @@ def tiny(tmp_path_factory):
 
 def serve(tiny, name: str, *extra: str, detector: bool = True, port=None) -> ServeProcess:
     args = ["--model", str(tiny.model), "--served-model-name", MODEL_NAME,
-            "--max-tokens", "8", "--max-tokens-cap", "200", "--batch-window-ms", "0", *extra]  # fmt: skip
+            "--max-tokens", "8", "--max-tokens-cap", "250", "--batch-window-ms", "0", *extra]  # fmt: skip
     if detector:
         args += ["--detector", str(tiny.run)]
     return ServeProcess(args, tiny.root / f"{name}.log", port=port)
@@ -105,8 +105,9 @@ def queue_depth(server: ServeProcess) -> int:
 
 
 def stream_until_content(server: ServeProcess, max_tokens: int = LONG):
-    """An openai stream that has received its first text (its request is generating)."""
-    stream = ask(server, max_tokens, stream=True)
+    """An openai stream that has received its first text (its request is generating); a
+    running score at every token keeps the generator busy longer."""
+    stream = ask(server, max_tokens, stream=True, extra_body={"actmap": {"stream_scores": True}})
     chunks = iter(stream)
     for chunk in chunks:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -136,15 +137,19 @@ def plain(tiny):
 
 def test_disconnects_mid_stream_and_while_queued_are_counted_not_errors(plain, tiny):
     before = audit_ids(tiny.root / "plain-audit")
-    running, running_chunks = stream_until_content(plain)  # generating
+    running, running_chunks = stream_until_content(plain, 250)  # generating (~2.5 s)
     queued = ask(plain, LONG, stream=True)  # headers and the role chunk: accepted, waiting
     assert eventually(lambda: queue_depth(plain) == 1)
     queued.close()  # leaves while queued
+    with pytest.raises(openai.APITimeoutError):  # a plain request's client gives up while queued
+        client(plain).with_options(timeout=0.3).chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "a dog"}], max_tokens=4
+        )
     for _ in range(3):
         next(running_chunks)
     running.close()  # leaves mid-stream
     assert eventually(
-        lambda: metric(plain, "actmap_client_disconnects_total", endpoint="chat") == 2
+        lambda: metric(plain, "actmap_client_disconnects_total", endpoint="chat") == 3
     )
     assert eventually(
         lambda: (
@@ -152,10 +157,10 @@ def test_disconnects_mid_stream_and_while_queued_are_counted_not_errors(plain, t
         )
     )
     assert eventually(
-        lambda: metric(plain, "actmap_aborted_answers_total", endpoint="chat", stage="queued") == 1
+        lambda: metric(plain, "actmap_aborted_answers_total", endpoint="chat", stage="queued") == 2
     )
     answer = ask(plain)  # the server still answers
-    # the two dropped answers left no row; the completed one has its row (committed before sent)
+    # the three dropped answers left no row; the completed one has its row (committed before sent)
     assert audit_ids(tiny.root / "plain-audit") - before == {answer.actmap["map_id"]}
     clean_log(plain)
 
@@ -244,10 +249,10 @@ def test_sigterm_turns_unready_then_drains_in_flight_requests(tiny):
     grace, drain = 1.0, 20.0
     server = serve(tiny, "sigterm", "--batch-size", "2", "--queue-size", "8", "--audit",
                    str(audit), "--shutdown-grace", str(grace), "--drain-timeout", str(drain))  # fmt: skip
-    streams = [ask(server, 80, content=f"the cat {i}", stream=True) for i in range(6)]
+    streams = [ask(server, 200, content=f"the cat {i}", stream=True) for i in range(6)]
     with ThreadPoolExecutor(6) as pool:
         finished = [pool.submit(finish, iter(s)) for s in streams]
-        assert eventually(lambda: queue_depth(server) >= 3)
+        assert eventually(lambda: queue_depth(server) >= 1)  # two generating, some waiting
         stopped_at = time.monotonic()
         server.process.terminate()  # SIGTERM
         ready = eventually(

@@ -539,12 +539,12 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state: ServerState = request.app.state.actmap
-        return await _serve(state, body, _chat_job(body, state), "chat")
+        return await _serve(state, body, _chat_job(body, state), "chat", request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state: ServerState = request.app.state.actmap
-        return await _serve(state, body, _completion_job(body, state), "completion")
+        return await _serve(state, body, _completion_job(body, state), "completion", request)
 
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     return app
@@ -553,19 +553,13 @@ def create_app(
 # -- answering --------------------------------------------------------------------------------
 
 
-async def _serve(state: ServerState, body, job: Job, endpoint: str):
+async def _serve(state: ServerState, body, job: Job, endpoint: str, request: Request | None = None):
     started = time.perf_counter()
     if body.stream:
         return await _stream(state, body, job, endpoint, started)
-    future = state.submit(job)
-    try:
-        answer: Answer = await asyncio.wait_for(asyncio.shield(future), state.settings.timeout_s)
-    except TimeoutError:
-        job.cancelled = True
-        state.metrics.requests.labels(endpoint, "504").inc()
-        raise APIError(
-            504, f"request timed out after {state.settings.timeout_s:g} s", type="timeout"
-        ) from None
+    answer = await _answer(state, job, state.submit(job), endpoint, request)
+    if answer is None:  # the client left: nobody reads a response
+        return Response(status_code=499)
     await state.audit_committed([answer])
     state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
     usage = _usage(answer)
@@ -586,6 +580,41 @@ async def _serve(state: ServerState, body, job: Job, endpoint: str):
         usage=usage,
         actmap=state.info(answer),
     )
+
+
+async def _answer(state: ServerState, job: Job, future, endpoint: str, request) -> Answer | None:
+    """The answer of a non-streamed request (504 past the timeout), or None when its client
+    left first: the request is then cancelled and counted, as a stream's is."""
+    waiting = asyncio.ensure_future(asyncio.wait_for(asyncio.shield(future), state.settings.timeout_s))  # fmt: skip
+    left = asyncio.ensure_future(_client_left(request)) if request is not None else None
+    try:
+        await asyncio.wait([t for t in (waiting, left) if t], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server cancels the request (shutdown past the drain)
+        waiting.cancel()
+        job.cancelled = True
+        raise
+    finally:
+        if left is not None:
+            left.cancel()
+    if not waiting.done():  # the client went away first
+        waiting.cancel()
+        job.cancelled = True
+        state.metrics.client_disconnects.labels(endpoint).inc()
+        return None
+    try:
+        return waiting.result()
+    except TimeoutError:
+        job.cancelled = True
+        state.metrics.requests.labels(endpoint, "504").inc()
+        raise APIError(
+            504, f"request timed out after {state.settings.timeout_s:g} s", type="timeout"
+        ) from None
+
+
+async def _client_left(request: Request) -> None:
+    """Returns when the client disconnects (its body is read: the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(chunk) -> str:
