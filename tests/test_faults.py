@@ -422,3 +422,23 @@ def test_vllm_step_loop_drops_cancelled_requests_without_an_unread_error(caplog)
         gc.collect()
     assert capture.aborted == ["r0"] and sorted(drops) == ["generating", "queued"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_audit_sync_commits_at_once_and_says_when(tmp_path):
+    """`AuditTrail.append` returns the moment its rows are committed; with ``sync`` the writer
+    commits as soon as anything is buffered, without it only at the flush interval."""
+    from test_serve_audit import entries
+
+    from actmap.serve.audit import AuditTrail
+
+    synced = AuditTrail(tmp_path / "sync", flush_interval_s=60, sync=True)
+    committed = synced.append(entries(0))
+    assert committed.result(timeout=10) == 8  # long before the 60 s interval
+    assert len(read_audit(open_audit_store(tmp_path / "sync"))) == 8
+    synced.close()
+    buffered = AuditTrail(tmp_path / "buffered", flush_interval_s=60)
+    pending = buffered.append(entries(1))
+    time.sleep(0.5)
+    assert not pending.done()  # buffered until the interval, 64 rows or close
+    buffered.close()
+    assert pending.result(timeout=0) == 8
