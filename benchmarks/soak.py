@@ -69,6 +69,8 @@ class Server:
             "--queue-size", str(4 * args.concurrency), "--shutdown-grace", "2",
             "--drain-timeout", "60",
         ]  # fmt: skip
+        if args.audit_sync:
+            command.append("--audit-sync")
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
         self.log = log
         with open(log, "ab") as out:
@@ -280,6 +282,7 @@ def main() -> None:
     parser.add_argument("--disconnect", type=float, default=0.3, help="share of streams dropped")
     parser.add_argument("--warmup", type=float, default=0.2, help="share of each server's life")
     parser.add_argument("--tiny", action="store_true", help="the tests' random tiny Llama")
+    parser.add_argument("--audit-sync", action="store_true", help="serve with --audit-sync")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = parser.parse_args()
