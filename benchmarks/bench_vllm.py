@@ -283,12 +283,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument(
-        "--detector",
-        type=Path,
-        default=None,
-        help="run folder (default: a logreg fitted on random maps, written to a temporary folder)",
-    )
+    parser.add_argument("--detector", type=Path, default=None, help="run folder (default: a "
+                        "logreg fitted on random maps, written to a temporary folder)")
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--requests", type=int, default=64, help="requests per concurrency > 1")
     parser.add_argument("--requests-single", type=int, default=4, help="at concurrency 1")
@@ -339,15 +335,9 @@ def main() -> None:
         )
     for r in rows:
         if "all_req_per_s" in r:
-            print(
-                f"{r['mode']:<8} c={r['concurrency']}: every repeat's req/s {r['all_req_per_s']}"
-                + (
-                    f"; CPU-time ratio capture/plain {r['cpu_ratio_vs_plain']}, capture/idle "
-                    f"{r['cpu_ratio_vs_idle']}"
-                    if "cpu_ratio_vs_plain" in r
-                    else ""
-                )
-            )
+            print(f"{r['mode']:<8} c={r['concurrency']}: every repeat's req/s {r['all_req_per_s']}"
+                  + (f"; CPU-time ratio capture/plain {r['cpu_ratio_vs_plain']}, capture/idle "
+                     f"{r['cpu_ratio_vs_idle']}" if "cpu_ratio_vs_plain" in r else ""))
     print("targets: capture >= 0.97x plain at c=16; actmap-vllm >= 0.9x vllm-openai at c=16, 64")
     print(f"load at end: {os.getloadavg()}")
     if args.out:
