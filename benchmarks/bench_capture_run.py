@@ -29,7 +29,7 @@ import torch
 from actmap.capture import CaptureConfig
 from actmap.capture.generate import generate_plain
 from actmap.capture.run import order_by_prompt_length, run_capture, store_config
-from actmap.cli.capture import AUTO_SHARE_PREFIX  # `actmap capture`'s default for a new store
+from actmap.capture.job import AUTO_SHARE_PREFIX  # `actmap capture`'s default for a new store
 from actmap.data import get_task
 from actmap.llm.models import load_model
 from actmap.maps import MapConfig

@@ -18,7 +18,7 @@
 # judge in bfloat16 asked the same-answer prompt (SE_PROMPT): asked the Nature prompt, the
 # 1.5B answers "neutral" to every pair and the 0.5B "entailment" to every pair (session 6 ran
 # SE on this store with the 0.5B: a constant), so SE's clusters are meaningless with either;
-# scripts/se_judge_check.py measures both prompts on real answer pairs (docs/report.md).
+# scripts/se_judge_check.py measures both prompts on real answer pairs (docs/results/log.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -1,4 +1,4 @@
-"""One-off (docs/detectors.md): actmap-plus's unweighted candidate on a store compared before it.
+"""One-off (docs/results/log.md): actmap-plus's unweighted candidate on a store compared before it.
 
 The session-4 grid adds every labelled training row without class weights. On a
 store whose comparison ran before (SmolLM2 x TriviaQA) this fits that candidate,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # actmap-plus against the strongest single-pass baseline and the paper's ViT (80-epoch recipe,
-# three seeds) on every store with at least 200 balanced training rows (docs/detectors.md).
+# three seeds) on every store with at least 200 balanced training rows (docs/results/log.md).
 # Reads the stores and ViT runs that `actmap reproduce --config configs/reproduce-full.toml`
 # leaves under runs/reproduce-full (store copies with their baselines, runs/<store>/vit), and
 # writes runs/product/<store>/{comparison.md,comparison.json,rows.json}. Resumable: a store

@@ -1,4 +1,4 @@
-"""The candidate product detectors tried on one store, one row each (docs/detectors.md).
+"""The candidate product detectors tried on one store, one row each (docs/results/log.md).
 
 Every row is fit on training rows and selected on the balanced validation rows;
 its validation AUROC is what chose the winner. The test AUROC (balanced test

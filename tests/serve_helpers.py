@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +102,35 @@ def reference(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS, n_token
         scalars = answer_scalars(gen.logprobs[:n], gen.entropies[:n])[None]
         return gen, float(detector.predict_proba(stored, scalars)[0])
     return gen, float(detector.predict_proba(stored)[0])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """A uvicorn server on loopback in a thread (its lifespan runs as in `actmap serve`)."""
+
+    def __init__(self, app, port: int | None = None) -> None:
+        self.app, self.port = app, port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        import uvicorn
+
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise RuntimeError(f"server on {self.url} did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

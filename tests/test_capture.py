@@ -148,7 +148,7 @@ def test_stop_string_ends_the_answer_like_a_stop_token(tiny_llama, word_tokenize
         torch.testing.assert_close(record.logprobs, reference.logprobs[:k])
         if cut >= 0:  # the stop string's first token plays the end-of-sequence token's part
             assert record.extras["eos_logprob"] == pytest.approx(float(reference.logprobs[k]))
-    assert records[0].n_tokens <= 4
+    assert records[0].stopped and records[0].n_tokens <= 4  # the stop branch above ran
     # the stop ends generation: one prompt alone stops right after its stop string
     (alone,) = generate_plain(tiny_llama, word_tokenizer, PROMPTS[:1], stopped_config)[:, None]
     prompt_len = len(word_tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"])

@@ -83,7 +83,7 @@ def test_capture_from_prompts_file_and_rebuild_maps(tmp_path, tiny_model_dir):
 
 
 def test_stop_strings_come_from_the_task_or_the_command_line(tmp_path, tiny_model_dir):
-    from actmap.cli.capture import stop_strings
+    from actmap.capture.job import stop_strings
     from actmap.data.builtin import BuiltinArithmeticTask
     from actmap.data.datasets import NQOpenTask
 
@@ -109,22 +109,22 @@ def test_stop_strings_come_from_the_task_or_the_command_line(tmp_path, tiny_mode
 
 
 def test_capture_keeps_what_the_methods_need():
-    from actmap.cli.capture import capture_settings
+    from actmap.capture.needs import capture_settings
 
     default = capture_settings(None, None, 0, False)
     assert default == {"greybox": True, "attention_keys": 0, "keep_dense": False}
-    assert capture_settings("actmap", None, 0, False)["greybox"] is False  # map-only
-    both = capture_settings("actmap, tad, actvit", None, 0, False)
+    assert capture_settings(["actmap"], None, 0, False)["greybox"] is False  # map-only
+    both = capture_settings(["actmap", " tad", "actvit"], None, 0, False)
     assert both == {"greybox": True, "attention_keys": 10, "keep_dense": True}
-    assert capture_settings("rauq", None, 12, False)["attention_keys"] == 12
+    assert capture_settings(["rauq"], None, 12, False)["attention_keys"] == 12
     with pytest.raises(ValueError, match="unknown method 'vitt' in --methods; known: actmap"):
-        capture_settings("vitt", None, 0, False)
+        capture_settings(["vitt"], None, 0, False)
     with pytest.raises(ValueError, match="--no-greybox contradicts --methods: perplexity"):
-        capture_settings("perplexity", False, 0, False)
+        capture_settings(["perplexity"], False, 0, False)
 
 
 def test_map_only_capture_and_the_prefix_default_of_new_and_old_stores(tmp_path, tiny_model_dir):
-    from actmap.cli.capture import AUTO_SHARE_PREFIX
+    from actmap.capture.job import AUTO_SHARE_PREFIX
 
     prompts = tmp_path / "prompts.jsonl"
     line = {"prompt": "what is the capital", "id": "a", "split": "test"}

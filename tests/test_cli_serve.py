@@ -192,3 +192,37 @@ def test_audit_rescore_and_summary(trained, tmp_path):
     assert line.split()[2:9] == ["16", "8", "0", "0", "8", "0", "0.600"]
     not_audit = runner.invoke(app, ["audit", "summary", "--store", str(trained[0])])
     assert not_audit.exit_code == 2 and "not an audit store" in flat(not_audit)
+
+
+def test_policy_fit_calibrates_from_the_prior_the_detector_holds_at(tmp_path):
+    """An actmap-plus fit without class weights on rows 30% correct holds its p(correct) at
+    .3: the policy's temperature is fitted from there (the server shifts from there too)."""
+    from test_serve_fit import map_temperature_by_grid
+
+    from actmap.detectors.plus import ActMapPlus, PlusConfig
+
+    opened = imbalanced_store(tmp_path / "store")
+    meta = opened.metadata()
+    train = meta[meta["split"] == "train"]
+    maps, _ = opened.load_maps(train["id"].tolist())
+    config = PlusConfig(n_components=4, use_scalars=False, class_weight=None, n_strengths=2)
+    plus = ActMapPlus(config).fit(maps, train["label"].to_numpy())
+    assert plus.calibrated_prevalence_ == pytest.approx(0.3)  # 30 of every 100 rows correct
+    plus.save(tmp_path / "run" / "seed-0")
+    out = tmp_path / "policy.toml"
+    result = runner.invoke(
+        app,
+        ["policy", "fit", "--run", str(tmp_path / "run"), "--store", str(tmp_path / "store"),
+         "--out", str(out), "--target-risk", "0.5", "--resamples", "20"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    policy = load_policy(out)
+    assert policy.prior.train_prevalence == pytest.approx(0.3)
+    rows = meta[meta["split"] == "validation"]
+    p = plus.predict_proba(opened.load_maps(rows["id"].tolist())[0])
+    y = rows["label"].to_numpy()
+    expected = map_temperature_by_grid(p, y, train_prevalence=plus.calibrated_prevalence_)
+    assert policy.prior.temperature == pytest.approx(expected, rel=2e-4)
+    # the check can tell: from a balanced prior the temperature would be another
+    assert abs(map_temperature_by_grid(p, y) / expected - 1) > 0.05
+    assert "detector's prior 0.300" in flat(result)

@@ -8,7 +8,7 @@ import logging
 import pytest
 from test_data_loaders import write_jsonl
 
-from actmap.cli.capture import store_demonstrations
+from actmap.capture.job import store_demonstrations
 from actmap.data.datasets import TriviaQATask
 from actmap.errors import ActmapUserError
 from actmap.store import MapStore, StoreError, check_config

@@ -42,7 +42,6 @@ from actmap.maps.ablations import LAST_TOKEN_CHANNELS
 from actmap.scoring import metrics
 from actmap.scoring.intervals import auroc_rows, bootstrap, paired_bootstrap, resample_indices
 from actmap.scoring.prior import sigmoid
-from actmap.store.derived import read_arrays
 from actmap.store.rows import Rows
 
 
@@ -95,7 +94,7 @@ def test_seed_averaged_bootstrap_matches_a_direct_loop():
 def test_rebuilt_variant_maps_equal_direct_builds(store, inputs):
     maps = _map_variant(inputs, "last_token_channels")
     key = inputs.ids["test"][3]
-    trajectory = torch.from_numpy(read_arrays(store, "trajectories", [key])[key].astype(np.float32))
+    trajectory = torch.from_numpy(store.read_arrays("trajectories", [key])[key].astype(np.float32))
     direct = build_map(trajectory, MapConfig(channels=LAST_TOKEN_CHANNELS)).half().numpy()
     assert maps["test"].shape[1:] == (2, 32, 128)
     np.testing.assert_array_equal(maps["test"][3], direct)
@@ -566,7 +565,7 @@ def test_recaptured_hidden_states_pool_back_to_the_stored_trajectories(
     )
     ids = sorted(store.ids())[:5]
     hidden = recapture_hidden(store, ids, tiny_llama, word_tokenizer, batch_size=2)
-    stored = read_arrays(store, "trajectories", ids)
+    stored = store.read_arrays("trajectories", ids)
     width = tiny_llama.config.hidden_size
     for key in ids:
         assert hidden[key].shape[-1] == width and hidden[key].shape[:2] == stored[key].shape[:2]

@@ -323,7 +323,7 @@ def test_a_bfloat16_judge_names_its_dtype_and_agrees_with_float32(tmp_path):
     import torch
     from test_factuality import WORDS as JUDGE_WORDS
 
-    from actmap.cli.labels import load_factuality_judge
+    from actmap.data.factuality import load_factuality_judge
 
     folder = judge_model_dir(tmp_path)
     full = load_factuality_judge(str(folder))

@@ -212,3 +212,19 @@ def test_cli_fits_next_to_the_run_and_checks_another_store(tmp_path):
         app, ["monitor", "check", "--run", str(tmp_path), "--store", str(tmp_path / "away")]
     )
     assert missing.exit_code == 2 and "no monitor" in missing.output
+
+
+def test_window_rows_read_a_rewritten_id_once_with_its_last_label(tmp_path):
+    # the store's rule: an id written twice is one row, its last; resampling draws from those
+    store = small_store(tmp_path / "s", 40, np.random.default_rng(5), correct_every=2)
+    first = store.metadata().query("split == 'test'").iloc[0]  # s:3, label 0
+    rewritten = store.load_maps([first["id"]])[0][0]
+    store.write_maps(
+        [MapRecord(first["id"], "3", "s", "test", "m", "r", "p", "a", 3, 1, rewritten)]
+    )
+    every = window_rows(store, "test")
+    assert sorted(every) == sorted(set(every)) and len(every) == 10
+    # 10 test rows: s:3 now correct, so 1 correct (s:3) and 9 incorrect (odd i, i % 4 == 3)
+    for seed in range(5):
+        ids = window_rows(store, "test", prevalence=0.1, seed=seed)
+        assert sorted(ids) == sorted(every)  # 1 correct row allows 9 incorrect: all of them

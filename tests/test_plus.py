@@ -112,7 +112,7 @@ def test_save_and_from_pretrained_predict_identically(tmp_path):
     )
 
 
-def test_prevalence_shifts_the_logit_by_the_prior_offset():
+def test_prevalence_shifts_the_logit_by_the_prior_offset(tmp_path):
     maps, y, scalars = synthetic()
     est = ActMapPlus(PlusConfig(n_components=4, n_strengths=2)).fit(maps, y, scalars)
     p = est.predict_proba(maps, scalars)
@@ -121,6 +121,14 @@ def test_prevalence_shifts_the_logit_by_the_prior_offset():
     unweighted = ActMapPlus(PlusConfig(n_components=4, n_strengths=2, class_weight=None))
     unweighted.fit(maps, y, scalars)
     assert unweighted.calibrated_prevalence_ == pytest.approx(y.mean())
+    assert abs(y.mean() - 0.3) < 0.05  # its probabilities hold at about .3, not .5
+    # the prior shift starts from there: logit(.6) - logit(.3), about 1.25 (from .5: .41)
+    p = unweighted.predict_proba(maps, scalars)
+    q = unweighted.predict_proba(maps, scalars, prevalence=0.6)
+    np.testing.assert_allclose(logit(q) - logit(p), logit(0.6) - logit(y.mean()), atol=1e-8)
+    loaded = ActMapPlus.from_pretrained(unweighted.save(tmp_path / "unweighted"))
+    assert loaded.calibrated_prevalence_ == unweighted.calibrated_prevalence_
+    np.testing.assert_allclose(loaded.predict_proba(maps, scalars, prevalence=0.6), q, rtol=1e-5)
     # calibrated where it was trained: on new rows, mean p(correct) tracks the fraction correct
     new_maps, new_y, new_scalars = synthetic(n=3000, seed=1)
     mean_p = unweighted.predict_proba(new_maps, new_scalars).mean()

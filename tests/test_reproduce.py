@@ -12,7 +12,6 @@ import pytest
 from typer.testing import CliRunner
 
 from actmap.cli import app
-from actmap.cli.reproduce import capture_arguments
 from actmap.errors import ActmapUserError
 from actmap.reproduce import config_from_dict, load_config
 
@@ -149,7 +148,7 @@ def test_a_source_that_grew_retrains_its_detectors_even_after_a_killed_call(
     import pandas as pd
 
     from actmap.baselines import runner
-    from actmap.cli.reproduce import run_capture_command
+    from actmap.capture.job import CaptureJob, capture_store
     from actmap.reproduce import plan
     from actmap.store import MapStore
     from actmap.store.rows import balanced_splits
@@ -174,7 +173,7 @@ def test_a_source_that_grew_retrains_its_detectors_even_after_a_killed_call(
         tmp_path / "answers.jsonl", (("train", 24), ("validation", 12), ("test", 24))
     )  # the same file with 12 more test answers: the capture resumes and adds them
     options = {"answers": str(answers), "model": str(tiny_model_dir), "batch_size": 16}
-    run_capture_command(source, options)
+    capture_store(CaptureJob.from_options(source, options))
     new_ids = {str(i) for i in balanced_splits(MapStore.open(source), persist=False)["test"]}
     assert new_ids != old_ids  # the test split grew
 
@@ -263,18 +262,26 @@ def test_config_errors_name_the_problem(tmp_path):
         config_from_dict({"out": "x", "stores": [{"name": "a"}], "detectors": ["cnn"]}, tmp_path)
 
 
-def test_capture_arguments_turn_a_table_into_flags(tmp_path):
-    args = capture_arguments(tmp_path, {"task": "triviaqa", "chat_template": False, "limit": 5})
-    assert args == [
-        "capture",
-        "--out",
-        str(tmp_path),
-        "--task",
-        "triviaqa",
-        "--no-chat-template",
-        "--limit",
-        "5",
-    ]
+def test_a_capture_table_becomes_a_capture_job_or_a_clear_error(tmp_path):
+    from actmap.capture.job import CaptureJob
+
+    table = {"task": "triviaqa", "chat_template": False, "limit": 5, "splits": "train, test",
+             "answers": "a.jsonl", "stop": ["\\n"], "gpus_per_worker": 1}  # fmt: skip
+    job = CaptureJob.from_options(tmp_path, table)
+    assert job == CaptureJob(
+        tmp_path, task="triviaqa", chat_template=False, limit=5, splits=("train", "test"),
+        answers=Path("a.jsonl"), stop=("\\n",), gpus_per_worker=1.0,
+    )  # fmt: skip
+    with pytest.raises(ActmapUserError, match="unknown capture option 'limt'; known: answers"):
+        CaptureJob.from_options(tmp_path, {"limt": 5})
+    with pytest.raises(ActmapUserError, match="capture option 'limit' must be int"):
+        CaptureJob.from_options(tmp_path, {"limit": "5"})
+    with pytest.raises(ActmapUserError, match="capture option 'chat_template' must be bool"):
+        CaptureJob.from_options(tmp_path, {"chat_template": 1})
+    # a reproduce config is checked when it is read, before any stage runs
+    raw = {"out": "x", "stores": [{"name": "a", "capture": {"keep_trajectory": True}}]}
+    with pytest.raises(ActmapUserError, match="unknown capture option 'keep_trajectory'"):
+        config_from_dict(raw, tmp_path)
 
 
 def test_a_store_spelled_two_ways_is_one_store(tmp_path):

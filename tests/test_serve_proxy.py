@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -21,6 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.testclient import TestClient  # noqa: E402
 from serve_helpers import (  # noqa: E402
     TINY_SOURCE,
+    ServerThread,
+    free_port,
     reference,
     save_tiny_detector,
     tiny_engine,
@@ -35,36 +36,6 @@ from actmap.serve.engine import Engine  # noqa: E402
 from actmap.store import MapStore  # noqa: E402
 
 QUESTION = "what is the capital of paris"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerThread:
-    """A uvicorn server on loopback in a thread (its lifespan runs as in `actmap serve`)."""
-
-    def __init__(self, app, port: int | None = None) -> None:
-        self.app, self.port = app, port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.time() > deadline:
-                raise RuntimeError(f"server on {self.url} did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 def plain_upstream() -> FastAPI:
@@ -163,12 +134,18 @@ def test_proxied_answer_map_and_score_equal_generation_time_capture(proxy, upstr
     assert np.abs(served - expected).max() <= 2e-3 * max(1.0, np.abs(expected).max())
 
 
-def test_openai_client_plain_and_streaming(proxy):
+def test_openai_client_plain_and_streaming(proxy, run):
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "who wrote the red river"}]
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
     block = plain.model_extra["actmap"]
-    assert 0 <= block["p_correct"] <= 1 and block["detector"].startswith("logreg:")
+    assert block["detector"].startswith("logreg:")
+    # the reference: generation-time capture on the same weights, read by the same detector
+    engine = tiny_engine(run)
+    gen, p_raw = reference(engine, engine.render_chat(messages), max_tokens=6)
+    assert plain.choices[0].message.content == gen.answer
+    assert block["p_correct_raw"] == pytest.approx(p_raw, abs=1e-5)
+    assert block["p_correct"] == pytest.approx(p_raw, abs=1e-5)  # no policy: no prior shift
     chunks = list(
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, stream=True)
     )
@@ -180,6 +157,9 @@ def test_openai_client_plain_and_streaming(proxy):
     )
     completion = client.completions.create(model="tiny", prompt="the capital of", max_tokens=4)
     assert completion.model_extra["actmap"]["tokens"]["source"] == "retokenized"
+    gen, p_raw = reference(engine, "the capital of", max_tokens=4)
+    assert completion.choices[0].text == gen.answer
+    assert completion.model_extra["actmap"]["p_correct_raw"] == pytest.approx(p_raw, abs=1e-5)
     streamed = list(client.completions.create(model="tiny", prompt="the capital of", max_tokens=4, stream=True))  # fmt: skip
     assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.choices[0].text
     assert streamed[-1].model_extra["actmap"]["p_correct_raw"] == pytest.approx(

@@ -59,9 +59,12 @@ def peaked_llama(tokenizer, seed: int = 0, noise: float = 0.0, dtype=torch.float
     return model.to(dtype)
 
 
-def vllm_like(model, tokenizer) -> FastAPI:
+def vllm_like(model, tokenizer, force=(), edit=None) -> FastAPI:
     """An OpenAI chat server answering greedily as vLLM does: token ids when asked
-    (``return_token_ids``, end token included), per-token log-probs of the raw logits."""
+    (``return_token_ids``, end token included), per-token log-probs of the raw logits.
+    ``force``: the answer's first tokens, whatever is greedy (then greedy on); ``edit(out,
+    body)`` changes the answer to request ``body`` before it is sent (an upstream that
+    misreports)."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -77,11 +80,11 @@ def vllm_like(model, tokenizer) -> FastAPI:
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         answer, logprobs = [], []
         with torch.inference_mode():
-            for _ in range(body.get("max_tokens") or 16):
+            for step in range(body.get("max_tokens") or 16):
                 logits = model(input_ids=torch.tensor([prompt_ids + answer])).logits[0, -1]
                 logp = torch.log_softmax(logits.float(), -1)
-                answer.append(int(logp.argmax()))
-                logprobs.append(float(logp.max()))
+                answer.append(force[step] if step < len(force) else int(logp.argmax()))
+                logprobs.append(float(logp[answer[-1]]))
                 if answer[-1] == tokenizer.eos_token_id:
                     break
         choice = {
@@ -95,6 +98,8 @@ def vllm_like(model, tokenizer) -> FastAPI:
                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(answer)}}  # fmt: skip
         if body.get("return_token_ids"):
             choice["token_ids"], out["prompt_token_ids"] = answer, prompt_ids
+        if edit is not None:
+            edit(out, body)
         return out
 
     return app

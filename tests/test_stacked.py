@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from actmap.capture.records import Generation
+from actmap.scoring.prior import logit
 from actmap.stacked import (
     ATTENTION_BLOCKS,
     FALLBACK,
@@ -87,9 +88,8 @@ def test_presets_fit_choose_on_validation_and_round_trip(preset, data, tmp_path)
     (train, y), (val, y_val), (test, _) = data["train"], data["val"], data["test"]
     config = StackConfig(preset=preset, map_components=8, tad_previous=KEYS)
     est = StackedPlus(config).fit(train, y, val, y_val)
-    probe = est.blocks_.get("probe:last_answer")
-    if probe is not None:
-        assert probe.choices["layer"] == INFORMATIVE_LAYER  # chosen on validation
+    probe = est.blocks_["probe:last_answer"]  # in both presets, and the rows hold positions
+    assert probe.choices["layer"] == INFORMATIVE_LAYER  # chosen on validation
     assert est.selected_  # at least one block stacked
     if preset == "deployable":
         assert not set(est.selected_) & set(ATTENTION_BLOCKS)
@@ -107,13 +107,37 @@ def test_presets_fit_choose_on_validation_and_round_trip(preset, data, tmp_path)
     )
 
 
+def take(rows: StackRows, idx) -> StackRows:
+    gens = None if rows.generations is None else [rows.generations[i] for i in idx]
+    return StackRows(rows.maps[idx], rows.scalars[idx], rows.positions[idx], gens)
+
+
+def test_without_class_weights_its_probabilities_hold_at_the_training_prior(data, tmp_path):
+    """Trained on rows 30% correct without class weights, its p(correct) holds at .3: the
+    prior shift to a deployment accuracy starts from .3, and the saved model keeps it."""
+    (train, y), (val, y_val), (test, _) = data["train"], data["val"], data["test"]
+    wrong = np.flatnonzero(y == 0)
+    right = np.flatnonzero(y == 1)[: round(len(wrong) * 3 / 7)]
+    idx = np.sort(np.r_[wrong, right])
+    config = StackConfig(preset="deployable", map_components=8, class_weight=None)
+    est = StackedPlus(config).fit(take(train, idx), y[idx], val, y_val)
+    assert est.calibrated_prevalence_ == est.train_prevalence_ == pytest.approx(0.3, abs=0.01)
+    p, q = est.predict_proba(test), est.predict_proba(test, prevalence=0.6)
+    # the shift from its prior: logit(.6) - logit(.3), about 1.25 (from .5 it would be .41)
+    np.testing.assert_allclose(logit(q) - logit(p), logit(0.6) - logit(y[idx].mean()), atol=1e-8)
+    est.save(tmp_path)
+    again = load_plus(tmp_path)
+    assert again.calibrated_prevalence_ == est.calibrated_prevalence_
+    np.testing.assert_allclose(again.predict_proba(test, prevalence=0.6), q, rtol=1e-6)
+
+
 def test_full_preset_needs_attention_where_it_uses_it(data):
     (train, y), (val, y_val) = data["train"], data["val"]
     est = StackedPlus(StackConfig(preset="full", map_components=8, tad_previous=KEYS))
     est.fit(train, y, val, y_val)
-    if set(est.selected_) & set(ATTENTION_BLOCKS):
-        with pytest.raises(ValueError, match="attention"):
-            est.decision_function(StackRows(val.maps, val.scalars, val.positions, None))
+    assert set(est.selected_) & set(ATTENTION_BLOCKS)  # selection "all": every block stacks
+    with pytest.raises(ValueError, match="attention"):
+        est.decision_function(StackRows(val.maps, val.scalars, val.positions, None))
 
 
 def test_version_1_still_loads_and_names_version_2(tmp_path, data):

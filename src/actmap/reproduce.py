@@ -1,7 +1,7 @@
 """The paper's evaluation as one resumable chain: capture -> copy -> baselines -> train -> report.
 
     config = load_config("reproduce.toml")
-    for stage in plan(config, capture=...):       # each stage knows whether it is done
+    for stage in plan(config):                     # each stage knows whether it is done
         if not stage.done(): stage.run(progress)
 
 Everything is written under ``config.out``: ``stores/<name>`` (a copy of each store,
@@ -9,8 +9,9 @@ hard-linked where possible, that baselines write their results into; the source 
 only read), ``runs/<name>/<detector>/seed-<s>/`` and ``report/``. A stage that finished
 leaves ``state/<stage>.json`` (with the settings it ran with); a later call skips it
 while the settings are unchanged, so a killed run resumes where it stopped.
-Capturing a store that does not exist is the CLI's job (it is handed in as ``capture``):
-the library never imports the CLI.
+A store that does not exist is captured first, from its ``[stores.capture]`` table (the
+fields of `actmap.capture.job.CaptureJob`, checked when the config is read), by
+`actmap.capture.job.capture_store`, as ``actmap capture`` does.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import os
 import shutil
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -30,9 +31,10 @@ from typing import Any
 from actmap.artifacts import read_json, write_json
 from actmap.baselines.options import BaselineOptions
 from actmap.baselines.runner import run_baselines
+from actmap.capture.job import CaptureJob, CaptureProgress, capture_store
 from actmap.detectors import all_detectors
 from actmap.errors import ActmapUserError
-from actmap.experiments.seeds import PLUS_SEED, recipe_config, train_on_store, train_plus_run
+from actmap.experiments.seeds import recipe_config, train_on_store, train_plus_run
 from actmap.experiments.stacked import train_stacked_run
 from actmap.report.assemble import build_report
 from actmap.report.inputs import find_runs, read_judge_checks, store_refs
@@ -40,14 +42,17 @@ from actmap.report.registry import select_sections
 from actmap.report.sections import ReportContext, check_rows
 from actmap.store import MapStore
 from actmap.store.lock import StoreLocked, acquire
-from actmap.training.run_folder import extend_run_record, prepare_run_folder, seed_finished
+from actmap.training.run_folder import (
+    ONE_FIT_SEED,
+    extend_run_record,
+    prepare_run_folder,
+    seed_finished,
+)
 
 log = logging.getLogger(__name__)
 
 # progress(completed, total, info)
 Progress = Callable[[int, int, str], None]
-# capture(store path, capture options) -> None: writes (or resumes) a store at the path
-CaptureFn = Callable[[Path, Mapping[str, Any]], None]
 
 DETECTORS = ("vit", "mlp", "logreg")
 SINGLE_PASS = ("perplexity", "mean_token_entropy", "answer_length", "rauq", "tad")
@@ -58,7 +63,7 @@ PLUS_PRESETS = ("actmap-plus:deployable", "actmap-plus:full")
 @dataclass(frozen=True)
 class StoreSpec:
     """One (generator, task) store: ``path`` is read (and captured first when ``capture``
-    holds `actmap capture` options and the store is missing)."""
+    holds `CaptureJob` options and the store is missing)."""
 
     name: str
     path: Path
@@ -121,6 +126,8 @@ def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
         # (``../stores/x`` from configs/ and from runs/) must not read as two stores
         store_path = (base / entry.get("path", Path("stores") / entry["name"])).resolve()
         baselines = _tuple(entry.get("baselines", list(SINGLE_PASS)), "baselines")
+        if entry.get("capture") is not None:  # a misspelt option fails now, not hours later
+            CaptureJob.from_options(store_path, entry["capture"])
         stores.append(StoreSpec(entry["name"], store_path, entry.get("capture"), baselines))
     names = [s.name for s in stores]
     if len(set(names)) != len(names):
@@ -299,9 +306,7 @@ def run_path(config: ReproduceConfig, spec: StoreSpec, detector: str) -> Path:
     return config.out / "runs" / spec.name / detector
 
 
-def plan(
-    config: ReproduceConfig, capture: CaptureFn | None = None, report: bool = True
-) -> list[Stage]:
+def plan(config: ReproduceConfig, report: bool = True) -> list[Stage]:
     """Every stage in order: per store capture (if needed), copy, baselines, training; then
     the report, unless ``report`` is false (calls that each run some stores in parallel, and
     one report over all of them afterwards)."""
@@ -309,7 +314,7 @@ def plan(
     stages: list[Stage] = []
     for spec in config.stores:
         if spec.capture is not None:
-            stages.append(capture_stage(spec, capture, state))
+            stages.append(capture_stage(spec, state))
         stages.append(copy_stage(config, spec, state))
         if spec.baselines:
             stages.append(baselines_stage(config, spec, state))
@@ -319,11 +324,28 @@ def plan(
     return stages
 
 
-def capture_stage(spec: StoreSpec, capture: CaptureFn | None, state: Path) -> Stage:
+class StageProgress(CaptureProgress):
+    """A capture's progress as a stage's ``progress(done, total, info)``."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress, self.done, self.total, self.task = progress, 0, 0, ""
+
+    def start(self, task: str, total: int) -> None:
+        self.total, self.task = total, task
+        self.progress(0, total, task)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self.progress(self.done, self.total, self.task)
+
+    resume = advance
+
+
+def capture_stage(spec: StoreSpec, state: Path) -> Stage:
     def work(progress: Progress) -> None:
-        if capture is None:
-            raise ActmapUserError(f"store {spec.path} is missing and no capture was handed in")
-        capture(spec.path, spec.capture or {})
+        capture_store(
+            CaptureJob.from_options(spec.path, spec.capture or {}), StageProgress(progress)
+        )
 
     return Stage(
         f"capture/{spec.name}",
@@ -421,7 +443,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
 
     def seeds() -> tuple[int, ...]:
 
-        return (PLUS_SEED,) if plus else config.seeds
+        return (ONE_FIT_SEED,) if plus else config.seeds
 
     def work(progress: Progress) -> None:
 
@@ -509,7 +531,7 @@ def plus_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: P
         return (
             key is not None
             and key.get("source") == source_content(spec.path)
-            and seed_finished(out, 0)
+            and seed_finished(out, ONE_FIT_SEED)
         )
 
     return Stage(f"train/{spec.name}/{detector}", dict, work, state, ready=ready, store=spec.name)

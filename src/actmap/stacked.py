@@ -50,12 +50,12 @@ from actmap.baselines.rauq import RAUQ
 from actmap.baselines.tad import TAD
 from actmap.capture.answer_scalars import scalars_from_store
 from actmap.capture.from_store import read_generations
-from actmap.capture.positions import FLOAT16_MAX, POSITION_NAMES
+from actmap.capture.positions import POSITION_NAMES
 from actmap.detectors import load_detector
 from actmap.detectors.plus import ActMapPlus
+from actmap.maps import saturated_float16
 from actmap.scoring import metrics
 from actmap.scoring.prior import shift_to_prevalence, sigmoid
-from actmap.store import decode_array
 
 log = logging.getLogger(__name__)
 
@@ -578,18 +578,8 @@ def load_any_detector(directory: str | Path, device: str | None = None):
 
 def read_positions(store, ids: Sequence[str]) -> np.ndarray:
     """(N, 4, L, D) float16 position states of ``ids`` (only those rows are read)."""
-    table = store.read_latest("positions", ids=ids)
-    index = {k: i for i, k in enumerate(table.column("id").to_pylist())}
-    missing = [k for k in ids if k not in index]
-    if missing:
-        raise ValueError(
-            f"{store.root}: {len(missing)} rows have no position states, e.g. {missing[:3]} "
-            "(scripts/add_positions.py adds them)"
-        )
-    shapes, blobs = table.column("shape"), table.column("positions")
-    states = np.stack(
-        [decode_array(blobs[index[k]].as_py(), shapes[index[k]].as_py()) for k in ids]
-    )
+    arrays = store.read_arrays("positions", ids, hint="scripts/add_positions.py adds them")
+    states = np.stack([arrays[k] for k in ids])
     nan = np.isnan(states).reshape(len(ids), -1).any(axis=1)
     if nan.any():
         bad = [k for k, b in zip(ids, nan, strict=True) if b]
@@ -600,7 +590,7 @@ def read_positions(store, ids: Sequence[str]) -> np.ndarray:
     # a store written before capture saturated float16 (`saturated_float16`) holds inf where a
     # state left float16's range: read it as the saturated value capture now stores (in place:
     # the stack is this call's own array, up to a gigabyte for a large store)
-    return np.clip(states, -FLOAT16_MAX, FLOAT16_MAX, out=states)
+    return saturated_float16(states)
 
 
 def stack_rows(store, ids: Sequence[str], attention: bool, maps=None, scalars=None) -> StackRows:

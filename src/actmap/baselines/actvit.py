@@ -42,7 +42,7 @@ from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
 from actmap.baselines.base import BaselineUnavailable
 from actmap.device import resolve_device
-from actmap.maps import DENSE_LAYER_GROUPS, PadMode, pool_layers
+from actmap.maps import DENSE_LAYER_GROUPS, FLOAT16_MAX, PadMode, pool_layers, saturated_float16
 from actmap.scoring.contract import ScoreResult
 from actmap.training.recipe import (
     EpochOutcome,
@@ -129,9 +129,6 @@ def _as_batch(rows: Any, pad_mode: PadMode = "zero") -> torch.Tensor:
     return _saturate(batch.to(torch.float16))
 
 
-FLOAT16_MAX = float(torch.finfo(torch.float16).max)
-
-
 def _saturate(batch: torch.Tensor) -> torch.Tensor:
     """±inf (a state beyond float16's range when the dense table was written: Gemma-3's
     residual stream reaches 6e4) becomes ±65504, the nearest float16; NaN is an error."""
@@ -151,7 +148,7 @@ def _saturate(batch: torch.Tensor) -> torch.Tensor:
         len(rows_with(bad)),
         FLOAT16_MAX,
     )
-    return batch.clamp(-FLOAT16_MAX, FLOAT16_MAX)
+    return saturated_float16(batch)
 
 
 # --------------------------------------------------------------------------- artifacts

@@ -29,7 +29,7 @@ from actmap.capture.from_store import read_generations
 from actmap.data.splits import SPLITS
 from actmap.llm.models import load_model, stored_dtype
 from actmap.scoring.contract import row_input
-from actmap.store import MapStore, decode_array
+from actmap.store import MapStore, decode_rows
 
 log = logging.getLogger(__name__)
 
@@ -233,19 +233,15 @@ class StoreInputs:
         import torch
 
         self.require_table("dense", method)
-        table, index = self.table("dense")
-        missing = [key for key in ids if key not in index]
+        table, _ = self.table("dense")
+        arrays = decode_rows(table, "dense", ids)  # id -> (8, N, D)
+        missing = [key for key in ids if key not in arrays]
         if missing:
             raise BaselineUnavailable(
                 f"{len(missing)} rows have no dense states, e.g. {missing[:3]}"
             )
-        tensors = []
-        for key in ids:
-            row = index[key]
-            shape = table.column("shape")[row].as_py()  # (8, N, D)
-            array = decode_array(table.column("dense")[row].as_py(), shape).copy()
-            tensors.append(actvit_tensor(torch.from_numpy(array)))  # (8, 100, D)
-        return torch.stack(tensors)
+        # (8, 100, D) each
+        return torch.stack([actvit_tensor(torch.from_numpy(arrays[k].copy())) for k in ids])
 
     def maps(self, ids: Sequence[str], method: str = ""):
         """(n, C, H, W) activation maps, for detectors scored like baselines."""

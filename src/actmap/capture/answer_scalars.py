@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from actmap.store.served import SCALARS_TABLE
+
 SCALAR_NAMES = (
     "n_tokens",
     "sum_logprob",
@@ -53,7 +55,19 @@ def scalars_of_generations(generations: Sequence) -> np.ndarray:
 
 
 def scalars_from_store(store, ids: Sequence[str]) -> np.ndarray:
-    """(N, 6) scalars of the store rows ``ids``, read from its ``generations`` table."""
+    """(N, 6) scalars of the store rows ``ids``, read from its ``generations`` table (an
+    audit store keeps them ready in ``audit_scalars``)."""
+    if not store.has_table("generations") and store.has_table(SCALARS_TABLE):
+        table = store.read_latest(SCALARS_TABLE)
+        index = {key: i for i, key in enumerate(table.column("id").to_pylist())}
+        missing = [key for key in ids if key not in index]
+        if missing:
+            raise ValueError(
+                f"{store.root}: {len(missing)} served answers have no per-answer scalars "
+                f"(served by a maps-only detector?), e.g. {missing[:3]}"
+            )
+        values = np.column_stack([table.column(n).to_numpy() for n in SCALAR_NAMES])
+        return values[[index[key] for key in ids]]
     table = store.read_latest("generations", ["logprobs", "entropies"])
     index = {key: i for i, key in enumerate(table.column("id").to_pylist())}
     missing = [key for key in ids if key not in index]

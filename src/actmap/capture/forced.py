@@ -42,10 +42,9 @@ from actmap.capture.generate import (
 )
 from actmap.capture.hooks import StepRecorder, _first_tensor, recording
 from actmap.capture.layers import find_decoder_layers
-from actmap.capture.positions import saturated_float16
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.llm.prefix_cache import cache_keyword, cache_of
-from actmap.maps import pool_hidden
+from actmap.maps import pool_hidden, saturated_float16
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from actmap.capture.records import Generation
-from actmap.store import MapStore, StoreError, decode_array
+from actmap.store import MapStore, StoreError, decode_rows
 
 
 def read_generations(
@@ -28,35 +28,31 @@ def read_generations(
     }
     if "generations" not in tables:
         raise StoreError(f"{store.root} has no generations table")
-    index = {
-        name: {k: i for i, k in enumerate(t.column("id").to_pylist())} for name, t in tables.items()
+    gens = tables["generations"]
+    at = {k: i for i, k in enumerate(gens.column("id").to_pylist())}
+    arrays = {
+        name: decode_rows(t, name, ids) for name, t in tables.items() if name != "generations"
     }
 
-    def tensor(name: str, column: str, key: str) -> torch.Tensor | None:
-        if name not in tables or key not in index[name]:
-            return None
-        row = index[name][key]
-        shape = tables[name].column("shape")[row].as_py()
-        return torch.from_numpy(
-            decode_array(tables[name].column(column)[row].as_py(), shape).astype(np.float32)
-        )
+    def tensor(name: str, key: str) -> torch.Tensor | None:
+        array = arrays.get(name, {}).get(key)
+        return None if array is None else torch.from_numpy(array.astype(np.float32))
 
-    gens = tables["generations"]
     out = []
     for key in ids:
-        if key not in index["generations"]:
+        if key not in at:
             raise StoreError(
                 f"'{key}' has no row in the generations table of {store.root}; "
                 f"run `actmap store verify {store.root}`"
             )
-        row = index["generations"][key]
+        row = at[key]
 
         def get(column: str, row: int = row):
             return gens.column(column)[row].as_py()
 
         extras = {k: v for k in ("eos_logprob", "eos_entropy") if (v := get(k)) is not None}
         steps = {c: get(c) for c in ("logprobs", "entropies")}  # null in map-only capture
-        trajectory = tensor("trajectories", "trajectory", key)
+        trajectory = tensor("trajectories", key)
         out.append(
             Generation(
                 prompt=maps_meta.at[key, "prompt"],
@@ -69,8 +65,8 @@ def read_generations(
                 trajectory=trajectory if trajectory is not None else torch.empty(0),
                 stopped=get("stopped"),
                 prompt_tokens=get("prompt_tokens"),
-                attention=tensor("attention", "attention", key),
-                positions=tensor("positions", "positions", key),
+                attention=tensor("attention", key),
+                positions=tensor("positions", key),
                 extras=extras,
             )
         )

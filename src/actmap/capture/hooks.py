@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from actmap.capture.layers import find_attention_modules, find_decoder_layers
-from actmap.capture.positions import saturated_float16
-from actmap.maps import pool_hidden
+from actmap.maps import pool_hidden, saturated_float16
 
 
 def _first_tensor(output: object) -> torch.Tensor:

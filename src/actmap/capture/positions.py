@@ -24,20 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from actmap.maps import saturated_float16
+
 POSITION_NAMES = ("last_prompt", "first_answer", "last_answer", "answer_mean")
-FLOAT16_MAX = 65504.0
-
-
-def saturated_float16(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in float16, saturated at float16's largest finite value instead of overflowing to
-    infinity. Some residual streams leave float16's range: Gemma-3-270M's reach past 65,504 at
-    layers 10-15 (2 of 200 TriviaQA answers' mean states), where a plain cast stored inf and
-    every probe fit on that column gave NaN. Capture keeps every step's state this way, so the
-    answer mean of a state that leaves the range is the mean of saturated steps. NaN stays NaN.
-    (A map that leaves the range is refused instead, by `actmap.maps.stored_form`: a map is pooled
-    and a detector's input, where such a value means something went wrong; a kept state is the
-    model's raw output, which can be that large.)"""
-    return x.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
 
 
 def position_states(states: torch.Tensor, n_tokens: int) -> torch.Tensor:

@@ -67,12 +67,12 @@ from torch import nn
 
 from actmap.capture.generate import check_prompts, tokenize_prompts
 from actmap.capture.layers import find_decoder_layers
-from actmap.capture.positions import position_states, saturated_float16
+from actmap.capture.positions import position_states
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import end_answer, stop_position
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, cache_dir, check_dtype, check_model, load_model
-from actmap.maps import pool_hidden
+from actmap.maps import pool_hidden, saturated_float16
 
 log = logging.getLogger(__name__)
 

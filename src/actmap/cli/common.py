@@ -23,7 +23,6 @@ from rich.progress import (
 from rich.text import Text
 
 from actmap.errors import ActmapUserError
-from actmap.llm.models import DTYPES
 
 PIPED_WIDTH = 200  # columns when stderr is not a terminal: no folding at rich's default 80
 PIPED_PROGRESS_EVERY_S = 60.0  # a plain progress line this often when stderr is not a terminal
@@ -228,7 +227,6 @@ def user_errors() -> Iterator[None]:
     Only `ActmapUserError` (raised by the library for bad input) and a missing file count
     as the user's; any other exception is a bug and keeps its traceback.
     """
-    from actmap.errors import ActmapUserError
 
     try:
         yield
@@ -294,38 +292,6 @@ def quiet_transformers() -> Iterator[None]:
             enable_progress_bars()
 
 
-def load_factuality_judge(spec: str | None, dtype: str = "float32", lazy: bool = False):
-    """CNN/DM's judge: 'minicheck:<path or hub id>', or any causal LM actmap can load (LLM judge).
-
-    ``lazy``: a `LazyJudge` that loads on its first claim (a finished step skips the load);
-    the spec and dtype are still checked at once."""
-    if spec is None:
-        return None
-    from actmap.data.factuality import LazyJudge, LLMFactualityJudge, MiniCheckJudge
-    from actmap.llm.models import resolve_model
-
-    if dtype not in DTYPES:
-        raise ActmapUserError(f"judge dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    minicheck = spec.startswith("minicheck:")
-    if minicheck and dtype != "float32":
-        raise ActmapUserError("a MiniCheck judge runs in float32; drop --judge-dtype")
-    checkpoint = spec.split(":", 1)[1] if minicheck else spec
-
-    def load():
-        if lazy:
-            console.print(f"loading judge [bold]{spec}[/bold] ...")
-        if minicheck:
-            return MiniCheckJudge.from_pretrained(checkpoint)
-        return LLMFactualityJudge.from_pretrained(checkpoint, dtype=dtype)
-
-    if not lazy:
-        return load()
-    if minicheck:
-        return LazyJudge(MiniCheckJudge.name_for(checkpoint), load)
-    resolve_model(spec)  # a missing path fails now, not at the first claim
-    return LazyJudge(LLMFactualityJudge.name_for(spec, dtype), load)
-
-
 def mean_std(mean: float, std: float | None) -> str:
     """'0.781 ± 0.012'; one seed (std NaN or None) has no spread: '0.781'."""
     if std is None or not math.isfinite(std):
@@ -341,4 +307,14 @@ def vllm_compile_option():
         show_default=False,
         help="vLLM engines: run vLLM's compiled model (piecewise CUDA graphs on a GPU) or eager "
         "mode (default: compiled on a GPU, eager on CPU, where Inductor takes minutes).",
+    )
+
+
+def sampling_option():
+    """``--sampling`` of the commands that read an audit store's labelled rows."""
+    return typer.Option(
+        "auto",
+        help="Audit stores (`serve --audit`): which labels count. sample: only answers in the "
+        "review queue's uniform random sample (unbiased: the review band is over-sampled) | "
+        "all: every label | auto: sample when the queue holds a random sample, else all.",
     )

@@ -11,11 +11,14 @@ from actmap.cli.common import (
     JUDGE_DTYPE_HELP,
     console,
     fraction,
-    load_factuality_judge,
     progress_bar,
     user_errors,
 )
 from actmap.errors import ActmapUserError
+
+
+def announce_judge(spec: str) -> None:
+    console.print(f"loading judge [bold]{spec}[/bold] ...")
 
 
 @app.command()
@@ -79,7 +82,9 @@ def judge_command(
                 f"actmap judge needs {', '.join(missing)} (or `actmap judge check` to check a judge)"
             )
         source = MapStore.open(store)
-        the_judge = load_factuality_judge(judge, judge_dtype, lazy=True)
+        from actmap.data.factuality import load_factuality_judge
+
+        the_judge = load_factuality_judge(judge, judge_dtype, lazy=True, on_load=announce_judge)
         total = len(source.ids("maps"))
         with progress_bar() as bar:
             job = bar.add_task("judge summaries", total=min(total, up_to or total), info="")
@@ -123,7 +128,9 @@ def judge_check_command(
 
         rows = [r for r in load_cnn_dm(data_dir) if r.meta.get("source_split") == "validation"]
         the_pairs = claim_pairs(rows, pairs, seed)
-        the_judge = load_factuality_judge(judge, judge_dtype, lazy=True)
+        from actmap.data.factuality import load_factuality_judge
+
+        the_judge = load_factuality_judge(judge, judge_dtype, lazy=True, on_load=announce_judge)
         with progress_bar() as bar:
             job = bar.add_task("judge check", total=len(the_pairs), info="")
             result = judge_check(

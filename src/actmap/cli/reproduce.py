@@ -2,35 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import typer
 
 from actmap.cli.app import app
 from actmap.cli.common import console, progress_bar, task_progress, user_errors
-
-
-def capture_arguments(out: Path, options: Mapping[str, Any]) -> list[str]:
-    """`actmap capture` arguments from a config's capture table (``key = value`` -> ``--key``)."""
-    args = ["capture", "--out", str(out)]
-    for key, value in options.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, list):
-            for item in value:
-                args += [flag, str(item)]
-        else:
-            args += [flag, str(value)]
-    return args
-
-
-def run_capture_command(out: Path, options: Mapping[str, Any]) -> None:
-    from typer.main import get_command
-
-    get_command(app).main(args=capture_arguments(out, options), standalone_mode=False)
 
 
 @app.command()
@@ -54,7 +31,7 @@ def reproduce(
         from actmap.reproduce import load_config, plan, run_plan, select_stores
 
         settings = select_stores(load_config(config), store)
-        stages = plan(settings, capture=run_capture_command, report=report)
+        stages = plan(settings, report=report)
         if dry_run:
             for stage in stages:
                 console.print(f"{stage.name}: {'done' if stage.done() else 'to run'}")

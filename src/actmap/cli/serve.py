@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from actmap.cli.app import app
-from actmap.cli.common import console, user_errors, vllm_compile_option
+from actmap.cli.common import console, sampling_option, user_errors, vllm_compile_option
 from actmap.defaults import DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
 from actmap.errors import ActmapUserError
 
@@ -65,6 +65,13 @@ def serve(
         min=0,
         help="On SIGTERM, after the grace: seconds in-flight requests may take to finish "
         "before they are cancelled.",
+    ),
+    review_sample: float = typer.Option(
+        0.0,
+        min=0.0,
+        max=1.0,
+        help="Share of all answers (every decision) queued for review at random, beside the "
+        "answers decided review; their labels check calibration without bias (--audit).",
     ),
     host: str = typer.Option("127.0.0.1", help="Bind address (loopback by default)."),
     port: int = typer.Option(8000),
@@ -152,6 +159,7 @@ def serve(
             model=model, detector=detector, seed=seed, policy=policy, audit=audit,
             audit_text=audit_text, audit_max_rows=audit_max_rows,
             audit_max_age_days=audit_max_age_days, audit_sync=audit_sync,
+            review_sample=review_sample,
             served_model_name=served_model_name,
             api_key=api_key or None, default_max_tokens=max_tokens, max_tokens_cap=max_tokens_cap,
             max_body_bytes=max_body_bytes, max_context=max_context, max_batch=batch_size,
@@ -183,6 +191,10 @@ def serve(
     )
     served = create_app(settings, lambda: engine)
     served.state.upstream_probe = probe
+    if engine.detector is not None:  # SIGHUP: reload the detector and policy files in use
+        from actmap.serve.reload import install_sighup
+
+        install_sighup(served)
     run_server(served, host, port, shutdown_grace, drain_timeout)
 
 
@@ -217,41 +229,29 @@ def policy_fit(
         2000, min=0, help="Bootstrap resamples for the intervals (0: none)."
     ),
     seed: int = typer.Option(None, help="Seed of the run (default: best validation AUROC)."),
+    sampling: str = sampling_option(),
 ) -> None:
     """Fit accept / review / route thresholds for target risks on a validation risk-coverage curve.
 
     The temperature and each band's coverage and risk come with 95% bootstrap intervals
     (printed and written to the policy file); fewer than 100 labelled rows is warned about.
     """
-    with user_errors():
-        from actmap.serve.fit import (
-            MIN_POLICY_ROWS,
-            detector_train_prevalence,
-            fit_policy_on_store,
-            fit_policy_temperature,
-            natural_scores,
-            temperature_interval,
-        )
+    from actmap.store.served import served_sampling
+
+    with user_errors(), served_sampling(sampling):
+        from actmap.serve.fit import MIN_POLICY_ROWS, fit_policy_from_store
         from actmap.serve.loaded_run import load_detector_run
         from actmap.serve.policy import save_policy
         from actmap.store import MapStore
 
         detector = load_detector_run(run, seed)
-        scores = natural_scores(MapStore.open(store), detector, split)
-        if train_prevalence is None:
-            train_prevalence = detector_train_prevalence(detector)
-        temperature = 1.0
-        if calibrate and resamples:
-            temperature = temperature_interval(
-                scores.p_raw, scores.labels, train_prevalence, n_resamples=resamples
-            )
-        elif calibrate:
-            temperature = fit_policy_temperature(scores.p_raw, scores.labels, train_prevalence)
-        about = {"run": str(run), "detector": detector.id, "store": str(store)}
-        policy = fit_policy_on_store(
-            scores, target_risk, review_risk, route_risk, prior, deployment_accuracy, about,
-            temperature, train_prevalence, resamples,
+        fitted = fit_policy_from_store(
+            MapStore.open(store), detector, target_risk, review_risk, route_risk, prior,
+            deployment_accuracy, split, calibrate, train_prevalence, resamples,
+            about={"run": str(run), "detector": detector.id, "store": str(store)},
         )  # fmt: skip
+        policy, scores, temperature = fitted.policy, fitted.scores, fitted.temperature
+        train_prevalence = fitted.train_prevalence
         save_policy(policy, out)
     console.print(
         f"{len(scores.labels)} {split} rows, accuracy {scores.accuracy:.3f}, "
@@ -275,6 +275,8 @@ def policy_fit(
             f"  [...]: 95% bootstrap intervals ({resamples} resamples of the rows; the "
             f"thresholds held fixed); below {MIN_POLICY_ROWS} rows expect them wide"
         )
+    if "sampling" in policy.fitted:
+        console.print(f"  audit store: labels counted: {policy.fitted['sampling']}")
     console.print(f"policy written to {out}")
 
 

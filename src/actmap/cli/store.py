@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from actmap.cli.app import app
-from actmap.cli.common import console, user_errors
+from actmap.cli.common import console, sampling_option, user_errors
 
 store_app = typer.Typer(
     help="What a map store holds; check it and set damaged shards aside.", no_args_is_help=True
@@ -35,9 +35,12 @@ def print_report(report) -> None:
 def info(
     store: Path = typer.Argument(..., help="A map store folder."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+    sampling: str = sampling_option(),
 ) -> None:
     """Rows, labels, natural accuracy and balanced rows per split; capture runs' rows/s."""
-    with user_errors():
+    from actmap.store.served import served_sampling
+
+    with user_errors(), served_sampling(sampling):
         from actmap.store import MapStore
         from actmap.store.rows import rate_text, store_summary
 
@@ -58,6 +61,14 @@ def info(
         )
     console.print(table)
     console.print(f"empty answers (no map): {summary.empty_answers}", highlight=False)
+    if summary.served is not None:
+        s = summary.served
+        console.print(
+            f"served answers: {s['labelled']} labelled ({s['history']} label rows), "
+            f"{s['queued']} in the review queue, {s['in_sample']} labelled in its random "
+            f"sample; labels counted above: {s['counted']} (split: a hash of the map id)",
+            highlight=False,
+        )
     idle = 0
     for i, run in enumerate(summary.capture_runs):
         if not run["written"]:  # a resumed run that found its work done
@@ -90,9 +101,12 @@ def subset(
         help="Comma-separated tables to keep beside the maps (e.g. generations,dense); "
         "default: every table the store has.",
     ),
+    sampling: str = sampling_option(),
 ) -> None:
     """Write a store holding only STORE's balanced rows, to carry to another machine."""
-    with user_errors():
+    from actmap.store.served import served_sampling
+
+    with user_errors(), served_sampling(sampling):
         from actmap.store import MapStore
         from actmap.store.rows import balanced_subset
 

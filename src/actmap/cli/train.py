@@ -9,7 +9,14 @@ import typer
 
 from actmap.atomic import atomic_write_text
 from actmap.cli.app import app
-from actmap.cli.common import console, mean_std, parse_ints, progress_bar, user_errors
+from actmap.cli.common import (
+    console,
+    mean_std,
+    parse_ints,
+    progress_bar,
+    sampling_option,
+    user_errors,
+)
 
 
 def train_with_progress(
@@ -91,35 +98,31 @@ def train(
         help="Delete --out first. Without it, --out may only hold seeds of the same detector "
         "and recipe (they are extended).",
     ),
+    sampling: str = sampling_option(),
 ) -> None:
     """Train a detector with the paper's recipe, one run per seed, and test each selected checkpoint once."""
-    with user_errors():
+    from actmap.store.served import served_sampling
+
+    with user_errors(), served_sampling(sampling):
         from actmap.device import resolve_device
         from actmap.experiments.seeds import recipe_config
         from actmap.training.run_folder import extend_run_record, prepare_run_folder
 
         resolve_device(device)  # a device this machine lacks fails before any work
         if detector == "actmap-plus":
-            from actmap.experiments.seeds import train_plus_run
+            from actmap.experiments.stacked import train_plus_preset
 
             prepare_run_folder(out, detector, None, overwrite)
+            chosen, summary, details = train_plus_preset(store, out, preset, fallback)
             if preset == "auto":
-                from actmap.experiments.stacked import preset_for_store
-                from actmap.store import MapStore
-
-                preset = preset_for_store(MapStore.open(store))
-                console.print(f"actmap-plus preset: {preset} (what {store} holds)")
-            if preset == "v1":
-                summary, details = train_plus_run(store, out)
+                console.print(f"actmap-plus preset: {chosen} (what {store} holds)")
+            if chosen == "v1":
                 console.print(
                     f"actmap-plus: {details['selected']} on {details['train_rows']} rows "
                     f"(validation AUROC {details['validation_auroc']:.3f})"
                 )
             else:
-                from actmap.experiments.stacked import train_stacked_run
-
-                summary = train_stacked_run(store, out, preset, fallback)
-                console.print(f"actmap-plus ({preset}): blocks {', '.join(summary['selected'])}")
+                console.print(f"actmap-plus ({chosen}): blocks {', '.join(details['selected'])}")
             print_summary(summary)
             console.print(f"run written to {out}")
             return
@@ -171,9 +174,12 @@ def evaluate(
     out: Path = typer.Option(
         None, "--out", "-o", help="JSON file for the metrics (default <run>/evaluation.json)."
     ),
+    sampling: str = sampling_option(),
 ) -> None:
     """AUROC / AUPRC / ECE per seed and their mean, written as JSON."""
-    with user_errors():
+    from actmap.store.served import served_sampling
+
+    with user_errors(), served_sampling(sampling):
         from actmap.experiments.seeds import evaluate_run
 
         result = evaluate_run(run, store, rows)

@@ -30,7 +30,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from actmap.data.prompts import has_chat_template, render_chat
-from actmap.llm.models import dtype_tag, load_model
+from actmap.errors import ActmapUserError
+from actmap.llm.models import DTYPES, dtype_tag, load_model, resolve_model
 from actmap.llm.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
@@ -387,3 +388,37 @@ class LazyJudge:
                 raise ValueError(f"the loaded judge is named {judge.name!r}, not {self.name!r}")
             self._judge = judge
         return self._judge.support_probability(document, claim)
+
+
+def load_factuality_judge(
+    spec: str | None,
+    dtype: str = "float32",
+    lazy: bool = False,
+    on_load: Callable[[str], None] | None = None,
+):
+    """CNN/DM's judge: 'minicheck:<path or hub id>', or any causal LM actmap can load (LLM judge).
+
+    ``lazy``: a `LazyJudge` that loads on its first claim (a finished step skips the load;
+    ``on_load(spec)`` is called when it does); the spec and dtype are still checked at once."""
+    if spec is None:
+        return None
+    if dtype not in DTYPES:
+        raise ActmapUserError(f"judge dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    minicheck = spec.startswith("minicheck:")
+    if minicheck and dtype != "float32":
+        raise ActmapUserError("a MiniCheck judge runs in float32; drop --judge-dtype")
+    checkpoint = spec.split(":", 1)[1] if minicheck else spec
+
+    def load():
+        if lazy and on_load is not None:
+            on_load(spec)
+        if minicheck:
+            return MiniCheckJudge.from_pretrained(checkpoint)
+        return LLMFactualityJudge.from_pretrained(checkpoint, dtype=dtype)
+
+    if not lazy:
+        return load()
+    if minicheck:
+        return LazyJudge(MiniCheckJudge.name_for(checkpoint), load)
+    resolve_model(spec)  # a missing path fails now, not at the first claim
+    return LazyJudge(LLMFactualityJudge.name_for(spec, dtype), load)

@@ -10,7 +10,7 @@ probability). A logistic regression with cross-validated L2 strength
 (early fusion). It may train on every labelled row (with class weights or
 without), not only on the balanced subset; validation rows choose
 (`actmap.experiments.compare_product.plus_scored`). Why this and not the others tried is in
-docs/detectors.md.
+docs/results/log.md ("what was tried").
 
 Calibration: the fitted probabilities hold at ``calibrated_prevalence_``
 (0.5 under class weights: the weighted loss sees both classes equally; the

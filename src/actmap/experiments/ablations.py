@@ -36,7 +36,14 @@ from actmap.capture.from_store import read_generations
 from actmap.detectors import CorrectnessDetector
 from actmap.experiments.common import AurocSummary, SeedScores, auroc_summary, train_seeds
 from actmap.experiments.seeds import recipe_config
-from actmap.maps import MapConfig, build_maps_from_list, map_shape, pool_hidden
+from actmap.maps import (
+    MapConfig,
+    build_maps_from_list,
+    map_shape,
+    pool_hidden,
+    saturated_float16,
+    stored_form,
+)
 from actmap.maps.ablations import (
     GROUP_NAMES,
     LAST_TOKEN_CHANNELS,
@@ -46,7 +53,6 @@ from actmap.maps.ablations import (
     without_group,
 )
 from actmap.scoring.intervals import N_RESAMPLES
-from actmap.store.derived import read_arrays
 from actmap.store.rows import Rows, balanced_splits
 
 log = logging.getLogger(__name__)
@@ -258,7 +264,7 @@ class _Inputs:
                 hint = {"trajectories": "--keep-trajectories", "dense": "--keep-dense"}[table]
                 raise Unavailable(f"the store has no {table} (capture with {hint})")
             wanted = [key for keys in self.ids.values() for key in keys]
-            self._arrays[table] = read_arrays(self.store, table, wanted)
+            self._arrays[table] = self.store.read_arrays(table, wanted)
         return self._arrays[table]
 
     def rebuilt(self, build: Callable[[list[torch.Tensor]], torch.Tensor], table: str) -> dict:
@@ -269,7 +275,7 @@ class _Inputs:
             parts = []
             for start in range(0, len(keys), 128):
                 batch = [torch.from_numpy(arrays[k].astype(np.float32)) for k in keys[start:][:128]]
-                parts.append(build(batch).half().numpy())
+                parts.append(stored_form(build(batch)))
             out[split] = np.concatenate(parts)
         return out
 
@@ -542,7 +548,9 @@ def recapture_hidden(
         config,
         progress=progress,
     )
-    return {key: r.trajectory.half().numpy() for key, r in zip(ids, records, strict=True)}
+    return {
+        key: saturated_float16(r.trajectory).numpy() for key, r in zip(ids, records, strict=True)
+    }
 
 
 def with_scores(

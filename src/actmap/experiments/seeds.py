@@ -30,7 +30,7 @@ from actmap.stacked import StackedPlus, load_any_detector, stack_rows
 from actmap.store import MapStore
 from actmap.store.rows import Rows, balanced_rows, rows_to_score, with_empty_answers
 from actmap.training.recipe import ProgressCallback, TrainConfig
-from actmap.training.run_folder import checkpoint_path, read_run
+from actmap.training.run_folder import ONE_FIT_SEED, checkpoint_path, read_run, seed_folder
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def run_seeds(
         runs.append(SeedRun(seed, est, scores, seed_metrics))
         log.info("seed %d test: %s", seed, seed_metrics)
         if out is not None:
-            seed_dir = out / f"seed-{seed}"
+            seed_dir = seed_folder(out, seed)
             est.save(seed_dir, metadata=meta)
             write_json(seed_dir / "history.json", [asdict(r) for r in est.history_])
             scores.write_parquet(seed_dir / "test_scores.parquet")
@@ -240,9 +240,6 @@ def train_on_store(
     return runs, splits
 
 
-PLUS_SEED = 0  # actmap-plus has no training seed: its one fit is written as seed-0/
-
-
 def train_plus_run(store_path: str | Path, out: str | Path) -> tuple[dict[str, Any], dict]:
     """Fit actmap-plus on a store (settings chosen on validation rows), save it, score the
     balanced test rows once. Returns (the run summary, the fit's details).
@@ -257,7 +254,7 @@ def train_plus_run(store_path: str | Path, out: str | Path) -> tuple[dict[str, A
     sets = store_rows(store)
     plus = plus_scored(sets)
     est, test = plus.estimator, sets["test"]
-    folder = out / f"seed-{PLUS_SEED}"
+    folder = seed_folder(out, ONE_FIT_SEED)
     inputs = {"store_config": store.manifest.get("config")}  # the map settings serving reads
     est.save(folder, metadata={"store": str(store_path), "inputs": inputs, **plus.details})
     logits = est.decision_function(test.maps, test.scalars)
@@ -270,7 +267,7 @@ def train_plus_run(store_path: str | Path, out: str | Path) -> tuple[dict[str, A
     scores.write_parquet(folder / "test_scores.parquet")
     test_metrics = scoring_metrics(scores)
     write_json(folder / "metrics.json", test_metrics)
-    summary = summarize_runs([SimpleNamespace(seed=PLUS_SEED, test_metrics=test_metrics)])
+    summary = summarize_runs([SimpleNamespace(seed=ONE_FIT_SEED, test_metrics=test_metrics)])
     write_json(out / "summary.json", {"detector": "actmap-plus", **summary, **plus.details})
     log.info(
         "actmap-plus: %s on %s rows (validation AUROC %.3f)",

@@ -36,12 +36,13 @@ from actmap.experiments.compare_product import (
     score_test_once,
     store_rows,
 )
-from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs
+from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs, train_plus_run
 from actmap.scoring import metrics
 from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
 from actmap.stacked import PRESETS, StackConfig, StackedPlus, stack_inputs
 from actmap.store import MapStore
 from actmap.store.rows import Rows
+from actmap.training.run_folder import ONE_FIT_SEED, seed_folder
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,27 @@ def preset_for_store(store) -> str:
     return "full" if store.has_table("attention") else "deployable"
 
 
+PLUS_PRESETS = ("auto", "v1", *PRESETS)  # what `train_plus_preset` takes
+
+
+def train_plus_preset(
+    store_path: str | Path, out: str | Path, preset: str = "auto", fallback: bool = True
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Train actmap-plus on a store into the run folder ``out`` with ``preset``: "v1"
+    (`train_plus_run`), a stacked preset (`train_stacked_run`), or "auto", the richest the
+    store can train (`preset_for_store`). Returns (the preset trained, the run summary, the
+    fit's details: v1's chosen settings, or the stacked blocks selected)."""
+    if preset not in PLUS_PRESETS:
+        raise ActmapUserError(f"--preset must be one of {', '.join(PLUS_PRESETS)}, got {preset!r}")
+    if preset == "auto":
+        preset = preset_for_store(MapStore.open(store_path))
+    if preset == "v1":
+        summary, details = train_plus_run(store_path, out)
+        return preset, summary, details
+    summary = train_stacked_run(store_path, out, preset, fallback)
+    return preset, summary, {"selected": summary["selected"]}
+
+
 def train_stacked_run(
     store_path: str | Path, out: str | Path, preset: str, fallback: bool = True
 ) -> dict[str, Any]:
@@ -130,7 +152,7 @@ def train_stacked_run(
     sets = store_rows(store)
     scored = stacked_scored(store, sets, preset, fallback)
     est, test, out = scored.estimator, sets["test"], Path(out)
-    folder = out / "seed-0"
+    folder = seed_folder(out, ONE_FIT_SEED)
     inputs = {"store_config": store.manifest.get("config")}  # the map settings serving reads
     details = {"store": str(store_path), "inputs": inputs, "preset": preset, **scored.details}
     details["validation_auroc"] = scored.validation_auroc
@@ -146,7 +168,7 @@ def train_stacked_run(
     scores.write_parquet(folder / "test_scores.parquet")
     result = scoring_metrics(scores)
     write_json(folder / "metrics.json", result)
-    summary = summarize_runs([SimpleNamespace(seed=0, test_metrics=result)])
+    summary = summarize_runs([SimpleNamespace(seed=ONE_FIT_SEED, test_metrics=result)])
     write_json(out / "summary.json", {"detector": "actmap-plus", **summary, **details})
     return {**summary, "detector": f"actmap-plus ({preset})", "selected": est.selected_}
 

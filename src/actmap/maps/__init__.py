@@ -1,6 +1,7 @@
 """Maps: the operator Phi (a pooled trajectory -> an activation map) and its stored form.
 
-operator    Phi, `build_maps` / `build_map`, the float16 `stored_form`, the pooling the
+operator    Phi, `build_maps` / `build_map`, the float16 `stored_form` (of a map) and
+            `saturated_float16` (of a kept state), the pooling the
             capture hooks use (`pool_hidden`, `pool_layers`); re-exported here
 ablations   the paper's ablation transforms (channel groups removed, last-token channels,
             permuted or projected coordinates, the mean-pooled final layer)
@@ -10,6 +11,7 @@ from actmap.maps.operator import (
     CHANNELS,
     DENSE_LAYER_GROUPS,
     FINAL_WINDOW,
+    FLOAT16_MAX,
     MAP_BYTES,
     MAP_SHAPE,
     SLOPE_EPS,
@@ -25,6 +27,7 @@ from actmap.maps.operator import (
     pad_trajectories,
     pool_hidden,
     pool_layers,
+    saturated_float16,
     segment_bounds,
     segment_channel_names,
     stored_form,
@@ -35,6 +38,7 @@ __all__ = [
     "CHANNELS",
     "DENSE_LAYER_GROUPS",
     "FINAL_WINDOW",
+    "FLOAT16_MAX",
     "MAP_BYTES",
     "MAP_SHAPE",
     "SLOPE_EPS",
@@ -50,6 +54,7 @@ __all__ = [
     "pad_trajectories",
     "pool_hidden",
     "pool_layers",
+    "saturated_float16",
     "segment_bounds",
     "segment_channel_names",
     "stored_form",

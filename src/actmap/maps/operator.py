@@ -553,6 +553,32 @@ def build_maps_from_list(
     return build_maps(batch, lengths, config)
 
 
+FLOAT16_MAX = 65504.0  # float16's largest finite value
+
+
+def saturated_float16(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """``x`` in float16, saturated at ``±FLOAT16_MAX`` instead of overflowing to infinity (and an
+    inf already stored becomes ``±FLOAT16_MAX``); NaN stays NaN. The one float16 form of a
+    kept *state* (trajectories, dense and position states), as `stored_form` is of a map.
+
+    Some residual streams leave float16's range: Gemma-3-270M's reach past 65,504 at layers
+    10-15 (2 of 200 TriviaQA answers' mean states), where a plain cast stored inf and every
+    probe fit on that column gave NaN. Capture keeps every step's state this way, so the answer
+    mean of a state that leaves the range is the mean of saturated steps; readers of a store
+    written before that pass its states through here too. (A map that leaves the range is
+    refused instead, by `stored_form`: a map is pooled and a detector's input, where such a
+    value means something went wrong; a kept state is the model's raw output, which can be
+    that large.)
+
+    A torch tensor comes back as a new float16 tensor; a float16 numpy array is clipped in
+    place (a store's side table can be gigabytes), any other numpy array is copied."""
+    if isinstance(x, torch.Tensor):
+        return x.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
+    if x.dtype == np.float16:
+        return np.clip(x, -FLOAT16_MAX, FLOAT16_MAX, out=x)
+    return np.clip(x, -FLOAT16_MAX, FLOAT16_MAX).astype(np.float16)
+
+
 def stored_form(maps: torch.Tensor | np.ndarray) -> np.ndarray:
     """Maps of any shape (one map or a batch; torch or numpy) -> the float16 numpy array a
     map store keeps (12 * 32 * 128 * 2 = 98,304 bytes for the default map).

@@ -20,6 +20,7 @@ from scipy.stats import binomtest
 from actmap.errors import ActmapUserError
 from actmap.monitor.shift import MonitorConfig, ShiftMonitor
 from actmap.store import MapStore
+from actmap.store.rows import row_metadata
 from actmap.training.run_folder import read_run
 
 MONITOR_DIR = "monitor"  # <run>/monitor/: model.safetensors + config.json
@@ -39,7 +40,7 @@ def window_rows(
 ) -> list[str]:
     """Ids of ``split`` (comma-separated names; all rows when None). With ``prevalence``: the labelled rows, resampled
     without replacement to that fraction correct, as many as the rarer side allows."""
-    meta = store.metadata()
+    meta = row_metadata(store)  # an id written twice is one row, its last
     if split is not None:
         known = sorted(meta["split"].unique())
         wanted = [s.strip() for s in split.split(",") if s.strip()]

@@ -35,6 +35,7 @@ from actmap.serve.answers import PrefixCache, chat_prefix, score_answers
 from actmap.serve.api_errors import APIError, retry_headers, server_busy
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
+from actmap.serve.feedback import install_feedback_route
 from actmap.serve.lifecycle import install_readiness
 from actmap.serve.prometheus import ServeMetrics
 from actmap.serve.protocol import (
@@ -61,6 +62,8 @@ from actmap.serve.protocol import (
     random_id,
 )
 from actmap.serve.proxy import install_proxy_routes, start_proxy, stop_proxy
+from actmap.serve.reload import install_reload_route
+from actmap.serve.review import REVIEW_PAGE, install_review_routes
 from actmap.serve.score_endpoint import install_score_route
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,7 @@ class ServeSettings:
     audit_max_rows: int | None = None
     audit_max_age_days: float | None = None
     audit_sync: bool = False  # an answer is sent once its audit row is committed (SIGKILL-safe)
+    review_sample: float = 0.0  # share of all answers queued for review at random (the audit)
     served_model_name: str | None = None  # the name clients send as "model"; default: model
     api_key: str | None = None  # bearer token; None = no auth
     default_max_tokens: int = 64
@@ -193,6 +197,7 @@ def _audit(settings: ServeSettings, detector):
         max_rows=settings.audit_max_rows,
         max_age_days=settings.audit_max_age_days,
         sync=settings.audit_sync,
+        review_sample=settings.review_sample,
     )
 
 
@@ -383,7 +388,8 @@ class ServerState:
             p_correct=answer.p_correct,
             p_correct_raw=answer.p_correct_raw,
             decision=answer.decision,
-            detector=self.engine.detector.id,
+            detector=answer.detector or self.engine.detector.id,  # the one that scored it
+            policy=answer.policy,
             map_id=answer.map_id,
             prevalence=answer.prevalence,
             shift=None if answer.shift is None else ShiftInfo(**answer.shift.to_json()),
@@ -400,7 +406,8 @@ def _detector_id(state: ServerState) -> str | None:
 class Guard:
     """Bearer-token check and request body limit, before anything is parsed."""
 
-    OPEN_PATHS = ("/health", "/ready")
+    # /ready: readiness probes carry no key; the review page holds no data: its calls need it
+    OPEN_PATHS = ("/health", "/ready", REVIEW_PAGE)
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
@@ -531,6 +538,9 @@ def create_app(
 
     install_score_route(app)
     install_readiness(app)  # GET /ready: off from SIGTERM on (`actmap.serve.lifecycle`)
+    install_feedback_route(app)
+    install_review_routes(app)
+    install_reload_route(app)
     if settings.upstream is not None:
         install_proxy_routes(app)  # answers come from the upstream, read by teacher forcing
         app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)

@@ -42,15 +42,41 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from actmap.capture.answer_scalars import SCALAR_NAMES
+from actmap.data.splits import key_uniform
 from actmap.errors import ActmapUserError
-from actmap.maps import MapConfig
+from actmap.maps import MapConfig, map_shape
 from actmap.store import MapRecord, MapStore, StoreError
+from actmap.store.served import (
+    LABELS_TABLE,
+    REVIEW_TABLE,
+    SCALARS_TABLE,  # id + the six per-answer scalars, when the detector reads them
+    SERVED_KIND,
+)
 
 log = logging.getLogger(__name__)
 
 AUDIT_TABLE = "audit"
-SCALARS_TABLE = "audit_scalars"  # id + the six per-answer scalars, when the detector reads them
-AUDIT_KIND = "audit"
+AUDIT_KIND = SERVED_KIND
+LABELS_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("label", pa.int8()),
+        ("source", pa.string()),
+        ("labelled_at", pa.timestamp("us", tz="UTC")),
+        ("correct_answer", pa.string()),
+    ]
+)
+REVIEW_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("queued_at", pa.timestamp("us", tz="UTC")),
+        ("reason", pa.string()),  # "review" (decided review) | "sample" (the uniform sample)
+        ("rate", pa.float64()),  # the probability this answer had of entering the queue
+        ("in_sample", pa.bool_()),  # drawn in the uniform random sample (rate review_sample)
+        ("decision", pa.string()),
+        ("p_correct", pa.float64()),
+    ]
+)
 AUDIT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -65,8 +91,17 @@ AUDIT_SCHEMA = pa.schema(
         ("prevalence", pa.float64()),
         ("decision", pa.string()),
         ("detector", pa.string()),
+        ("policy", pa.string()),  # the policy's version (`policy_version`); null in older stores
     ]
 )
+
+
+class UnknownMapId(KeyError):
+    """A label for a map id the audit store does not hold."""
+
+    def __init__(self, map_id: str) -> None:
+        super().__init__(map_id)
+        self.map_id = map_id
 
 
 def prompt_digest(text: str) -> str:
@@ -88,6 +123,7 @@ class AuditEntry:
     decision: str
     detector: str
     scalars: np.ndarray | None = None  # (6,) in SCALAR_NAMES order, when the detector reads them
+    policy: str | None = None  # the version of the policy that decided
 
 
 def audit_config(map_config: MapConfig = MapConfig()) -> dict:
@@ -117,12 +153,18 @@ class AuditTrail:
         flush_interval_s: float = 1.0,
         background: bool = True,
         sync: bool = False,
+        review_sample: float = 0.0,
+        review_seed: int = 0,
     ) -> None:
+        if not 0.0 <= review_sample <= 1.0:
+            raise ActmapUserError(f"audit review_sample must be in [0, 1], got {review_sample}")
         if max_rows is not None and max_rows < 1:
             raise ActmapUserError(f"audit max_rows must be >= 1, got {max_rows}")
         if max_age_days is not None and max_age_days <= 0:
             raise ActmapUserError(f"audit max_age_days must be > 0, got {max_age_days}")
-        self.store = MapStore.create(root, audit_config(map_config), resume=True)
+        self.store = MapStore.create(
+            root, audit_config(map_config), resume=True, map_shape=map_shape(map_config)
+        )
         self._lock_file = open(self.store.root / ".audit-writer.lock", "w")  # noqa: SIM115
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -133,7 +175,9 @@ class AuditTrail:
         self.max_rows, self.max_age_days = max_rows, max_age_days
         self.flush_rows, self.flush_interval_s = flush_rows, flush_interval_s
         self.sync = sync  # the writer flushes as soon as anything is buffered (group commit)
+        self.review_sample, self.review_seed = review_sample, review_seed
         self.committed = 0  # rows this trail has committed
+        self._ids = self.store.ids("maps")  # committed map ids: what feedback may label
         self._buffer: list[AuditEntry] = []
         self._waiting: list[Future] = []  # one per append, resolved by the flush that commits it
         self._cond = threading.Condition()
@@ -146,7 +190,7 @@ class AuditTrail:
             self._thread.start()
 
     # -- building entries ------------------------------------------------------------------
-    def entry(self, job, answer, source, detector_id: str) -> AuditEntry:
+    def entry(self, job, answer, source, detector_id: str, policy: str | None = None) -> AuditEntry:
         """An `AuditEntry` from an engine job and its answer."""
         record = MapRecord(
             id=answer.map_id,
@@ -173,6 +217,7 @@ class AuditTrail:
             decision=answer.decision,
             detector=detector_id,
             scalars=answer.scalars,
+            policy=policy,
         )
 
     # -- writing ---------------------------------------------------------------------------
@@ -190,52 +235,113 @@ class AuditTrail:
         return committed
 
     def flush(self) -> int:
-        """Commit every buffered entry now; returns the number of rows committed."""
-        with self._cond:
-            entries, self._buffer = self._buffer, []
-            waiting, self._waiting = self._waiting, []
-        if not entries:
+        """Commit every buffered entry now; returns the number of rows committed. Entries are
+        taken under the write lock, so when it returns, every entry appended before the call
+        is committed (also those another thread's flush had taken); the futures `append`
+        returned for them resolve (with the flush's error when it fails)."""
+        with self._write_lock:
+            with self._cond:
+                entries, self._buffer = self._buffer, []
+                waiting, self._waiting = self._waiting, []
+            try:
+                if entries:
+                    self._commit(entries)
+            except BaseException as error:
+                for committed in waiting:
+                    committed.set_exception(error)
+                raise
             for committed in waiting:
-                committed.set_result(0)
-            return 0
-        try:
-            self._commit(entries)
-        except BaseException as error:
-            for committed in waiting:
-                committed.set_exception(error)
-            raise
-        for committed in waiting:
-            committed.set_result(len(entries))
+                committed.set_result(len(entries))
         return len(entries)
 
     def _commit(self, entries: list[AuditEntry]) -> None:
-        with self._write_lock:
-            side = pa.table(
+        """Write ``entries`` (the caller holds the write lock): side tables first, maps last."""
+        side = pa.table(
+            {
+                "id": [e.record.id for e in entries],
+                "served_at": [e.served_at for e in entries],
+                "endpoint": [e.endpoint for e in entries],
+                "prompt_sha256": [e.record.source_key for e in entries],
+                "prompt_tokens": [e.prompt_tokens for e in entries],
+                "n_tokens": [e.record.n_tokens for e in entries],
+                "finish_reason": [e.finish_reason for e in entries],
+                "p_correct": [e.p_correct for e in entries],
+                "p_correct_raw": [e.p_correct_raw for e in entries],
+                "prevalence": [e.prevalence for e in entries],
+                "decision": [e.decision for e in entries],
+                "detector": [e.detector for e in entries],
+                "policy": [e.policy for e in entries],
+            },
+            schema=AUDIT_SCHEMA,
+        )
+        self.store.write_table(AUDIT_TABLE, side)
+        queued = self.review_queue(entries)
+        if queued.num_rows:
+            self.store.write_table(REVIEW_TABLE, queued)
+        with_scalars = [e for e in entries if e.scalars is not None]
+        if with_scalars:
+            values = np.stack([e.scalars for e in with_scalars]).astype(np.float64)
+            columns = {"id": [e.record.id for e in with_scalars]}
+            columns.update({name: values[:, j] for j, name in enumerate(SCALAR_NAMES)})
+            self.store.write_table(SCALARS_TABLE, pa.table(columns))
+        self.store.write_maps([e.record for e in entries])  # last: the commit
+        self.committed += len(entries)
+        self._ids.update(e.record.id for e in entries)
+
+    # -- the review queue ------------------------------------------------------------------
+    def in_sample(self, map_id: str) -> bool:
+        """Whether an answer is drawn in the uniform random review sample: a seeded hash of
+        its map id below ``review_sample`` (every decision band alike)."""
+        return key_uniform(map_id, self.review_seed, salt="review-sample") < self.review_sample
+
+    def review_queue(self, entries: list[AuditEntry]) -> pa.Table:
+        """The queue rows of ``entries``: every answer decided review (rate 1) and the
+        uniform random sample of all answers (rate ``review_sample``)."""
+        rows = []
+        for e in entries:
+            sampled = self.in_sample(e.record.id)
+            if e.decision != "review" and not sampled:
+                continue
+            review = e.decision == "review"
+            rows.append(
                 {
-                    "id": [e.record.id for e in entries],
-                    "served_at": [e.served_at for e in entries],
-                    "endpoint": [e.endpoint for e in entries],
-                    "prompt_sha256": [e.record.source_key for e in entries],
-                    "prompt_tokens": [e.prompt_tokens for e in entries],
-                    "n_tokens": [e.record.n_tokens for e in entries],
-                    "finish_reason": [e.finish_reason for e in entries],
-                    "p_correct": [e.p_correct for e in entries],
-                    "p_correct_raw": [e.p_correct_raw for e in entries],
-                    "prevalence": [e.prevalence for e in entries],
-                    "decision": [e.decision for e in entries],
-                    "detector": [e.detector for e in entries],
-                },
-                schema=AUDIT_SCHEMA,
-            )
-            self.store.write_table(AUDIT_TABLE, side)
-            with_scalars = [e for e in entries if e.scalars is not None]
-            if with_scalars:
-                values = np.stack([e.scalars for e in with_scalars]).astype(np.float64)
-                columns = {"id": [e.record.id for e in with_scalars]}
-                columns.update({name: values[:, j] for j, name in enumerate(SCALAR_NAMES)})
-                self.store.write_table(SCALARS_TABLE, pa.table(columns))
-            self.store.write_maps([e.record for e in entries])  # last: the commit
-            self.committed += len(entries)
+                    "id": e.record.id, "queued_at": e.served_at,
+                    "reason": "review" if review else "sample",
+                    "rate": 1.0 if review else self.review_sample, "in_sample": sampled,
+                    "decision": e.decision, "p_correct": e.p_correct,
+                }
+            )  # fmt: skip
+        return pa.Table.from_pylist(rows, schema=REVIEW_SCHEMA)
+
+    # -- labels ----------------------------------------------------------------------------
+    def add_label(
+        self, map_id: str, label: int, source: str, correct_answer: str | None = None
+    ) -> dict:
+        """Append one label of a served answer (see `add_labels`); returns the row written."""
+        return self.add_labels([(map_id, label, source, correct_answer)])[0]
+
+    def add_labels(self, labels: list[tuple[str, int, str, str | None]]) -> list[dict]:
+        """Append labels ``(map id, 0 | 1, source, correct answer or None)`` as one atomic
+        shard of the ``labels`` table, durable on return (the latest label of an id wins;
+        earlier ones stay as history). Answers still buffered are committed first; a map id
+        the store does not hold raises `UnknownMapId` and nothing is written."""
+        for _, label, _, _ in labels:
+            if isinstance(label, bool) or label not in (0, 1):
+                raise ActmapUserError(f"label must be 0 or 1, got {label!r}")
+        if any(key not in self._ids for key, *_ in labels):
+            self.flush()  # an answer just served may still be buffered, or being flushed
+            missing = [key for key, *_ in labels if key not in self._ids]
+            if missing:
+                raise UnknownMapId(missing[0])
+        now = datetime.now(UTC)
+        rows = [
+            {"id": key, "label": int(label), "source": source, "labelled_at": now,
+             "correct_answer": answer}
+            for key, label, source, answer in labels
+        ]  # fmt: skip
+        with self._write_lock:
+            self.store.write_table(LABELS_TABLE, pa.Table.from_pylist(rows, schema=LABELS_SCHEMA))
+        return rows
 
     def _writer(self) -> None:
         flushes = 0
@@ -295,7 +401,8 @@ class AuditTrail:
                 self.store.forget_shards("maps", [path], unlink=True)
                 kept_rows -= len(ids)
                 dropped.update(ids)
-            for table in (AUDIT_TABLE, SCALARS_TABLE):
+            self._ids -= dropped
+            for table in (AUDIT_TABLE, SCALARS_TABLE, REVIEW_TABLE):
                 if not dropped or not self.store.has_table(table):
                     continue
                 for path in self.store.shards(table):
@@ -315,7 +422,8 @@ def read_audit(store: MapStore) -> pd.DataFrame:
     if not store.has_table("maps"):
         return pd.DataFrame(columns=["id", *AUDIT_SCHEMA.names[1:]])
     maps = store.metadata().drop_duplicates("id", keep="last")
-    side = store.read_table(AUDIT_TABLE).to_pandas().drop_duplicates("id", keep="last")
+    side = store.read_table(AUDIT_TABLE, schema=AUDIT_SCHEMA).to_pandas()  # older: no policy
+    side = side.drop_duplicates("id", keep="last")
     side = side.drop(columns=["n_tokens"])
     frame = maps.merge(side, on="id", how="inner", validate="one_to_one")
     return frame.sort_values("served_at", kind="stable").reset_index(drop=True)

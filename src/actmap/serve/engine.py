@@ -35,7 +35,14 @@ from actmap.maps import MapConfig, build_maps, stored_form
 from actmap.monitor.stream import MapShift, StreamingMonitor
 from actmap.scoring.prior import em_prevalence
 from actmap.serve.loaded_run import LoadedDetector, answer_maps
-from actmap.serve.policy import Policy, PriorSetting, calibrate, correct_prior, decide
+from actmap.serve.policy import (
+    Policy,
+    PriorSetting,
+    calibrate,
+    correct_prior,
+    decide,
+    policy_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +107,8 @@ class Answer:
     shift: MapShift | None = None  # the shift monitor's view (None without a monitor)
     # resolved once the answer's audit row is committed (None: no row); see `AuditTrail.append`
     committed: Future | None = None
+    detector: str | None = None  # the id of the detector that scored it (None: unscored)
+    policy: str | None = None  # the version of the policy that decided (`policy_version`)
 
 
 @dataclass(frozen=True)
@@ -252,6 +261,10 @@ class Engine:
         self.detector = detector
         self.map_config = detector.map_config if detector is not None else MapConfig()
         self.policy = policy
+        self.policy_version = policy_version(policy)
+        # held by every batch from capture to decision, and by `swap`: a batch is scored,
+        # decided and audited by one detector and one policy
+        self.swap_lock = threading.RLock()
         self.max_context = max_context
         self.score_every = max(1, score_every)
         self.audit = audit
@@ -294,8 +307,35 @@ class Engine:
     def count_tokens(self, prompt: str) -> int:
         return len(self.encode(prompt))
 
+    # -- swapping the detector and policy -------------------------------------------------
+    def swap(self, detector: LoadedDetector, policy: Policy) -> None:
+        """Score and decide with ``detector`` and ``policy`` from the next batch on (the batch
+        running now finishes with the old pair). The new detector must read the same map
+        and the same capture as the old: another kind needs a restart."""
+        if self.detector is None:
+            raise ValueError("this server has no detector to replace (a plain generator)")
+        if detector.map_config != self.map_config:
+            raise ValueError(
+                f"{detector.id} reads maps of another config ({detector.map_config}) than the "
+                f"served {self.detector.id} ({self.map_config}): restart the server to change it"
+            )
+        if detector.capture_settings() != self.detector.capture_settings():
+            raise ValueError(
+                f"{detector.id} reads other inputs ({', '.join(detector.requires)}) than the "
+                f"served {self.detector.id} ({', '.join(self.detector.requires)}): restart the "
+                "server to change them"
+            )
+        with self.swap_lock:
+            self.detector, self.policy = detector, policy
+            self.policy_version = policy_version(policy)
+            self.prevalence = PrevalenceTracker(policy.prior)
+
     # -- one batch -------------------------------------------------------------------------
     def run(self, jobs: list[Job]) -> tuple[list[Answer], BatchTimings]:
+        with self.swap_lock:
+            return self._run(jobs)
+
+    def _run(self, jobs: list[Job]) -> tuple[list[Answer], BatchTimings]:
         started = time.perf_counter()
         config = CaptureConfig(
             max_new_tokens=jobs[0].max_tokens,
@@ -328,7 +368,8 @@ class Engine:
 
     def score(self, jobs, generations: list[Generation], started: float) -> list[Answer]:
         """Answers of captured ``generations`` (one per job): detector, prior, policy, audit."""
-        return self._score(jobs, generations, None, started)
+        with self.swap_lock:
+            return self._score(jobs, generations, None, started)
 
     def _score(self, jobs, generations, watch, started) -> list[Answer]:
         if self.detector is None:  # a plain generator (e.g. the upstream of a proxy)
@@ -377,13 +418,18 @@ class Engine:
                 queued_s=started - job.enqueued_at,
                 scalars=scalars[map_index[i]] if has_map and scalars is not None else None,
                 shift=shifts[map_index[i]] if shifts is not None and has_map else None,
+                detector=self.detector.id,
+                policy=self.policy_version,
             )
             answers.append(answer)
             if map_id is not None:
                 records.append((job, answer))
         if records:
             committed = self.audit.append(
-                [self.audit.entry(job, a, self.source, self.detector.id) for job, a in records]
+                [
+                    self.audit.entry(job, a, self.source, self.detector.id, self.policy_version)
+                    for job, a in records
+                ]
             )
             answers = [replace(a, committed=committed) if a.map_id else a for a in answers]
         return answers

@@ -50,6 +50,7 @@ from actmap.serve.policy import (
 from actmap.stacked import StackedPlus, stack_inputs
 from actmap.store import MapStore
 from actmap.store.rows import Rows, balanced_rows, natural_rows
+from actmap.store.served import current_sampling, is_served
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +306,59 @@ def fit_policy_on_store(
         fitted["bootstrap"] = {"n_resamples": n_resamples, "level": 0.95, "seed": seed}
         policy = Policy(policy.accept, policy.review, policy.route, setting, fitted)
     return policy
+
+
+@dataclass(frozen=True)
+class FittedPolicy:
+    """A policy fitted on a store (`fit_policy_from_store`) and what it was fitted from."""
+
+    policy: Policy
+    scores: NaturalScores  # the labelled rows at their natural prevalence, scored
+    temperature: float | Interval  # 1.0 when not calibrated
+    train_prevalence: float  # the prior the detector's p(correct) holds at
+
+
+def fit_policy_from_store(
+    store: MapStore,
+    detector,
+    target_risk: float,
+    review_risk: float | None = None,
+    route_risk: float | None = None,
+    prior: str = "known",
+    deployment_accuracy: float | None = None,
+    split: str = "validation",
+    calibrate: bool = True,
+    train_prevalence: float | None = None,
+    n_resamples: int = N_RESAMPLES,
+    about: dict[str, Any] | None = None,
+) -> FittedPolicy:
+    """``actmap policy fit``: score every labelled row of ``split`` (`natural_scores`), fit
+    a temperature (with its bootstrap interval when ``n_resamples``) unless ``calibrate`` is
+    off, then the thresholds (`fit_policy_on_store`). ``train_prevalence`` defaults to the
+    detector's own (`detector_train_prevalence`).
+
+    An audit store's labelled rows are the ones `actmap.store.served.served_sampling`
+    counts: by default only the review queue's uniform random sample, so a review band
+    reviewed in full does not bias the natural prevalence, the temperature or the risks;
+    the choice is recorded in the policy's ``fitted`` table."""
+    scores = natural_scores(store, detector, split)
+    if train_prevalence is None:
+        train_prevalence = detector_train_prevalence(detector)
+    temperature: float | Interval = 1.0
+    if calibrate and n_resamples:
+        temperature = temperature_interval(
+            scores.p_raw, scores.labels, train_prevalence, n_resamples=n_resamples
+        )
+    elif calibrate:
+        temperature = fit_policy_temperature(scores.p_raw, scores.labels, train_prevalence)
+    about = dict(about or {})
+    if is_served(store):
+        about["sampling"] = current_sampling(store)
+    policy = fit_policy_on_store(
+        scores, target_risk, review_risk, route_risk, prior, deployment_accuracy, about,
+        temperature, train_prevalence, n_resamples,
+    )  # fmt: skip
+    return FittedPolicy(policy, scores, temperature, train_prevalence)
 
 
 @dataclass(frozen=True)

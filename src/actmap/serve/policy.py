@@ -279,6 +279,14 @@ def policy_to_toml(policy: Policy) -> str:
     return "\n".join(lines) + "\n"
 
 
+def policy_version(policy: Policy) -> str:
+    """The policy's version as audit rows and answers name it: a digest of its TOML form
+    (thresholds, prior and how it was fitted), so equal policies share one version."""
+    import hashlib
+
+    return "policy-" + hashlib.sha256(policy_to_toml(policy).encode()).hexdigest()[:12]
+
+
 def save_policy(policy: Policy, path: str | Path) -> Path:
     path = Path(path)
     atomic_write_text(path, policy_to_toml(policy))

@@ -113,6 +113,7 @@ class ActmapInfo(OpenAIBaseModel):
     decision: str  # accept | review | route | abstain | abstain_early
     detector: str  # detector id: name, run folder, seed, weights digest
     map_id: str | None  # id of the answer's map in the audit store
+    policy: str | None = None  # the version of the policy that decided (a digest of its file)
     prevalence: float | None = None  # the prevalence p_correct was shifted to, if any
     shift: ShiftInfo | None = None  # the shift monitor's view, when the server runs one
 

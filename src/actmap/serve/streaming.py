@@ -21,7 +21,8 @@ import torch
 from actmap.capture.answer_scalars import answer_scalars
 from actmap.errors import ActmapUserError
 from actmap.scoring.metrics import auroc
-from actmap.store import MapStore, decode_array
+from actmap.store import MapStore
+from actmap.store.rows import row_metadata
 
 
 @dataclass(frozen=True)
@@ -91,21 +92,13 @@ def running_auroc(
         raise ActmapUserError(
             f"{store.root} keeps no trajectories; capture with --keep-trajectories"
         )
-    meta = store.metadata()
-    rows = meta[(meta["split"] == split) & meta["label"].notna()].drop_duplicates("id")
+    meta = row_metadata(store)  # an id written twice counts once, with its last row
+    rows = meta[(meta["split"] == split) & meta["label"].notna()]
     if rows.empty:
         raise ActmapUserError(f"{store.root} has no labelled rows in split '{split}'")
-    table = store.read_latest("trajectories")
-    index = {key: i for i, key in enumerate(table.column("id").to_pylist())}
-    missing = [key for key in rows["id"] if key not in index]
-    if missing:
-        raise ActmapUserError(f"{len(missing)} rows have no stored trajectory, e.g. {missing[:3]}")
-    trajectories = []
-    for key in rows["id"]:
-        i = index[key]
-        shape = table.column("shape")[i].as_py()
-        blob = table.column("trajectory")[i].as_py()
-        trajectories.append(torch.from_numpy(decode_array(blob, shape).astype(np.float32)))
+    ids = rows["id"].tolist()
+    arrays = store.read_arrays("trajectories", ids)
+    trajectories = [torch.from_numpy(arrays[key].astype(np.float32)) for key in ids]
     lengths = np.array([t.shape[1] for t in trajectories])
     statistics = None
     if getattr(detector, "needs_scalars", False):

@@ -45,7 +45,9 @@ from actmap.store.config import (
     normalize_config,
 )
 from actmap.store.encoding import (
+    array_column,
     decode_array,
+    decode_rows,
     encode_array,
     latest_rows,
     maps_from_column,
@@ -82,7 +84,9 @@ __all__ = [
     "check_config",
     "claim_store",
     "config_differences",
+    "array_column",
     "decode_array",
+    "decode_rows",
     "encode_array",
     "latest_rows",
     "list_shards",

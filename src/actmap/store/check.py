@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 from actmap.atomic import TMP_PREFIX
 from actmap.store import QUARANTINE, MapStore, maps_schema
 from actmap.store.lock import holder_is_writing
+from actmap.store.served import COLUMNS_ADDED_LATER
 
 CAPTURE_TABLES = ("generations", "trajectories", "attention", "dense", "positions")
 EXAMPLES = 5  # ids named per finding
@@ -96,8 +97,13 @@ def _examples(ids) -> str:
     return ", ".join(ids[:EXAMPLES]) + more
 
 
-def _same_fields(a: pa.Schema, b: pa.Schema) -> bool:
-    return [(f.name, f.type) for f in a] == [(f.name, f.type) for f in b]
+def _same_fields(a: pa.Schema, b: pa.Schema, later: tuple[str, ...] = ()) -> bool:
+    """Whether two schemas agree, leaving out ``later`` (columns older shards may lack)."""
+    return _fields(a, later) == _fields(b, later)
+
+
+def _fields(schema: pa.Schema, later: tuple[str, ...] = ()) -> tuple:
+    return tuple((f.name, str(f.type)) for f in schema if f.name not in later)
 
 
 def _read_shards(store: MapStore, table: str, report: StoreReport) -> dict[Path, pa.Table]:
@@ -109,23 +115,18 @@ def _read_shards(store: MapStore, table: str, report: StoreReport) -> dict[Path,
         except (pa.ArrowException, OSError) as error:
             report.bad_shards[shard] = f"unreadable ({error})"
             report._add("damage", shard, f"unreadable: {error}")
-    if table == "maps":
-        expected = maps_schema(store.map_bytes)
-    else:  # the schema most of the table's shards share
-        counts = Counter(tuple((f.name, str(f.type)) for f in t.schema) for t in readable.values())
+    expected = maps_schema(store.map_bytes) if table == "maps" else None
+    later = COLUMNS_ADDED_LATER.get(table, ())
+    if table != "maps":  # the schema most of the table's shards share
+        counts = Counter(_fields(t.schema, later) for t in readable.values())
         common = counts.most_common(1)[0][0] if counts else ()
         expected = next(
-            (
-                t.schema
-                for t in readable.values()
-                if tuple((f.name, str(f.type)) for f in t.schema) == common
-            ),
-            None,
+            (t.schema for t in readable.values() if _fields(t.schema, later) == common), None
         )
     for shard, data in list(readable.items()):
         if "id" not in data.column_names:
             why = "has no 'id' column"
-        elif expected is not None and not _same_fields(data.schema, expected):
+        elif expected is not None and not _same_fields(data.schema, expected, later):
             why = f"schema differs from the table's: {data.schema.names}"
         else:
             continue

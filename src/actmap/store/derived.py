@@ -13,10 +13,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 
-from actmap.maps import MapConfig, build_maps_from_list, map_shape
-from actmap.store import MapRecord, MapStore, StoreError, decode_array
+from actmap.maps import MapConfig, build_maps_from_list, map_shape, stored_form
+from actmap.store import MapRecord, MapStore, StoreError, decode_rows
 
 RECORD_FIELDS = (
     "source_key",
@@ -56,21 +57,13 @@ def build_map_store(
     done = store.ids("maps")
     table = source.read_latest("trajectories")
     for batch in table.to_batches(max_chunksize=batch_size):
-        rows = [
-            (key, shape, blob)
-            for key, shape, blob in zip(
-                *(batch.column(c).to_pylist() for c in ("id", "shape", "trajectory")), strict=True
-            )
-            if key in meta.index and key not in done
-        ]
-        if rows:
-            trajectories = [
-                torch.from_numpy(decode_array(blob, shape).astype(np.float32))
-                for _, shape, blob in rows
-            ]
-            maps = build_maps_from_list(trajectories, config).half().numpy()  # (B, C, H, W)
+        keys = [k for k in batch.column("id").to_pylist() if k in meta.index and k not in done]
+        if keys:
+            arrays = decode_rows(pa.Table.from_batches([batch]), "trajectories", keys)
+            trajectories = [torch.from_numpy(arrays[k].astype(np.float32)) for k in keys]
+            maps = stored_form(build_maps_from_list(trajectories, config))  # (B, C, H, W)
             store.write_maps(
-                [_record(key, meta.loc[key], m) for (key, _, _), m in zip(rows, maps, strict=True)]
+                [_record(key, meta.loc[key], m) for key, m in zip(keys, maps, strict=True)]
             )
         if progress is not None:
             progress(batch.num_rows)
@@ -91,25 +84,3 @@ def _record(key: str, row, array: np.ndarray) -> MapRecord:
         else int(label),
         map=array,
     )
-
-
-def read_arrays(store: MapStore, table: str, ids: list[str]) -> dict[str, np.ndarray]:
-    """{id: float16 array} of a side table of arrays (``trajectories``, ``dense``) for ``ids``
-    (the latest row of each id); an id without a row raises `StoreError`."""
-    column = {"trajectories": "trajectory"}.get(table, table)
-    wanted = set(ids)
-    out: dict[str, np.ndarray] = {}
-    data = store.read_latest(table)
-    for batch in data.to_batches(max_chunksize=256):
-        keys, shapes = batch.column("id").to_pylist(), batch.column("shape").to_pylist()
-        blobs = batch.column(column)
-        for i, (key, shape) in enumerate(zip(keys, shapes, strict=True)):
-            if key in wanted:
-                out[key] = decode_array(blobs[i].as_py(), shape)
-    missing = [key for key in ids if key not in out]
-    if missing:
-        raise StoreError(
-            f"{store.root}: {len(missing)} rows have no {table} (e.g. {missing[:3]}); "
-            f"{data.num_rows} rows stored"
-        )
-    return out

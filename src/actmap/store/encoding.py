@@ -4,13 +4,15 @@
     maps_from_column              the ``map`` column (fixed-size binary) as (n, C, H, W) float16
     write_parquet                 one Parquet file, written atomically
     latest_rows                   the last row per id of a table (a rerun supersedes)
+    decode_rows                   {id: array} of a side table of arrays (trajectories, dense,
+                                  positions, attention), the one decoder of such a table
 
 The float16 stored form of a map itself (checked after the cast) is `actmap.maps.stored_form`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,28 @@ def decode_array(blob: bytes, shape: Sequence[int], dtype=np.float16) -> np.ndar
     if array.size != int(np.prod(shape)):
         raise StoreError(f"stored array has {array.size} values, expected shape {tuple(shape)}")
     return array.reshape(shape)
+
+
+ARRAY_COLUMNS = {"trajectories": "trajectory"}  # a side table's array column: else its own name
+
+
+def array_column(table: str) -> str:
+    """The column holding the arrays of side table ``table`` (beside ``id`` and ``shape``)."""
+    return ARRAY_COLUMNS.get(table, table)
+
+
+def decode_rows(data: pa.Table, table: str, ids: Iterable[str]) -> dict[str, np.ndarray]:
+    """{id: float16 array} of the rows of ``data`` (side table ``table``, one row per id as
+    `latest_rows` leaves it) whose id is in ``ids``; an id without a row is left out."""
+    wanted = set(ids)
+    out: dict[str, np.ndarray] = {}
+    for batch in data.to_batches(max_chunksize=256):
+        keys, shapes = batch.column("id").to_pylist(), batch.column("shape")
+        blobs = batch.column(array_column(table))
+        for i, key in enumerate(keys):
+            if key in wanted:
+                out[key] = decode_array(blobs[i].as_py(), shapes[i].as_py())
+    return out
 
 
 def write_parquet(table: pa.Table, target: Path) -> None:

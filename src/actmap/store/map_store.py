@@ -29,7 +29,7 @@ from actmap.artifacts import package_version
 from actmap.atomic import atomic_path, atomic_write_text
 from actmap.maps import MAP_SHAPE, stored_form
 from actmap.store.config import check_config, normalize_config
-from actmap.store.encoding import latest_rows, maps_from_column, write_parquet
+from actmap.store.encoding import decode_rows, latest_rows, maps_from_column, write_parquet
 from actmap.store.errors import StoreError
 from actmap.store.lock import acquire
 from actmap.store.schema import (
@@ -298,12 +298,14 @@ class MapStore:
                 found.append(relative.as_posix())
         return sorted(set(found))
 
-    def dataset(self, table: str = "maps") -> ds.Dataset:
+    def dataset(self, table: str = "maps", schema: pa.Schema | None = None) -> ds.Dataset:
+        """``table``'s shards as one dataset; with ``schema``, shards written before a column
+        was added read it as nulls (without it, the first shard's columns win)."""
         shards = self.shards(table)
         if not shards:
             raise StoreError(f"{self.root} has no table '{table}'")
         try:
-            return ds.dataset([str(s) for s in shards], format="parquet")
+            return ds.dataset([str(s) for s in shards], format="parquet", schema=schema)
         except pa.ArrowInvalid as error:
             raise StoreError(
                 f"a shard of '{table}' in {self.root} is corrupt: {error}; "
@@ -314,12 +316,16 @@ class MapStore:
         return bool(self.shards(table))
 
     def read_table(
-        self, table: str = "maps", columns: Sequence[str] | None = None, where=None
+        self,
+        table: str = "maps",
+        columns: Sequence[str] | None = None,
+        where=None,
+        schema: pa.Schema | None = None,
     ) -> pa.Table:
         """``table``'s ``columns`` (all by default), the rows that match ``where`` (a
-        `pyarrow.compute` expression, applied as each shard is read)."""
+        `pyarrow.compute` expression, applied as each shard is read); ``schema``: see `dataset`."""
         try:
-            return self.dataset(table).to_table(
+            return self.dataset(table, schema).to_table(
                 columns=list(columns) if columns else None, filter=where
             )
         except (pa.ArrowInvalid, OSError) as error:
@@ -341,6 +347,19 @@ class MapStore:
         if ids is not None:
             where = pc.field("id").isin(pa.array(sorted(set(ids)), pa.string()))
         return latest_rows(self.read_table(table, wanted, where))
+
+    def read_arrays(self, table: str, ids: Sequence[str], hint: str = "") -> dict[str, np.ndarray]:
+        """{id: float16 array} of side table ``table`` (trajectories, dense, positions,
+        attention) for ``ids``, the last row of each; only those rows are read. An id without
+        a row raises `StoreError` (``hint`` says how to add them)."""
+        out = decode_rows(self.read_latest(table, ids=ids), table, ids)
+        missing = [key for key in ids if key not in out]
+        if missing:
+            raise StoreError(
+                f"{self.root}: {len(missing)} rows have no {table} (e.g. {missing[:3]})"
+                + (f"; {hint}" if hint else "")
+            )
+        return out
 
     def ids(self, table: str = "maps") -> set[str]:
         if not self.has_table(table):

@@ -34,6 +34,7 @@ import pyarrow as pa
 from actmap.data.splits import SPLITS, balanced_ids
 from actmap.errors import ActmapUserError
 from actmap.store import MapStore
+from actmap.store.served import current_sampling, is_served, label_counts, served_view
 
 BALANCE_SEED = 0
 
@@ -67,8 +68,10 @@ class Rows:
 
 def row_metadata(store: MapStore):
     """The maps table's metadata (a DataFrame, no map bytes), one row per id: the last
-    written, as `MapStore.load_maps` and `MapStore.read_latest` read it."""
-    return store.metadata().drop_duplicates("id", keep="last")
+    written, as `MapStore.load_maps` and `MapStore.read_latest` read it. An audit store's
+    rows get their split and label by `actmap.store.served.served_view`."""
+    meta = store.metadata().drop_duplicates("id", keep="last")
+    return served_view(store, meta) if is_served(store) else meta
 
 
 def read_rows(store: MapStore, ids: Sequence[str], what: str = "rows") -> Rows:
@@ -82,6 +85,14 @@ def read_rows(store: MapStore, ids: Sequence[str], what: str = "rows") -> Rows:
         raise ActmapUserError(
             f"store {store.root}: the map of id '{bad[0]}' has NaN or infinite values "
             f"({len(bad)} such maps in its {what})"
+        )
+    if is_served(store):  # the label a served row has is in its feedback log
+        meta = row_metadata(store).set_index("id").loc[ids].reset_index()
+    unlabelled = meta["label"].isna()
+    if unlabelled.any():
+        raise ActmapUserError(
+            f"store {store.root}: the row '{ids[int(np.argmax(unlabelled))]}' in its {what} "
+            "has no label"
         )
     return Rows(ids, meta["label"].to_numpy(dtype=np.int64), maps)
 
@@ -139,7 +150,9 @@ def balanced_splits(
     evaluation reads a store and must not write into it)."""
     meta = row_metadata(store)
     fingerprint = rows_fingerprint(meta["id"], meta["label"], seed)
-    if store.has_table("splits"):
+    if is_served(store):  # never written: the server writes its audit store
+        persist = False
+    elif store.has_table("splits"):
         table = store.read_table("splits")
         if table.num_rows and table.column("fingerprint")[0].as_py() == fingerprint:
             frame = table.to_pandas()
@@ -266,6 +279,7 @@ class StoreSummary:
     splits: dict[str, SplitCounts]
     empty_answers: int
     capture_runs: list[dict]
+    served: dict | None = None  # an audit store's labels (`actmap.store.served.label_counts`)
 
     @property
     def total(self) -> SplitCounts:
@@ -296,6 +310,7 @@ class StoreSummary:
             "empty_answers": self.empty_answers,
             "capture_runs": self.capture_runs,
             "capture_rows_per_s": self.capture_rows_per_s,
+            "served": self.served,
         }
 
 
@@ -333,6 +348,12 @@ def store_summary(store: MapStore) -> StoreSummary:
         }
         for run in store.manifest.get("runs", [])
     ]
+    served = None
+    if is_served(store):  # no task or model in its config: served answers of one model
+        served = {**label_counts(store), "counted": current_sampling(store)}
+        task = {"task": "served"}
+        names = meta["model_name"].dropna()
+        model = {"name": names.mode().iloc[0] if len(names) else None}
     return StoreSummary(
         root=str(store.root),
         task=task.get("task"),
@@ -341,6 +362,7 @@ def store_summary(store: MapStore) -> StoreSummary:
         splits=splits,
         empty_answers=empty_answers(store, None)[0],
         capture_runs=runs,
+        served=served,
     )
 
 

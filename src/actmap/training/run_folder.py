@@ -43,6 +43,14 @@ class RunFolder:
     seed_dirs: dict[int, Path]
 
 
+ONE_FIT_SEED = 0  # a detector fit once, with no training seed (actmap-plus), is seed-0/
+
+
+def seed_folder(run: str | Path, seed: int) -> Path:
+    """The ``seed-<s>/`` folder of seed ``seed`` in a run folder (written or not)."""
+    return Path(run) / f"seed-{seed}"
+
+
 def seed_folders(run: str | Path) -> dict[int, Path]:
     """{seed: its ``seed-<s>/`` folder} of a run folder, in seed order (none: empty)."""
     run = Path(run)
@@ -146,7 +154,7 @@ def checkpoint_path(run: str | Path, seed: int) -> Path:
 def seed_finished(run: str | Path, seed: int) -> bool:
     """Seed ``seed`` of a run folder finished: its ``metrics.json``, the last file a seed
     writes, is there."""
-    return (Path(run) / f"seed-{seed}" / "metrics.json").is_file()
+    return (seed_folder(run, seed) / "metrics.json").is_file()
 
 
 def folder_summary(run: str | Path) -> dict[str, Any]:
