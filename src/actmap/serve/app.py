@@ -595,7 +595,8 @@ async def _serve(state: ServerState, body, job: Job, endpoint: str, request: Req
 async def _answer(state: ServerState, job: Job, future, endpoint: str, request) -> Answer | None:
     """The answer of a non-streamed request (504 past the timeout), or None when its client
     left first: the request is then cancelled and counted, as a stream's is."""
-    waiting = asyncio.ensure_future(asyncio.wait_for(asyncio.shield(future), state.settings.timeout_s))  # fmt: skip
+    timeout = state.settings.timeout_s
+    waiting = asyncio.ensure_future(asyncio.wait_for(asyncio.shield(future), timeout))
     left = asyncio.ensure_future(_client_left(request)) if request is not None else None
     try:
         await asyncio.wait([t for t in (waiting, left) if t], return_when=asyncio.FIRST_COMPLETED)
@@ -616,9 +617,7 @@ async def _answer(state: ServerState, job: Job, future, endpoint: str, request) 
     except TimeoutError:
         job.cancelled = True
         state.metrics.requests.labels(endpoint, "504").inc()
-        raise APIError(
-            504, f"request timed out after {state.settings.timeout_s:g} s", type="timeout"
-        ) from None
+        raise APIError(504, f"request timed out after {timeout:g} s", type="timeout") from None
 
 
 async def _client_left(request: Request) -> None:
