@@ -212,7 +212,7 @@ def test_concurrent_requests_share_a_generation_call(run):
             assert body["actmap"]["p_correct_raw"] == pytest.approx(p_raw, abs=1e-4)
 
 
-def test_full_queue_is_503_and_timeout_is_504(run):
+def test_full_queue_is_429_and_timeout_is_504(run):
     sizes: list[int] = []
     gate = threading.Event()
     factory = recording_engine(run, sizes, gate)
@@ -225,8 +225,9 @@ def test_full_queue_is_503_and_timeout_is_504(run):
             while client.get("/health").json()["queue"] < 1:
                 time.sleep(0.01)
             busy = chat(client)
-            assert busy.status_code == 503
+            assert busy.status_code == 429  # OpenAI's status for "retry later"
             assert busy.json()["error"]["message"].startswith("server busy: 1 requests are queued")
+            assert busy.json()["error"]["code"] == "queue_full"
             assert busy.headers["retry-after"] == "1"
             gate.set()
             assert first.result().status_code == 200 and second.result().status_code == 200

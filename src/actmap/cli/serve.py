@@ -8,6 +8,7 @@ import typer
 
 from actmap.cli.app import app
 from actmap.cli.common import console, sampling_option, user_errors, vllm_compile_option
+from actmap.defaults import DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
 from actmap.errors import ActmapUserError
 
 policy_app = typer.Typer(help="Decision policies: thresholds on p(correct).", no_args_is_help=True)
@@ -48,6 +49,23 @@ def serve(
     audit_max_age_days: float = typer.Option(
         None, help="Audit retention: drop rows older than this."
     ),
+    audit_sync: bool = typer.Option(
+        False,
+        help="Send an answer only once its audit row is committed (group commit): a crash "
+        "(SIGKILL) then loses no answer a client received; default: rows flush every second.",
+    ),
+    shutdown_grace: float = typer.Option(
+        SHUTDOWN_GRACE_S,
+        min=0,
+        help="On SIGTERM: seconds GET /ready answers 503 while requests are still served, "
+        "before the server stops listening.",
+    ),
+    drain_timeout: float = typer.Option(
+        DRAIN_TIMEOUT_S,
+        min=0,
+        help="On SIGTERM, after the grace: seconds in-flight requests may take to finish "
+        "before they are cancelled.",
+    ),
     review_sample: float = typer.Option(
         0.0,
         min=0.0,
@@ -76,7 +94,9 @@ def serve(
     batch_window_ms: float = typer.Option(
         10.0, help="How long the first request of a batch waits for others."
     ),
-    queue_size: int = typer.Option(256, help="Requests that may wait; beyond it: 503."),
+    queue_size: int = typer.Option(
+        256, help="Requests that may wait; beyond it: 429 with Retry-After."
+    ),
     timeout: float = typer.Option(120.0, help="Seconds before a request gets 504."),
     stream_scores: bool = typer.Option(
         False, help="Running p(correct) in every streamed chunk by default."
@@ -130,14 +150,16 @@ def serve(
 ) -> None:
     """Serve an OpenAI-compatible API whose every answer carries p(correct) and a decision."""
     with user_errors():
-        import uvicorn
+        import uvicorn  # noqa: F401  (the serve extra: a clear error now, not after loading)
 
         from actmap.serve.app import ServeSettings, build_engine, create_app
+        from actmap.serve.lifecycle import run_server
 
         settings = ServeSettings(
             model=model, detector=detector, seed=seed, policy=policy, audit=audit,
             audit_text=audit_text, audit_max_rows=audit_max_rows,
-            audit_max_age_days=audit_max_age_days, review_sample=review_sample,
+            audit_max_age_days=audit_max_age_days, audit_sync=audit_sync,
+            review_sample=review_sample,
             served_model_name=served_model_name,
             api_key=api_key or None, default_max_tokens=max_tokens, max_tokens_cap=max_tokens_cap,
             max_body_bytes=max_body_bytes, max_context=max_context, max_batch=batch_size,
@@ -173,7 +195,7 @@ def serve(
         from actmap.serve.reload import install_sighup
 
         install_sighup(served)
-    uvicorn.run(served, host=host, port=port, log_level="warning")
+    run_server(served, host, port, shutdown_grace, drain_timeout)
 
 
 @policy_app.command("fit")

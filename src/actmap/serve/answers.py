@@ -15,17 +15,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from actmap.capture.forced import ForcedPrefix, capture_answers_batch, forced_prefix
 from actmap.capture.generate import _unpadded, shared_prefix_length, stop_ids, tokenize_prompts
 from actmap.capture.records import CaptureConfig
-from actmap.serve.engine import Answer, BatchTimings, Engine
+from actmap.serve.engine import Answer, BatchTimings, Droppable, Engine
 
 
 @dataclass(eq=False)
-class ScoreJob:
+class ScoreJob(Droppable):
     """One existing answer to score, as the scoring thread sees it."""
 
     prompt: str  # fully rendered (chat template applied)
@@ -35,6 +35,7 @@ class ScoreJob:
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.perf_counter)
     future: object = None  # the asyncio future the batcher resolves with the Answer
+    on_drop: Callable[[str], None] | None = None  # see `Droppable`
 
     key = ("teacher-forced",)  # every scoring job can share a pass
 

@@ -30,3 +30,18 @@ class APIError(Exception):
             error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         )
         return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+
+
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full) or 503 (draining)
+
+
+def server_busy(reason: str) -> APIError:
+    """A full queue: 429 (as OpenAI's rate limit, which clients retry after ``Retry-After``)."""
+    return APIError(
+        429, f"server busy: {reason}; retry later", type="server_busy", code="queue_full"
+    )
+
+
+def retry_headers(error: APIError) -> dict | None:
+    """``Retry-After`` for the statuses a client should retry: 429 and 503."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None

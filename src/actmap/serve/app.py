@@ -6,14 +6,16 @@ validated here (clear 4xx JSON errors in OpenAI's shape), rendered to prompts,
 and handed to the micro-batcher (`actmap.serve.batcher`), which runs
 `actmap.serve.engine.Engine.run` off the event loop. Endpoints:
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``, and ``POST /v1/actmap/score``
-(existing answers, `actmap.serve.score_endpoint`). With ``upstream`` set, the two
+``GET /v1/models``, ``GET /health``, ``GET /ready`` (readiness, `actmap.serve.lifecycle`),
+``GET /metrics``, and ``POST /v1/actmap/score`` (existing answers,
+`actmap.serve.score_endpoint`). With ``upstream`` set, the two
 completion endpoints forward to that server instead (`actmap.serve.proxy`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -30,10 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actmap.errors import ActmapUserError
 from actmap.serve.answers import PrefixCache, chat_prefix, score_answers
-from actmap.serve.api_errors import APIError
+from actmap.serve.api_errors import APIError, retry_headers, server_busy
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
 from actmap.serve.feedback import install_feedback_route
+from actmap.serve.lifecycle import install_readiness
 from actmap.serve.prometheus import ServeMetrics
 from actmap.serve.protocol import (
     ActmapInfo,
@@ -81,6 +84,7 @@ class ServeSettings:
     audit_text: bool = False  # keep prompt and answer text in the audit store (off: hash only)
     audit_max_rows: int | None = None
     audit_max_age_days: float | None = None
+    audit_sync: bool = False  # an answer is sent once its audit row is committed (SIGKILL-safe)
     review_sample: float = 0.0  # share of all answers queued for review at random (the audit)
     served_model_name: str | None = None  # the name clients send as "model"; default: model
     api_key: str | None = None  # bearer token; None = no auth
@@ -201,6 +205,7 @@ def audit_trail(settings: ServeSettings, detector):
         keep_text=settings.audit_text,
         max_rows=settings.audit_max_rows,
         max_age_days=settings.audit_max_age_days,
+        sync=settings.audit_sync,
         review_sample=settings.review_sample,
     )
 
@@ -365,13 +370,25 @@ class ServerState:
         self.metrics.observe_batch(timings)
 
     def submit(self, job: Job) -> asyncio.Future:
+        job.on_drop = self.metrics.on_drop(job.endpoint)  # cancelled and dropped: counted
         try:
             future = self.batcher.submit(job)
         except QueueFull as error:
             self.metrics.rejected.inc()
-            raise APIError(503, f"server busy: {error}; retry later", type="server_busy") from None
+            raise server_busy(str(error)) from None
         self.metrics.queue_depth.set(self.batcher.depth)
         return future
+
+    async def audit_committed(self, answers: list[Answer]) -> None:
+        """``audit_sync``: wait until the answers' audit rows are committed, so that a crash
+        loses no answer a client received (a failed flush is logged by the writer; the answer
+        still goes out)."""
+        if not self.settings.audit_sync:
+            return
+        for answer in answers:
+            if answer.committed is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wrap_future(answer.committed)
 
     def info(self, answer: Answer) -> ActmapInfo | None:
         return actmap_info(self.engine, answer)
@@ -404,7 +421,8 @@ def _detector_id(state: ServerState) -> str | None:
 class Guard:
     """Bearer-token check and request body limit, before anything is parsed."""
 
-    OPEN_PATHS = ("/health", REVIEW_PAGE)  # the review page holds no data: its calls need the key
+    # /ready: readiness probes carry no key; the review page holds no data: its calls need it
+    OPEN_PATHS = ("/health", "/ready", REVIEW_PAGE)
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
@@ -480,7 +498,7 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        return error.response({"Retry-After": "1"} if error.status == 503 else None)
+        return error.response(retry_headers(error))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -534,6 +552,7 @@ def create_app(
         return ModelList(data=[card])
 
     install_score_route(app)
+    install_readiness(app)  # GET /ready: off from SIGTERM on (`actmap.serve.lifecycle`)
     install_feedback_route(app)
     install_review_routes(app)
     install_reload_route(app)
@@ -545,12 +564,12 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state: ServerState = request.app.state.actmap
-        return await _serve(state, body, _chat_job(body, state), "chat")
+        return await _serve(state, body, _chat_job(body, state), "chat", request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state: ServerState = request.app.state.actmap
-        return await _serve(state, body, _completion_job(body, state), "completion")
+        return await _serve(state, body, _completion_job(body, state), "completion", request)
 
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     return app
@@ -559,19 +578,14 @@ def create_app(
 # -- answering --------------------------------------------------------------------------------
 
 
-async def _serve(state: ServerState, body, job: Job, endpoint: str):
+async def _serve(state: ServerState, body, job: Job, endpoint: str, request: Request | None = None):
     started = time.perf_counter()
     if body.stream:
         return await _stream(state, body, job, endpoint, started)
-    future = state.submit(job)
-    try:
-        answer: Answer = await asyncio.wait_for(asyncio.shield(future), state.settings.timeout_s)
-    except TimeoutError:
-        job.cancelled = True
-        state.metrics.requests.labels(endpoint, "504").inc()
-        raise APIError(
-            504, f"request timed out after {state.settings.timeout_s:g} s", type="timeout"
-        ) from None
+    answer = await _answer(state, job, state.submit(job), endpoint, request)
+    if answer is None:  # the client left: nobody reads a response
+        return Response(status_code=499)
+    await state.audit_committed([answer])
     state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
     usage = _usage(answer)
     if endpoint == "chat":
@@ -591,6 +605,40 @@ async def _serve(state: ServerState, body, job: Job, endpoint: str):
         usage=usage,
         actmap=state.info(answer),
     )
+
+
+async def _answer(state: ServerState, job: Job, future, endpoint: str, request) -> Answer | None:
+    """The answer of a non-streamed request (504 past the timeout), or None when its client
+    left first: the request is then cancelled and counted, as a stream's is."""
+    timeout = state.settings.timeout_s
+    waiting = asyncio.ensure_future(asyncio.wait_for(asyncio.shield(future), timeout))
+    left = asyncio.ensure_future(_client_left(request)) if request is not None else None
+    try:
+        await asyncio.wait([t for t in (waiting, left) if t], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server cancels the request (shutdown past the drain)
+        waiting.cancel()
+        job.cancelled = True
+        raise
+    finally:
+        if left is not None:
+            left.cancel()
+    if not waiting.done():  # the client went away first
+        waiting.cancel()
+        job.cancelled = True
+        state.metrics.client_disconnects.labels(endpoint).inc()
+        return None
+    try:
+        return waiting.result()
+    except TimeoutError:
+        job.cancelled = True
+        state.metrics.requests.labels(endpoint, "504").inc()
+        raise APIError(504, f"request timed out after {timeout:g} s", type="timeout") from None
+
+
+async def _client_left(request: Request) -> None:
+    """Returns when the client disconnects (its body is read: the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(chunk) -> str:
@@ -628,12 +676,24 @@ def _usage(answer: Answer) -> UsageInfo:
     )
 
 
+def _end_events(events: asyncio.Queue) -> Callable[[asyncio.Future], None]:
+    """The answer future's done callback: ends the stream's events, and reads the future's
+    exception so that one nobody awaits (the client left) is not logged as an error."""
+
+    def done(future: asyncio.Future) -> None:
+        if not future.cancelled():
+            future.exception()
+        events.put_nowait(None)
+
+    return done
+
+
 async def _stream(state: ServerState, body, job: Job, endpoint: str, started: float):
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     job.sink = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
-    future = state.submit(job)  # a full queue is a 503 before the stream starts
-    future.add_done_callback(lambda _: events.put_nowait(None))
+    future = state.submit(job)  # a full queue is a 429 before the stream starts
+    future.add_done_callback(_end_events(events))
     chunks = _Chunks(endpoint, state.settings.model_name)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     deadline = loop.time() + state.settings.timeout_s
@@ -668,6 +728,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                 yield f"data: {message.model_dump_json()}\n\n"
                 return
             answer: Answer = future.result()
+            await state.audit_committed([answer])
             rest = answer.text[len(sent) :] if answer.text.startswith(sent) else ""
             if rest:
                 yield _sse(chunks.make(rest))
@@ -687,5 +748,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                 job.cancelled = True
 
     return StreamingResponse(
-        generate(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        state.metrics.watch_stream(generate(), endpoint),  # a client that leaves is counted
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
     )

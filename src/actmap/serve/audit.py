@@ -13,7 +13,10 @@ Writes are batched: answers are buffered and a writer thread flushes them every
 ``audit`` shard first and the ``maps`` shard last, each atomically (temporary
 file + rename), so a row is committed exactly when its map is in ``maps``: a
 crash at any moment leaves committed rows whole and loses only the answers not
-yet flushed. Readers join ``audit`` onto the committed ids.
+yet flushed. Readers join ``audit`` onto the committed ids. With ``sync`` (``actmap serve
+--audit-sync``) the writer flushes as soon as anything is buffered (answers that arrive during
+a flush share the next one: group commit) and the server sends an answer only once its row is
+committed (`AuditTrail.append` returns that moment), so a crash loses no answer a client got.
 
 Retention (`AuditTrail.apply_retention`) drops whole flushed shards that are older
 than ``max_age_days`` or beyond the newest ``max_rows`` rows, maps shard first.
@@ -27,6 +30,7 @@ import fcntl
 import hashlib
 import logging
 import threading
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -148,6 +152,7 @@ class AuditTrail:
         flush_rows: int = 64,
         flush_interval_s: float = 1.0,
         background: bool = True,
+        sync: bool = False,
         review_sample: float = 0.0,
         review_seed: int = 0,
     ) -> None:
@@ -169,10 +174,12 @@ class AuditTrail:
         self.keep_text = keep_text
         self.max_rows, self.max_age_days = max_rows, max_age_days
         self.flush_rows, self.flush_interval_s = flush_rows, flush_interval_s
+        self.sync = sync  # the writer flushes as soon as anything is buffered (group commit)
         self.review_sample, self.review_seed = review_sample, review_seed
         self.committed = 0  # rows this trail has committed
         self._ids = self.store.ids("maps")  # committed map ids: what feedback may label
         self._buffer: list[AuditEntry] = []
+        self._waiting: list[Future] = []  # one per append, resolved by the flush that commits it
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
         self._closed = False
@@ -214,56 +221,72 @@ class AuditTrail:
         )
 
     # -- writing ---------------------------------------------------------------------------
-    def append(self, entries: list[AuditEntry]) -> None:
-        """Buffer entries; the writer thread (or `flush`) commits them."""
+    def append(self, entries: list[AuditEntry]) -> Future:
+        """Buffer entries; the writer thread (or `flush`) commits them. The future resolves
+        (with the rows of its flush, or the flush's error) once they are committed."""
+        committed: Future = Future()
         with self._cond:
             if self._closed:
                 raise StoreError("the audit trail is closed")
             self._buffer.extend(entries)
-            if len(self._buffer) >= self.flush_rows:
+            self._waiting.append(committed)
+            if self.sync or len(self._buffer) >= self.flush_rows:
                 self._cond.notify()
+        return committed
 
     def flush(self) -> int:
         """Commit every buffered entry now; returns the number of rows committed. Entries are
         taken under the write lock, so when it returns, every entry appended before the call
-        is committed (also those another thread's flush had taken)."""
+        is committed (also those another thread's flush had taken); the futures `append`
+        returned for them resolve (with the flush's error when it fails)."""
         with self._write_lock:
             with self._cond:
                 entries, self._buffer = self._buffer, []
-            if not entries:
-                return 0
-            side = pa.table(
-                {
-                    "id": [e.record.id for e in entries],
-                    "served_at": [e.served_at for e in entries],
-                    "endpoint": [e.endpoint for e in entries],
-                    "prompt_sha256": [e.record.source_key for e in entries],
-                    "prompt_tokens": [e.prompt_tokens for e in entries],
-                    "n_tokens": [e.record.n_tokens for e in entries],
-                    "finish_reason": [e.finish_reason for e in entries],
-                    "p_correct": [e.p_correct for e in entries],
-                    "p_correct_raw": [e.p_correct_raw for e in entries],
-                    "prevalence": [e.prevalence for e in entries],
-                    "decision": [e.decision for e in entries],
-                    "detector": [e.detector for e in entries],
-                    "policy": [e.policy for e in entries],
-                },
-                schema=AUDIT_SCHEMA,
-            )
-            self.store.write_table(AUDIT_TABLE, side)
-            queued = self.review_queue(entries)
-            if queued.num_rows:
-                self.store.write_table(REVIEW_TABLE, queued)
-            with_scalars = [e for e in entries if e.scalars is not None]
-            if with_scalars:
-                values = np.stack([e.scalars for e in with_scalars]).astype(np.float64)
-                columns = {"id": [e.record.id for e in with_scalars]}
-                columns.update({name: values[:, j] for j, name in enumerate(SCALAR_NAMES)})
-                self.store.write_table(SCALARS_TABLE, pa.table(columns))
-            self.store.write_maps([e.record for e in entries])  # last: the commit
-            self.committed += len(entries)
-            self._ids.update(e.record.id for e in entries)
+                waiting, self._waiting = self._waiting, []
+            try:
+                if entries:
+                    self._commit(entries)
+            except BaseException as error:
+                for committed in waiting:
+                    committed.set_exception(error)
+                raise
+            for committed in waiting:
+                committed.set_result(len(entries))
         return len(entries)
+
+    def _commit(self, entries: list[AuditEntry]) -> None:
+        """Write ``entries`` (the caller holds the write lock): side tables first, maps last."""
+        side = pa.table(
+            {
+                "id": [e.record.id for e in entries],
+                "served_at": [e.served_at for e in entries],
+                "endpoint": [e.endpoint for e in entries],
+                "prompt_sha256": [e.record.source_key for e in entries],
+                "prompt_tokens": [e.prompt_tokens for e in entries],
+                "n_tokens": [e.record.n_tokens for e in entries],
+                "finish_reason": [e.finish_reason for e in entries],
+                "p_correct": [e.p_correct for e in entries],
+                "p_correct_raw": [e.p_correct_raw for e in entries],
+                "prevalence": [e.prevalence for e in entries],
+                "decision": [e.decision for e in entries],
+                "detector": [e.detector for e in entries],
+                "policy": [e.policy for e in entries],
+            },
+            schema=AUDIT_SCHEMA,
+        )
+        self.store.write_table(AUDIT_TABLE, side)
+        queued = self.review_queue(entries)
+        if queued.num_rows:
+            self.store.write_table(REVIEW_TABLE, queued)
+        with_scalars = [e for e in entries if e.scalars is not None]
+        if with_scalars:
+            values = np.stack([e.scalars for e in with_scalars]).astype(np.float64)
+            columns = {"id": [e.record.id for e in with_scalars]}
+            columns.update({name: values[:, j] for j, name in enumerate(SCALAR_NAMES)})
+            self.store.write_table(SCALARS_TABLE, pa.table(columns))
+        self.store.write_maps([e.record for e in entries])  # last: the commit
+        self.committed += len(entries)
+        self._ids.update(e.record.id for e in entries)
 
     # -- the review queue ------------------------------------------------------------------
     def in_sample(self, map_id: str) -> bool:
@@ -324,7 +347,8 @@ class AuditTrail:
         flushes = 0
         while True:
             with self._cond:
-                if not self._closed and len(self._buffer) < self.flush_rows:
+                wanted = 1 if self.sync else self.flush_rows
+                if not self._closed and len(self._buffer) < wanted:
                     self._cond.wait(self.flush_interval_s)
                 closing = self._closed
             try:

@@ -1,12 +1,12 @@
 """Micro-batching: concurrent requests share one generation call, run off the event loop.
 
 Requests wait in a bounded queue (`QueueFull` when it is full; the server answers
-503). One worker takes the oldest request, then gathers more for at most
+429 with ``Retry-After``). One worker takes the oldest request, then gathers more for at most
 ``window_s`` (none when the queue already holds enough) up to ``max_batch``, and
 runs the batch in a single worker thread, so the event loop keeps accepting and
 streaming while the model generates. Requests whose settings differ (max_tokens,
 stop strings: one ``generate`` call has one of each) wait for a later batch.
-A request cancelled while queued (timeout, disconnect) is skipped.
+A request cancelled while queued (timeout, disconnect) is skipped (`Droppable.drop`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ log = logging.getLogger(__name__)
 
 class QueueFull(RuntimeError):
     """The request queue is full."""
+
+
+def _dropped(job) -> bool:
+    """A job cancelled while queued (timeout, client gone) is skipped, and says so."""
+    if job.cancelled:
+        job.drop("queued")
+    return job.cancelled
 
 
 class MicroBatcher:
@@ -98,11 +105,13 @@ class MicroBatcher:
 
     async def _gather(self) -> list:
         first = self._held.popleft() if self._held else await self._next(None)
-        while first.cancelled:
+        while _dropped(first):
             first = self._held.popleft() if self._held else await self._next(None)
         batch = [first]
         for job in list(self._held):  # held jobs first: they are older
-            if len(batch) < self.max_batch and job.key == first.key and not job.cancelled:
+            if _dropped(job):
+                self._held.remove(job)
+            elif len(batch) < self.max_batch and job.key == first.key:
                 batch.append(job)
                 self._held.remove(job)
         loop = asyncio.get_running_loop()
@@ -111,7 +120,7 @@ class MicroBatcher:
             job = await self._next(deadline - loop.time())
             if job is None:
                 break
-            if job.cancelled:
+            if _dropped(job):
                 continue
             (batch if job.key == first.key else self._held).append(job)
         return batch

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -46,8 +47,22 @@ from actmap.serve.policy import (
 log = logging.getLogger(__name__)
 
 
+class Droppable:
+    """A queued job the server may cancel (``cancelled``; timeout, client gone): `drop` tells
+    ``on_drop`` once, from the worker thread, that it was dropped unanswered, with the stage it
+    reached: "queued" (never run) or "generating" (cut short, or run but not yet scored)."""
+
+    cancelled: bool
+    on_drop: Callable[[str], None] | None
+
+    def drop(self, stage: str) -> None:
+        on_drop, self.on_drop = self.on_drop, None
+        if on_drop is not None:
+            on_drop(stage)
+
+
 @dataclass(eq=False)
-class Job:
+class Job(Droppable):
     """One request as the generation thread sees it."""
 
     prompt: str  # fully rendered (chat template applied)
@@ -63,6 +78,7 @@ class Job:
     cancelled: bool = False  # set by the server on timeout or client disconnect
     enqueued_at: float = field(default_factory=time.perf_counter)
     future: object = None  # the asyncio future the batcher resolves with the Answer
+    on_drop: Callable[[str], None] | None = None  # see `Droppable`; a dropped job gets no audit row
 
     @property
     def key(self) -> tuple:
@@ -89,6 +105,8 @@ class Answer:
     queued_s: float = 0.0
     scalars: np.ndarray | None = None  # (6,) per-answer scalars, when the detector reads them
     shift: MapShift | None = None  # the shift monitor's view (None without a monitor)
+    # resolved once the answer's audit row is committed (None: no row); see `AuditTrail.append`
+    committed: Future | None = None
     detector: str | None = None  # the id of the detector that scored it (None: unscored)
     policy: str | None = None  # the version of the policy that decided (`policy_version`)
 
@@ -375,13 +393,17 @@ class Engine:
         for i, (job, g) in enumerate(zip(jobs, generations, strict=True)):
             aborted = watch is not None and watch.aborted[i]
             has_map = i in map_index
+            dropped = job.cancelled  # nobody reads this answer (client gone, timed out)
+            if dropped:
+                job.drop("generating")
             if aborted:
                 decision = "abstain_early"
             elif has_map:
                 decision = decide(float(corrected[i]), self.policy)
             else:
                 decision = "abstain"  # an empty answer has no map to score
-            map_id = uuid.uuid4().hex if has_map and self.audit is not None else None
+            audited = has_map and self.audit is not None and not dropped  # no row when dropped
+            map_id = uuid.uuid4().hex if audited else None
             answer = Answer(
                 text=g.answer,
                 n_tokens=g.n_tokens,
@@ -403,12 +425,13 @@ class Engine:
             if map_id is not None:
                 records.append((job, answer))
         if records:
-            self.audit.append(
+            committed = self.audit.append(
                 [
                     self.audit.entry(job, a, self.source, self.detector.id, self.policy_version)
                     for job, a in records
                 ]
             )
+            answers = [replace(a, committed=committed) if a.map_id else a for a in answers]
         return answers
 
 

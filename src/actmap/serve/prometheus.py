@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -23,6 +26,20 @@ class ServeMetrics:
             "actmap_requests", "Answered requests", ["endpoint", "status"], registry=r
         )
         self.rejected = Counter("actmap_rejected_busy", "Requests refused: queue full", registry=r)
+        # a client that leaves is normal: counted here, never logged as an error
+        self.client_disconnects = Counter(
+            "actmap_client_disconnects",
+            "Streaming clients that left before their answer was fully sent",
+            ["endpoint"],
+            registry=r,
+        )
+        self.aborted = Counter(
+            "actmap_aborted_answers",
+            "Answers dropped unanswered because their request was cancelled (client gone, "
+            "timeout): stage queued = never generated, generating = cut short; no audit row",
+            ["endpoint", "stage"],
+            registry=r,
+        )
         self.tokens = Counter("actmap_tokens", "Tokens processed", ["kind"], registry=r)
         self.latency = Histogram(
             "actmap_request_latency_seconds",
@@ -66,6 +83,22 @@ class ServeMetrics:
             "actmap_p_correct", "p(correct) of answers", buckets=SCORE_BUCKETS, registry=r
         )
         self.queue_depth = Gauge("actmap_queue_depth", "Requests waiting", registry=r)
+
+    def on_drop(self, endpoint: str):
+        """A job's ``on_drop`` (`actmap.serve.engine.Droppable`): counts it as aborted."""
+        return lambda stage: self.aborted.labels(endpoint, stage).inc()
+
+    async def watch_stream(self, events: AsyncIterator[str], endpoint: str) -> AsyncIterator[str]:
+        """A response stream's events, counting a client that leaves before the end (the server
+        cancels the stream, or closes it at a send: a normal event, not an error)."""
+        try:
+            async for event in events:
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            self.client_disconnects.labels(endpoint).inc()
+            raise
+        finally:
+            await events.aclose()  # its own clean-up now (cancel the job, close the upstream)
 
     def add_shift_gauges(self) -> None:
         """Gauges of the shift monitor (``actmap serve --monitor``), set by `observe_shift`."""

@@ -330,7 +330,7 @@ async def proxy_request(state, body, endpoint: str):
         return _failed(state, endpoint, failure)
     counted = (out.get("usage") or {}).get("completion_tokens")
     job, tokens = _answer_job(state, prompt, audit_text, endpoint, text, ids, prompt_ids, counted)
-    (answer,) = await submit_scoring(state, [job])  # busy or timed out: the APIError's 503/504
+    (answer,) = await submit_scoring(state, [job])  # busy or timed out: the APIError's 429/504
     if not asked_ids:
         _strip_added(out)
     out["actmap"] = _block(state, answer, tokens, upstream_s)
@@ -414,7 +414,9 @@ async def _proxy_stream(state, forward, endpoint, prompt, audit_text, asked_ids,
         state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
 
     return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        state.metrics.watch_stream(events(), endpoint),  # a client that leaves is counted
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
     )
 
 

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from pydantic import ConfigDict, Field
 
 from actmap.serve.answers import ScoreJob, answer_ids
-from actmap.serve.api_errors import APIError
+from actmap.serve.api_errors import APIError, server_busy
 from actmap.serve.batcher import QueueFull
 from actmap.serve.protocol import ChatMessage, OpenAIBaseModel
 
@@ -101,27 +101,35 @@ def _item_job(item: ScoreItem, index: int, state) -> ScoreJob:
 
 
 async def submit_scoring(state, jobs: list[ScoreJob]) -> list:
-    """Queue ``jobs`` on the scoring batcher and wait for their `Answer`s (504 on timeout)."""
+    """Queue ``jobs`` on the scoring batcher and wait for their `Answer`s (429 when the queue is
+    full, 504 on timeout)."""
 
     futures = []
     try:
         for job in jobs:
+            job.on_drop = state.metrics.on_drop(job.endpoint)
             futures.append(state.scorer.submit(job))
     except QueueFull as error:
-        for job in jobs:
-            job.cancelled = True
+        for job in jobs:  # refused (counted below), not aborted
+            job.cancelled, job.on_drop = True, None
         state.metrics.rejected.inc()
-        raise APIError(503, f"server busy: {error}; retry later", type="server_busy") from None
+        raise server_busy(str(error)) from None
     try:
-        return await asyncio.wait_for(
+        answers = await asyncio.wait_for(
             asyncio.shield(asyncio.gather(*futures)), state.settings.timeout_s
         )
+    except asyncio.CancelledError:  # the client left (a proxied stream): nobody reads these
+        for job in jobs:
+            job.cancelled = True
+        raise
     except TimeoutError:
         for job in jobs:
             job.cancelled = True
         raise APIError(
             504, f"scoring timed out after {state.settings.timeout_s:g} s", type="timeout"
         ) from None
+    await state.audit_committed(answers)
+    return answers
 
 
 def install_score_route(app: FastAPI) -> None:

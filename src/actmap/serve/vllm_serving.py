@@ -144,6 +144,7 @@ class StepLoop:
             if job is None:  # stop() wakes us
                 return
             if job.cancelled:
+                self._discard(job, "queued")
                 continue
             try:
                 key = self.capture.submit(job.prompt, self.engine.config_for(job))
@@ -169,7 +170,7 @@ class StepLoop:
         for live in [v for v in self._live.values() if v.job.cancelled]:
             self.capture.abort(live.key)  # timeout or client gone: nobody reads the answer
             del self._live[live.key]
-            self._fail(live.job, TimeoutError("cancelled"))
+            self._discard(live.job, "generating")
         finished += self._watch([w for w in watched if w.key in self._live])
         generated = time.perf_counter()
         if finished:
@@ -261,6 +262,17 @@ class StepLoop:
         def done() -> None:
             if not job.future.done():
                 job.future.set_result(answer)
+
+        self._loop.call_soon_threadsafe(done)
+
+    def _discard(self, job: Job, stage: str) -> None:
+        """A cancelled job (client gone, timed out) is dropped: its future is cancelled, not
+        failed, so no unread exception is left for asyncio to log as an error."""
+        job.drop(stage)
+
+        def done() -> None:
+            if job.future is not None and not job.future.done():
+                job.future.cancel()
 
         self._loop.call_soon_threadsafe(done)
 
