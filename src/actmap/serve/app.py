@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actmap.errors import ActmapUserError
+from actmap.serve.actions import act, acts, held, start_actions, stop_actions
 from actmap.serve.answers import PrefixCache, chat_prefix, score_answers
 from actmap.serve.api_errors import APIError
 from actmap.serve.batcher import MicroBatcher, QueueFull
@@ -107,6 +108,13 @@ class ServeSettings:
     allow_weights_mismatch: bool = False  # serve although the start-up probe differs
     upstream_dtype: str | None = None  # the dtype the upstream computes in; None = ours
     allow_dtype_mismatch: bool = False  # proxy: read in another dtype than the detector's maps
+    # decisions that act (`actmap.serve.actions`): "route" answered by this OpenAI-compatible
+    # server, "abstain" / "abstain_early" replaced by abstain_message (None: handed out as is)
+    route_to: str | None = None
+    route_model: str | None = None  # the model the route target serves; None = ask it
+    route_api_key: str | None = None
+    route_timeout_s: float = 60.0  # per routed request; past it the small model's answer, flagged
+    abstain_message: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -120,10 +128,15 @@ def build_engine(settings: ServeSettings) -> Engine:
     from actmap.serve.policy import Policy, load_policy
 
     if settings.detector is None:  # a plain generator: nothing to score, decide or audit
-        needs = [n for n in ("policy", "audit", "monitor", "upstream") if getattr(settings, n)]
+        needs = [
+            n
+            for n in ("policy", "audit", "monitor", "upstream", "route_to")
+            if getattr(settings, n)
+        ]
         if needs:
             raise ActmapUserError(
-                "a detector run folder is required (--detector RUN) with --" + ", --".join(needs)
+                "a detector run folder is required (--detector RUN) with --"
+                + ", --".join(n.replace("_", "-") for n in needs)
             )
     policy = load_policy(settings.policy) if settings.policy else Policy()
     detector = None
@@ -148,6 +161,10 @@ def build_engine(settings: ServeSettings) -> Engine:
     monitor = load_streaming_monitor(settings.monitor, settings.monitor_window)
     if settings.engine not in ("local", "vllm"):
         raise ActmapUserError(f"--engine must be 'local' or 'vllm', got {settings.engine!r}")
+    if acts(settings) and settings.upstream is not None:
+        raise ActmapUserError(
+            "--route-to and --abstain-message act on answers generated here, not --upstream's"
+        )
     if settings.engine == "vllm" and settings.upstream is not None:
         raise ActmapUserError(
             "--upstream reads the upstream's answers with the transformers engine: "
@@ -440,6 +457,7 @@ def create_app(
         if settings.upstream is not None:  # probe first: a mismatch stops here, nothing started
             state.upstream_probe = getattr(app.state, "upstream_probe", None)  # the CLI's
             await start_proxy(state)
+        await start_actions(state)  # route target's client, when decisions act
         await state.batcher.start()
         if state.scorer is not None:
             await state.scorer.start()
@@ -449,6 +467,7 @@ def create_app(
         finally:
             if settings.upstream is not None:
                 await stop_proxy(state)
+            await stop_actions(state)
             await state.batcher.stop()
             if state.scorer is not None:
                 await state.scorer.stop()
@@ -551,7 +570,7 @@ async def _serve(state: ServerState, body, job: Job, endpoint: str):
     state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
     usage = _usage(answer)
     if endpoint == "chat":
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             model=state.settings.model_name,
             choices=[
                 ChatCompletionChoice(
@@ -561,12 +580,14 @@ async def _serve(state: ServerState, body, job: Job, endpoint: str):
             usage=usage,
             actmap=state.info(answer),
         )
-    return CompletionResponse(
-        model=state.settings.model_name,
-        choices=[CompletionChoice(text=answer.text, finish_reason=answer.finish_reason)],
-        usage=usage,
-        actmap=state.info(answer),
-    )
+    else:
+        response = CompletionResponse(
+            model=state.settings.model_name,
+            choices=[CompletionChoice(text=answer.text, finish_reason=answer.finish_reason)],
+            usage=usage,
+            actmap=state.info(answer),
+        )
+    return await act(state, body, job, answer, response)  # route / abstain, when they act
 
 
 def _sse(chunk) -> str:
@@ -662,6 +683,9 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
             if not future.done():  # the client went away: stop generating this row
                 job.cancelled = True
 
+    sent = generate()
+    if getattr(state, "actions", None) is not None:  # held until the decision (route, abstain)
+        sent = held(state, sent, future, chunks, body, job)
     return StreamingResponse(
-        generate(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        sent, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )

@@ -6,7 +6,10 @@ served answer with a map becomes one row of ``maps`` (label unknown; the prompt
 and answer text only when ``keep_text``; ``source_key`` is the prompt's SHA-256)
 and one row of the side table ``audit`` (scores, decision, detector id, timing);
 when the detector reads the per-answer scalars (actmap-plus), they go to the side
-table ``audit_scalars``, so `rescore` can reproduce the served score.
+table ``audit_scalars``, so `rescore` can reproduce the served score. What an action
+did with the answer (`actmap.serve.actions`: routed to a stronger model, a failed route,
+replaced by the abstain message) goes to the side table ``audit_actions`` (`note_action`);
+the row itself stays the small model's answer, its map and its score.
 
 Writes are batched: answers are buffered and a writer thread flushes them every
 ``flush_rows`` answers or ``flush_interval_s`` seconds. A flush writes the
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 
 AUDIT_TABLE = "audit"
 SCALARS_TABLE = "audit_scalars"  # id + the six per-answer scalars, when the detector reads them
+ACTIONS_TABLE = "audit_actions"  # id + what an action did with the served answer
 AUDIT_KIND = "audit"
 AUDIT_SCHEMA = pa.schema(
     [
@@ -61,6 +65,15 @@ AUDIT_SCHEMA = pa.schema(
         ("prevalence", pa.float64()),
         ("decision", pa.string()),
         ("detector", pa.string()),
+    ]
+)
+ACTIONS_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("acted_at", pa.timestamp("us", tz="UTC")),
+        ("action", pa.string()),  # routed | route_failed | abstained
+        ("route_model", pa.string()),
+        ("route_error", pa.string()),
     ]
 )
 
@@ -129,6 +142,7 @@ class AuditTrail:
         self.flush_rows, self.flush_interval_s = flush_rows, flush_interval_s
         self.committed = 0  # rows this trail has committed
         self._buffer: list[AuditEntry] = []
+        self._actions: list[dict] = []  # rows of ACTIONS_TABLE, written with the next flush
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
         self._closed = False
@@ -168,6 +182,18 @@ class AuditTrail:
             scalars=answer.scalars,
         )
 
+    def note_action(
+        self, map_id: str, action: str, route_model: str | None = None, route_error=None
+    ) -> None:
+        """Record what an action did with the served answer ``map_id`` (buffered: written by
+        the next flush, before that flush's maps shard)."""
+        row = dict(id=map_id, acted_at=datetime.now(UTC), action=action,
+                   route_model=route_model, route_error=route_error)  # fmt: skip
+        with self._cond:
+            if self._closed:
+                raise StoreError("the audit trail is closed")
+            self._actions.append(row)
+
     # -- writing ---------------------------------------------------------------------------
     def append(self, entries: list[AuditEntry]) -> None:
         """Buffer entries; the writer thread (or `flush`) commits them."""
@@ -182,6 +208,10 @@ class AuditTrail:
         """Commit every buffered entry now; returns the number of rows committed."""
         with self._cond:
             entries, self._buffer = self._buffer, []
+            actions, self._actions = self._actions, []
+        if actions:
+            with self._write_lock:
+                self.store.write_table(ACTIONS_TABLE, pa.Table.from_pylist(actions, ACTIONS_SCHEMA))
         if not entries:
             return 0
         with self._write_lock:
@@ -270,7 +300,7 @@ class AuditTrail:
                 self.store.forget_shards("maps", [path], unlink=True)
                 kept_rows -= len(ids)
                 dropped.update(ids)
-            for table in (AUDIT_TABLE, SCALARS_TABLE):
+            for table in (AUDIT_TABLE, SCALARS_TABLE, ACTIONS_TABLE):
                 if not dropped or not self.store.has_table(table):
                     continue
                 for path in self.store.shards(table):
@@ -293,6 +323,9 @@ def read_audit(store: MapStore) -> pd.DataFrame:
     side = store.read_table(AUDIT_TABLE).to_pandas().drop_duplicates("id", keep="last")
     side = side.drop(columns=["n_tokens"])
     frame = maps.merge(side, on="id", how="inner", validate="one_to_one")
+    if store.has_table(ACTIONS_TABLE):  # what an action did (no row: handed out as decided)
+        actions = store.read_table(ACTIONS_TABLE).to_pandas().drop_duplicates("id", keep="last")
+        frame = frame.merge(actions, on="id", how="left", validate="one_to_one")
     return frame.sort_values("served_at", kind="stable").reset_index(drop=True)
 
 

@@ -138,7 +138,7 @@ class ChatMessageOut(OpenAIBaseModel):
 class ChatCompletionChoice(OpenAIBaseModel):
     index: int = 0
     message: ChatMessageOut
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "content_filter"] | None
     logprobs: None = None
 
 
@@ -155,7 +155,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class CompletionChoice(OpenAIBaseModel):
     index: int = 0
     text: str
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "content_filter"] | None
     logprobs: None = None
 
 
@@ -177,7 +177,7 @@ class DeltaMessage(OpenAIBaseModel):
 class ChatStreamChoice(OpenAIBaseModel):
     index: int = 0
     delta: DeltaMessage
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None
     logprobs: None = None
 
 
@@ -194,7 +194,7 @@ class ChatCompletionChunk(OpenAIBaseModel):
 class CompletionStreamChoice(OpenAIBaseModel):
     index: int = 0
     text: str
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None
     logprobs: None = None
 
 
