@@ -369,7 +369,7 @@ def plot_cascade(result: CascadeResult, path: str | Path) -> Path:
     ax.set_xlabel("answers routed to the large model (%)")
     ax.set_ylabel("final accuracy")
     ax.set_title(f"cascade on {result.n} questions (95% bootstrap bands)")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
