@@ -96,6 +96,12 @@ def test_measure_cascade_intervals_and_oracle_share():
         naive.append(brute_force(c, s, g, 2) - (s.mean() + 0.2 * (g - s).mean()))
     assert diff.low == pytest.approx(np.percentile(naive, 2.5))
     assert diff.high == pytest.approx(np.percentile(naive, 97.5))
+    # AUROC for each model's correctness, against sklearn
+    from sklearn.metrics import roc_auc_score
+
+    assert result.aurocs["actmap"]["small"] == pytest.approx(roc_auc_score(SMALL, CONF))
+    assert result.aurocs["actmap"]["large"] == pytest.approx(roc_auc_score(LARGE, CONF))
+    assert set(result.aurocs) == {"actmap", "same"}
     text = result.to_markdown()
     assert "| actmap | 0.500 [" in text and "small alone 0.400, large alone 0.700" in text
     assert json.loads(json.dumps(result.to_json()))["points"][0]["accuracy"]["estimate"] == 0.5

@@ -33,6 +33,7 @@ import numpy as np
 
 from actmap.errors import ActmapUserError
 from actmap.scoring.intervals import N_RESAMPLES, Interval, RowMetric, bootstrap
+from actmap.scoring.metrics import auroc
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,10 @@ class CascadeResult:
     shares: tuple[float, ...]
     reference: str
     points: list[CascadePoint]
+    # per router: AUROC of its confidence for the small model's correctness (what it was made
+    # for) and for the large model's (how much it sends the questions the large model fails
+    # too: above .5, its least trusted answers are hard for both)
+    aurocs: dict[str, dict[str, float]] = field(default_factory=dict)
     about: dict = field(default_factory=dict)  # stores, run, split, resamples
 
     def to_json(self) -> dict:
@@ -165,6 +170,9 @@ class CascadeResult:
                     cell += f"; {self.reference} - it: {p.vs_reference.estimate:+.3f} [{p.vs_reference.low:+.3f}, {p.vs_reference.high:+.3f}]"  # fmt: skip
                 cells.append(cell)
             lines.append(f"| {router} | " + " | ".join(cells) + " |")
+        if self.aurocs:
+            lines += ["", "| router | AUROC for the small model's correctness | AUROC for the large model's |", "|---|---|---|"]  # fmt: skip
+            lines += [f"| {r} | {a['small']:.3f} | {a['large']:.3f} |" for r, a in self.aurocs.items()]  # fmt: skip
         return "\n".join(lines) + "\n"
 
 
@@ -251,9 +259,13 @@ def measure_cascade(
         "large_only": int(((s == 0) & (g == 1)).sum()),
         "both_wrong": int(((s == 0) & (g == 0)).sum()),
     }
+    aurocs = {}
+    if len(np.unique(g)) == 2:
+        aurocs = {name: {"small": auroc(c, s), "large": auroc(c, g)} for name, c in every.items()
+                  if name not in ("random", "oracle")}  # fmt: skip
     return CascadeResult(
         len(s), float(s.mean()), float(g.mean()), counts, tuple(float(q) for q in shares),
-        reference, points, dict(about or {}, n_resamples=n_resamples, seed=seed),
+        reference, points, aurocs, dict(about or {}, n_resamples=n_resamples, seed=seed),
     )  # fmt: skip
 
 
