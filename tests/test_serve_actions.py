@@ -344,3 +344,31 @@ def test_abstain_early_stream_is_replaced(run, tmp_path):
         row = frame[frame["id"] == final.model_extra["actmap"]["map_id"]].iloc[0]
         assert row["action"] == "abstained" and row["decision"] == "abstain_early"
         assert row["answer"] and row["answer"] != MESSAGE
+
+
+def test_audit_actions_join_and_retention(tmp_path):
+    """note_action rows join their answer in read_audit, survive a flush with no new answer,
+    and leave with their answer's shard under retention."""
+    from test_serve_audit import entries
+
+    trail = AuditTrail(tmp_path / "a", background=False)
+    trail.append(entries(0, size=3, decision="route"))
+    trail.flush()
+    trail.note_action("b-0-0", "routed", route_model="big")
+    trail.note_action("b-0-1", "route_failed", route_error="timed out")
+    assert trail.flush() == 0  # no answer committed, the actions are
+    trail.append(entries(1, size=2, decision="abstain"))
+    trail.note_action("b-1-0", "abstained")
+    trail.flush()
+    frame = read_audit(trail.store).set_index("id")
+    assert frame.loc["b-0-0", ["action", "route_model"]].tolist() == ["routed", "big"]
+    assert frame.loc["b-0-1", ["action", "route_error"]].tolist() == ["route_failed", "timed out"]
+    assert frame.loc["b-1-0", "action"] == "abstained"
+    assert frame["action"].isna().sum() == 2  # handed out as decided: no action row
+    trail.max_rows = 2  # the first shard (3 answers) goes, with its actions
+    assert trail.apply_retention() == 3
+    kept = read_audit(trail.store)
+    assert sorted(kept["id"]) == ["b-1-0", "b-1-1"]
+    actions = trail.store.read_table("audit_actions").to_pandas()
+    assert sorted(actions["id"]) == ["b-1-0"]
+    trail.close()
