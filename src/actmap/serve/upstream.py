@@ -186,9 +186,7 @@ def upstream_model_name(
         return ids[0]
     if local_name in ids:
         return local_name
-    raise UpstreamFailure(
-        502, "models", f"the upstream serves {ids}; choose one with {option}"
-    )
+    raise UpstreamFailure(502, "models", f"the upstream serves {ids}; choose one with {option}")
 
 
 def probe_tolerance(local_dtype: str, upstream_dtype: str) -> float:
