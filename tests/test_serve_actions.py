@@ -372,3 +372,22 @@ def test_audit_actions_join_and_retention(tmp_path):
     actions = trail.store.read_table("audit_actions").to_pandas()
     assert sorted(actions["id"]) == ["b-1-0"]
     trail.close()
+
+
+def test_cli_refuses_an_unlisted_route_target_in_one_line(run, tmp_path):
+    """`actmap serve --route-to` a closed port without --route-model: one line, exit 2,
+    before anything listens."""
+    from conftest import make_word_tokenizer
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+
+    tokenizer = make_word_tokenizer()
+    make_tiny_llama(len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    closed = f"http://127.0.0.1:{free_port()}/v1"
+    args = ["serve", "--detector", str(run), "--model", str(tmp_path / "model"), "--route-to", closed]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("error: --route-to: could not list the upstream's models at " + closed)

@@ -170,6 +170,12 @@ def serve(
             console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")
         console.print(f"loading {model}" + (f" and {detector}" if detector else "") + " ...")
         engine = build_engine(settings)  # bad paths fail here, as one line
+        if route_to is not None and route_model is None:  # an unlisted target fails here
+            from dataclasses import replace
+
+            from actmap.serve.actions import route_model_name
+
+            settings = replace(settings, route_model=route_model_name(settings))
         probe = None
         if upstream is not None:  # a weights mismatch fails here, as one line
             from actmap.serve.proxy import probe_upstream
@@ -179,6 +185,7 @@ def serve(
     console.print(
         f"serving '{settings.model_name}' {scored} on http://{host}:{port}"
         + (f", answers from {upstream} ({probe.upstream_model})" if probe else "")
+        + (f", 'route' answered by {route_to} ({settings.route_model})" if route_to else "")
     )
     served = create_app(settings, lambda: engine)
     served.state.upstream_probe = probe

@@ -130,6 +130,19 @@ class Actions:
             audit.note_action(answer.map_id, action, **detail)
 
 
+def route_model_name(settings) -> str:
+    """``--route-model``, else the one model the route target lists; `ActmapUserError` (one
+    line) when it cannot be listed or lists several."""
+    if settings.route_model:
+        return settings.route_model
+    try:
+        return upstream_model_name(
+            settings.route_to, None, "", settings.route_timeout_s, "--route-model"
+        )
+    except UpstreamFailure as failure:
+        raise ActmapUserError(f"--route-to: {failure.message}") from None
+
+
 async def start_actions(state) -> None:
     """``state.actions``: None when no decision acts; else the route target's client (its
     model asked from ``GET /models`` when ``--route-model`` is not given)."""
@@ -139,15 +152,7 @@ async def start_actions(state) -> None:
         return
     route = model = None
     if settings.route_to is not None:
-        model = settings.route_model
-        if model is None:
-            try:
-                model = await asyncio.to_thread(
-                    upstream_model_name, settings.route_to, None, "", settings.route_timeout_s,
-                    "--route-model",
-                )  # fmt: skip
-            except UpstreamFailure as failure:
-                raise ActmapUserError(f"--route-to: {failure.message}") from None
+        model = await asyncio.to_thread(route_model_name, settings)
         route = Upstream(settings.route_to, settings.route_timeout_s, settings.route_api_key)
     counter = Counter(
         "actmap_actions", "Answers an action changed, by action and outcome",
