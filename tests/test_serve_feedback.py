@@ -90,14 +90,14 @@ def test_feedback_labels_reach_the_store_and_bad_input_loses_nothing(tmp_path):
 
 def test_review_sample_setting_reaches_the_audit_trail(tmp_path):
     from actmap.errors import ActmapUserError
-    from actmap.serve.app import ServeSettings, _audit
+    from actmap.serve.app import ServeSettings, audit_trail
     from actmap.serve.audit import AuditTrail
     from actmap.serve.loaded_run import load_detector_run
 
     run = tmp_path / "run"
     save_tiny_detector(run)
     settings = ServeSettings(detector=run, audit=tmp_path / "audit", review_sample=0.25)
-    trail = _audit(settings, load_detector_run(run))
+    trail = audit_trail(settings, load_detector_run(run))
     try:
         assert trail.review_sample == 0.25
         drawn = [trail.in_sample(f"id-{i}") for i in range(4000)]

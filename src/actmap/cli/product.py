@@ -103,3 +103,56 @@ def compare_stacked_command(
             out / f"{name}.json", json.dumps(json_safe(result.to_json()), indent=2) + "\n"
         )
         console.print(f"written to {out / f'{name}.md'} and {out / f'{name}.json'}")
+
+
+@app.command("cascade")
+def cascade_command(
+    small_store: Path = typer.Option(..., help="The small model's store (the answers routed)."),
+    large_store: Path = typer.Option(
+        ..., help="The large model's store on the same questions (`actmap capture --splits test`)."
+    ),
+    run: Path = typer.Option(
+        None, help="`actmap train` run on the small store: routing by actmap p(correct)."
+    ),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for cascade.{md,json,png}."),
+    split: str = typer.Option("test", help="The split of the small store the questions come from."),
+    shares: str = typer.Option("0.1,0.2,0.3,0.5", help="Routed shares, comma-separated."),
+    baselines: str = typer.Option(
+        "perplexity,rauq,answer_length", help="Baselines routed by, read from the small store."
+    ),
+    resamples: int = typer.Option(2000, min=1, help="Bootstrap resamples."),
+) -> None:
+    """Final accuracy when the small model's least trusted answers go to a large model: by
+    actmap p(correct) vs baselines, random and the oracle, with paired intervals and a plot."""
+    with user_errors():
+        from rich.markdown import Markdown
+
+        from actmap.artifacts import json_safe
+        from actmap.errors import ActmapUserError
+        from actmap.experiments.cascade import cascade_inputs, measure_cascade, plot_cascade
+        from actmap.store import MapStore
+
+        try:
+            wanted = [float(q) for q in shares.split(",") if q.strip()]
+        except ValueError:
+            raise ActmapUserError(f"--shares must be numbers in [0, 1], got {shares!r}") from None
+        methods = [m.strip() for m in baselines.split(",") if m.strip()]
+        inputs = cascade_inputs(
+            MapStore.open(small_store), MapStore.open(large_store), run, split, methods
+        )
+        about = {"small_store": str(small_store), "large_store": str(large_store),
+                 "run": str(run) if run else None, "split": split, "unavailable": inputs.unavailable}  # fmt: skip
+        result = measure_cascade(
+            inputs.small, inputs.large, inputs.routers, wanted, n_resamples=resamples, about=about
+        )
+        text = result.to_markdown()
+        console.print(Markdown(text))
+        for method, why in inputs.unavailable.items():
+            console.print(f"[yellow]{method} unavailable:[/yellow] {why}")
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "cascade.md", text)
+        atomic_write_text(
+            out / "cascade.json", json.dumps(json_safe(result.to_json()), indent=2) + "\n"
+        )
+        plot_cascade(result, out / "cascade.png")
+        console.print(f"written to {out}/cascade.{{md,json,png}}")

@@ -147,6 +147,25 @@ def serve(
         help="Proxy mode: read answers in a --dtype other than the detector's maps were "
         "captured in (refused otherwise).",
     ),
+    route_to: str = typer.Option(
+        None,
+        help="Answers decided 'route' are answered by this OpenAI-compatible server (e.g. "
+        "http://host:8002/v1); when it fails, the small model's answer, flagged routed: false.",
+    ),
+    route_model: str = typer.Option(
+        None, help="The model name the route target serves (default: the one it lists)."
+    ),
+    route_api_key: str = typer.Option(
+        None, envvar="ACTMAP_ROUTE_API_KEY", show_default=False, help="Bearer key of --route-to."
+    ),
+    route_timeout: float = typer.Option(
+        60.0, min=0.001, help="Seconds per routed request (then the small model's answer)."
+    ),
+    abstain_message: str = typer.Option(
+        None,
+        help="Answers decided 'abstain' (or 'abstain_early') are replaced by this text, "
+        "finish_reason 'content_filter'; the original stays in the audit store only.",
+    ),
 ) -> None:
     """Serve an OpenAI-compatible API whose every answer carries p(correct) and a decision."""
     with user_errors():
@@ -170,6 +189,8 @@ def serve(
             upstream=upstream, upstream_model=upstream_model, upstream_timeout_s=upstream_timeout,
             upstream_api_key=upstream_api_key, allow_weights_mismatch=allow_weights_mismatch,
             upstream_dtype=upstream_dtype, allow_dtype_mismatch=allow_dtype_mismatch,
+            route_to=route_to, route_model=route_model, route_api_key=route_api_key,
+            route_timeout_s=route_timeout, abstain_message=abstain_message,
         )  # fmt: skip
         if engine == "vllm":
             from actmap.capture.vllm_engine import require_vllm
@@ -179,6 +200,12 @@ def serve(
             console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")
         console.print(f"loading {model}" + (f" and {detector}" if detector else "") + " ...")
         engine = build_engine(settings)  # bad paths fail here, as one line
+        if route_to is not None and route_model is None:  # an unlisted target fails here
+            from dataclasses import replace
+
+            from actmap.serve.actions import route_model_name
+
+            settings = replace(settings, route_model=route_model_name(settings))
         probe = None
         if upstream is not None:  # a weights mismatch fails here, as one line
             from actmap.serve.proxy import probe_upstream
@@ -188,6 +215,7 @@ def serve(
     console.print(
         f"serving '{settings.model_name}' {scored} on http://{host}:{port}"
         + (f", answers from {upstream} ({probe.upstream_model})" if probe else "")
+        + (f", 'route' answered by {route_to} ({settings.route_model})" if route_to else "")
     )
     served = create_app(settings, lambda: engine)
     served.state.upstream_probe = probe

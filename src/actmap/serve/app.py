@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actmap.errors import ActmapUserError
+from actmap.serve.actions import act, acts, held, start_actions, stop_actions
 from actmap.serve.answers import PrefixCache, chat_prefix, score_answers
 from actmap.serve.api_errors import APIError, retry_headers, server_busy
 from actmap.serve.batcher import MicroBatcher, QueueFull
@@ -115,6 +116,13 @@ class ServeSettings:
     allow_weights_mismatch: bool = False  # serve although the start-up probe differs
     upstream_dtype: str | None = None  # the dtype the upstream computes in; None = ours
     allow_dtype_mismatch: bool = False  # proxy: read in another dtype than the detector's maps
+    # decisions that act (`actmap.serve.actions`): "route" answered by this OpenAI-compatible
+    # server, "abstain" / "abstain_early" replaced by abstain_message (None: handed out as is)
+    route_to: str | None = None
+    route_model: str | None = None  # the model the route target serves; None = ask it
+    route_api_key: str | None = None
+    route_timeout_s: float = 60.0  # per routed request; past it the small model's answer, flagged
+    abstain_message: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -126,10 +134,15 @@ def build_engine(settings: ServeSettings) -> Engine:
     from actmap.llm.models import load_model
 
     if settings.detector is None:  # a plain generator: nothing to score, decide or audit
-        needs = [n for n in ("policy", "audit", "monitor", "upstream") if getattr(settings, n)]
+        needs = [
+            n
+            for n in ("policy", "audit", "monitor", "upstream", "route_to")
+            if getattr(settings, n)
+        ]
         if needs:
             raise ActmapUserError(
-                "a detector run folder is required (--detector RUN) with --" + ", --".join(needs)
+                "a detector run folder is required (--detector RUN) with --"
+                + ", --".join(n.replace("_", "-") for n in needs)
             )
     detector, policy, monitor = load_scoring(settings)
     dtype = settings.dtype or (detector.dtype if detector is not None else "float32")
@@ -150,6 +163,10 @@ def build_engine(settings: ServeSettings) -> Engine:
         )
     if settings.engine not in ("local", "vllm"):
         raise ActmapUserError(f"--engine must be 'local' or 'vllm', got {settings.engine!r}")
+    if acts(settings) and settings.upstream is not None:
+        raise ActmapUserError(
+            "--route-to and --abstain-message act on answers generated here, not --upstream's"
+        )
     if settings.engine == "vllm" and settings.upstream is not None:
         raise ActmapUserError(
             "--upstream reads the upstream's answers with the transformers engine: "
@@ -479,6 +496,7 @@ def create_app(
         if settings.upstream is not None:  # probe first: a mismatch stops here, nothing started
             state.upstream_probe = getattr(app.state, "upstream_probe", None)  # the CLI's
             await start_proxy(state)
+        await start_actions(state)  # route target's client, when decisions act
         await state.batcher.start()
         if state.scorer is not None:
             await state.scorer.start()
@@ -488,6 +506,7 @@ def create_app(
         finally:
             if settings.upstream is not None:
                 await stop_proxy(state)
+            await stop_actions(state)
             await state.batcher.stop()
             if state.scorer is not None:
                 await state.scorer.stop()
@@ -589,7 +608,7 @@ async def _serve(state: ServerState, body, job: Job, endpoint: str, request: Req
     state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
     usage = _usage(answer)
     if endpoint == "chat":
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             model=state.settings.model_name,
             choices=[
                 ChatCompletionChoice(
@@ -599,12 +618,14 @@ async def _serve(state: ServerState, body, job: Job, endpoint: str, request: Req
             usage=usage,
             actmap=state.info(answer),
         )
-    return CompletionResponse(
-        model=state.settings.model_name,
-        choices=[CompletionChoice(text=answer.text, finish_reason=answer.finish_reason)],
-        usage=usage,
-        actmap=state.info(answer),
-    )
+    else:
+        response = CompletionResponse(
+            model=state.settings.model_name,
+            choices=[CompletionChoice(text=answer.text, finish_reason=answer.finish_reason)],
+            usage=usage,
+            actmap=state.info(answer),
+        )
+    return await act(state, body, job, answer, response)  # route / abstain, when they act
 
 
 async def _answer(state: ServerState, job: Job, future, endpoint: str, request) -> Answer | None:
@@ -747,8 +768,11 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
             if not future.done():  # the client went away: stop generating this row
                 job.cancelled = True
 
+    sent = generate()
+    if getattr(state, "actions", None) is not None:  # held until the decision (route, abstain)
+        sent = held(state, sent, future, chunks, body, job)
     return StreamingResponse(
-        state.metrics.watch_stream(generate(), endpoint),  # a client that leaves is counted
+        state.metrics.watch_stream(sent, endpoint),  # a client that leaves is counted
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
     )

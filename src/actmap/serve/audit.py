@@ -6,7 +6,10 @@ served answer with a map becomes one row of ``maps`` (label unknown; the prompt
 and answer text only when ``keep_text``; ``source_key`` is the prompt's SHA-256)
 and one row of the side table ``audit`` (scores, decision, detector id, timing);
 when the detector reads the per-answer scalars (actmap-plus), they go to the side
-table ``audit_scalars``, so `rescore` can reproduce the served score.
+table ``audit_scalars``, so `rescore` can reproduce the served score. What an action
+did with the answer (`actmap.serve.actions`: routed to a stronger model, a failed route,
+replaced by the abstain message) goes to the side table ``audit_actions`` (`note_action`);
+the row itself stays the small model's answer, its map and its score.
 
 Writes are batched: answers are buffered and a writer thread flushes them every
 ``flush_rows`` answers or ``flush_interval_s`` seconds. A flush writes the
@@ -56,6 +59,7 @@ from actmap.store.served import (
 log = logging.getLogger(__name__)
 
 AUDIT_TABLE = "audit"
+ACTIONS_TABLE = "audit_actions"  # id + what an action did with the served answer
 AUDIT_KIND = SERVED_KIND
 LABELS_SCHEMA = pa.schema(
     [
@@ -92,6 +96,15 @@ AUDIT_SCHEMA = pa.schema(
         ("decision", pa.string()),
         ("detector", pa.string()),
         ("policy", pa.string()),  # the policy's version (`policy_version`); null in older stores
+    ]
+)
+ACTIONS_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("acted_at", pa.timestamp("us", tz="UTC")),
+        ("action", pa.string()),  # routed | route_failed | abstained
+        ("route_model", pa.string()),
+        ("route_error", pa.string()),
     ]
 )
 
@@ -180,6 +193,7 @@ class AuditTrail:
         self._ids = self.store.ids("maps")  # committed map ids: what feedback may label
         self._buffer: list[AuditEntry] = []
         self._waiting: list[Future] = []  # one per append, resolved by the flush that commits it
+        self._actions: list[dict] = []  # rows of ACTIONS_TABLE, written with the next flush
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
         self._closed = False
@@ -220,6 +234,18 @@ class AuditTrail:
             policy=policy,
         )
 
+    def note_action(
+        self, map_id: str, action: str, route_model: str | None = None, route_error=None
+    ) -> None:
+        """Record what an action did with the served answer ``map_id`` (buffered: written by
+        the next flush, before that flush's maps shard)."""
+        row = dict(id=map_id, acted_at=datetime.now(UTC), action=action,
+                   route_model=route_model, route_error=route_error)  # fmt: skip
+        with self._cond:
+            if self._closed:
+                raise StoreError("the audit trail is closed")
+            self._actions.append(row)
+
     # -- writing ---------------------------------------------------------------------------
     def append(self, entries: list[AuditEntry]) -> Future:
         """Buffer entries; the writer thread (or `flush`) commits them. The future resolves
@@ -243,7 +269,11 @@ class AuditTrail:
             with self._cond:
                 entries, self._buffer = self._buffer, []
                 waiting, self._waiting = self._waiting, []
+                actions, self._actions = self._actions, []
             try:
+                if actions:
+                    table = pa.Table.from_pylist(actions, ACTIONS_SCHEMA)
+                    self.store.write_table(ACTIONS_TABLE, table)
                 if entries:
                     self._commit(entries)
             except BaseException as error:
@@ -402,7 +432,7 @@ class AuditTrail:
                 kept_rows -= len(ids)
                 dropped.update(ids)
             self._ids -= dropped
-            for table in (AUDIT_TABLE, SCALARS_TABLE, REVIEW_TABLE):
+            for table in (AUDIT_TABLE, SCALARS_TABLE, REVIEW_TABLE, ACTIONS_TABLE):
                 if not dropped or not self.store.has_table(table):
                     continue
                 for path in self.store.shards(table):
@@ -426,6 +456,9 @@ def read_audit(store: MapStore) -> pd.DataFrame:
     side = side.drop_duplicates("id", keep="last")
     side = side.drop(columns=["n_tokens"])
     frame = maps.merge(side, on="id", how="inner", validate="one_to_one")
+    if store.has_table(ACTIONS_TABLE):  # what an action did (no row: handed out as decided)
+        actions = store.read_table(ACTIONS_TABLE).to_pandas().drop_duplicates("id", keep="last")
+        frame = frame.merge(actions, on="id", how="left", validate="one_to_one")
     return frame.sort_values("served_at", kind="stable").reset_index(drop=True)
 
 

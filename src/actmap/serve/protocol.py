@@ -139,7 +139,7 @@ class ChatMessageOut(OpenAIBaseModel):
 class ChatCompletionChoice(OpenAIBaseModel):
     index: int = 0
     message: ChatMessageOut
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "content_filter"] | None
     logprobs: None = None
 
 
@@ -156,7 +156,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class CompletionChoice(OpenAIBaseModel):
     index: int = 0
     text: str
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "content_filter"] | None
     logprobs: None = None
 
 
@@ -178,7 +178,7 @@ class DeltaMessage(OpenAIBaseModel):
 class ChatStreamChoice(OpenAIBaseModel):
     index: int = 0
     delta: DeltaMessage
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None
     logprobs: None = None
 
 
@@ -195,7 +195,7 @@ class ChatCompletionChunk(OpenAIBaseModel):
 class CompletionStreamChoice(OpenAIBaseModel):
     index: int = 0
     text: str
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None
     logprobs: None = None
 
 

@@ -265,7 +265,7 @@ def _answer_job(
     )
 
 
-def _choice_text(out: dict, endpoint: str) -> tuple[str, list | None, list | None]:
+def choice_text(out: dict, endpoint: str) -> tuple[str, list | None, list | None]:
     """(answer text, answer ids or None, prompt ids or None) of an upstream body."""
     choices = out.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -325,7 +325,7 @@ async def proxy_request(state, body, endpoint: str):
         if status >= 400:  # the upstream refused the request: its own answer goes back
             state.metrics.requests.labels(endpoint, str(status)).inc()
             return JSONResponse(out, status_code=status)
-        text, ids, prompt_ids = _choice_text(out, endpoint)
+        text, ids, prompt_ids = choice_text(out, endpoint)
     except UpstreamFailure as failure:
         return _failed(state, endpoint, failure)
     counted = (out.get("usage") or {}).get("completion_tokens")

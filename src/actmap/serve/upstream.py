@@ -163,8 +163,15 @@ class UpstreamStatus(Exception):
 # -- which model, and are they the same weights -----------------------------------------------
 
 
-def upstream_model_name(base_url: str, wanted: str | None, local_name: str, timeout: float) -> str:
-    """The model id to send upstream: ``wanted``, else the one model ``GET /models`` lists."""
+def upstream_model_name(
+    base_url: str,
+    wanted: str | None,
+    local_name: str,
+    timeout: float,
+    option: str = "--upstream-model",
+) -> str:
+    """The model id to send upstream: ``wanted``, else the one model ``GET /models`` lists
+    (``option``: the CLI option that chooses one, named when there are several)."""
     if wanted:
         return wanted
     url = base_url.rstrip("/") + "/models"
@@ -179,9 +186,7 @@ def upstream_model_name(base_url: str, wanted: str | None, local_name: str, time
         return ids[0]
     if local_name in ids:
         return local_name
-    raise UpstreamFailure(
-        502, "models", f"the upstream serves {ids}; choose one with --upstream-model"
-    )
+    raise UpstreamFailure(502, "models", f"the upstream serves {ids}; choose one with {option}")
 
 
 def probe_tolerance(local_dtype: str, upstream_dtype: str) -> float:
