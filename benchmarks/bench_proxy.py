@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,9 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 sys.path.insert(0, SRC)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import free_port, make_detector  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from serve_helpers import stop_process_group as stop  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SERVED = "smollm2"
@@ -79,15 +81,6 @@ def start(command: list[str], env: dict, log: Path) -> subprocess.Popen:
         return subprocess.Popen(
             command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 def questions(n: int) -> list[str]:
