@@ -294,7 +294,11 @@ class StackedPlus:
                 cfg = self.config = replace(cfg, tad_previous=stored)
         y, y_val = _labels(y, len(train)), _labels(y_val, len(val))
         w = self.w_ = _weights(sample_weight, len(y))
-        folds = StratifiedKFold(cfg.folds, shuffle=True, random_state=cfg.seed)
+        # fewer folds when a class has fewer training rows than folds (a small task)
+        n_folds = int(min(cfg.folds, np.bincount(y, minlength=2).min()))
+        if n_folds < 2:
+            raise ValueError("the stack's out-of-fold logits need 2 training rows of each class")
+        folds = StratifiedKFold(n_folds, shuffle=True, random_state=cfg.seed)
         weight = cfg.class_weight
         x_map = flat_maps(train.maps)
         k = min(cfg.map_components, len(x_map) - 1, x_map.shape[1])
