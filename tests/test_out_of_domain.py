@@ -239,3 +239,34 @@ def test_bad_input_is_refused_by_name(two_tasks, tmp_path):
               str(tmp_path / "o")],
     )  # fmt: skip
     assert out.exit_code != 0 and "different generators" in out.output
+
+
+def test_an_adapted_generalist_recalibrates_refits_and_saves(two_tasks, tmp_path):
+    """`adapt_generalist` (what policy fit / train can call on a small store): recalibration is
+    sklearn's logistic regression on the generalist's logit; the adapted copy saves and loads
+    to the same scores; labels of one class only move the prior."""
+    from sklearn.linear_model import LogisticRegression
+
+    from actmap.experiments.generalist import fit_generalist, open_tasks
+    from actmap.experiments.out_of_domain import adapt_generalist
+    from actmap.stacked import StackedPlus
+
+    words, lengths = open_tasks(two_tasks)
+    est = fit_generalist([lengths], "deployable")
+    train, test = (words.inputs(words.sets[s], False) for s in ("train_all", "test_all"))
+    y = np.asarray(words.sets["train_all"].labels)
+    adapted = adapt_generalist(est, train, y, "recalibrate")
+    platt = LogisticRegression(C=1.0).fit(est.decision_function(train)[:, None], y)
+    want = platt.predict_proba(est.decision_function(test)[:, None])[:, 1]
+    np.testing.assert_allclose(adapted.predict_proba(test), want, rtol=1e-6)
+    assert adapted.calibrated_prevalence_ == pytest.approx(y.mean())
+    assert est.calibrated_prevalence_ == 0.5  # the generalist itself is left as it was
+    head = adapt_generalist(est, train, y, "head refit")
+    assert head.metadata_["adapted"] == {"step": "head refit", "labelled_rows": len(y)}
+    loaded = StackedPlus.load(head.save(tmp_path / "adapted"))
+    np.testing.assert_allclose(loaded.predict_proba(test), head.predict_proba(test), rtol=1e-6)
+    wrong_only = adapt_generalist(est, train, np.zeros_like(y), "head refit")
+    assert wrong_only.metadata_["adapted"]["step"] == "recalibrate"
+    z = est.decision_function(test)
+    np.testing.assert_allclose(wrong_only.decision_function(test) - z, (wrong_only.decision_function(test) - z)[0])  # fmt: skip
+    assert wrong_only.decision_function(test)[0] < z[0]  # no correct label: the prior falls

@@ -49,7 +49,7 @@ from actmap.experiments.generalist import (
 )
 from actmap.scoring import metrics
 from actmap.scoring.intervals import N_RESAMPLES, Interval, bootstrap, paired_bootstrap
-from actmap.scoring.prior import em_prevalence, shift_to_prevalence, sigmoid
+from actmap.scoring.prior import em_prevalence, logit, shift_to_prevalence, sigmoid
 from actmap.stacked import LinearBlock, StackedPlus
 from actmap.store.rows import Rows
 
@@ -346,21 +346,63 @@ class BlockLogits:
         self.stack = est.meta_.logits(self.logits)
 
 
-def recalibrated(
-    z_train: np.ndarray, y_train: np.ndarray, z_all: np.ndarray, prior0: float, held_at: float
-) -> np.ndarray:
-    """p(correct) of ``z_all`` recalibrated on labelled rows: with both classes, a logistic
-    regression on the logit (a temperature and a prior, Platt); with one class or none, the
-    prior only: the k=0 prior ``prior0`` updated by the labels (two pseudo-rows at it). ``held_at``: the
-    prevalence sigmoid(z) holds at (0.5 for a class-weighted fit)."""
+def recalibration(
+    z: np.ndarray, y: np.ndarray, prior0: float, held_at: float
+) -> tuple[float, float]:
+    """(slope, intercept) of the recalibrated logit ``slope * z + intercept`` fit on labelled
+    rows: with both classes, a logistic regression on the logit (a temperature and a prior:
+    Platt scaling); with one class or none, the prior alone: the label-free prior ``prior0``
+    updated by the labels (as two pseudo-rows at it). ``held_at``: the prevalence sigmoid(z)
+    holds at (0.5 for a class-weighted fit)."""
     from sklearn.linear_model import LogisticRegression
 
-    if len(np.unique(y_train)) == 2:
-        fit = LogisticRegression(C=1.0).fit(z_train[:, None], y_train)
-        return sigmoid(fit.decision_function(z_all[:, None]))
-    k, correct = len(y_train), float(np.sum(y_train))
-    prior = (correct + 2 * prior0) / (k + 2)  # two pseudo-rows at the label-free prior
-    return shift_to_prevalence(sigmoid(z_all), prior, held_at)
+    if len(np.unique(y)) == 2:
+        fit = LogisticRegression(C=1.0).fit(np.asarray(z)[:, None], y)
+        return float(fit.coef_[0, 0]), float(fit.intercept_[0])
+    prior = (float(np.sum(y)) + 2 * prior0) / (len(y) + 2)
+    return 1.0, float(logit(prior) - logit(held_at))
+
+
+def head_refit(x: np.ndarray, y: np.ndarray) -> LinearBlock | None:
+    """The stack's head refit on the generalist's block logits ``x`` of labelled rows
+    (unweighted: p holds at their prevalence); None with one class."""
+    if len(np.unique(y)) < 2:
+        return None
+    return LinearBlock.fit("stack", x, y, 1.0, None)
+
+
+def adapt_generalist(
+    est: StackedPlus, rows, labels, step: str = "recalibrate", prior0: float | None = None
+) -> StackedPlus:
+    """The generalist adapted to a new task's first labelled answers (``rows``: their
+    `StackRows`, ``labels``: 1 = correct, drawn as they come, i.e. at the task's prevalence):
+    "recalibrate" (prior and temperature of its logit) or "head refit" (the stack's head on
+    its block logits; with one class it recalibrates instead). The copy scores, saves and
+    serves like any fitted `StackedPlus`; its p(correct) holds at the labelled rows'
+    prevalence (``calibrated_prevalence_``). ``prior0``: the label-free prior the labels
+    update when they hold one class (default: EM on these rows' own scores).
+
+    What `actmap policy fit` / `actmap train` can call on a small store of the new task with
+    a generalist run (not wired into either yet)."""
+    import copy
+
+    y = np.asarray(labels).astype(np.int64)
+    new = copy.copy(est)
+    head = head_refit(BlockLogits(est, rows).logits, y) if step == "head refit" else None
+    if step not in ("recalibrate", "head refit"):
+        raise ValueError(f"step must be 'recalibrate' or 'head refit', got {step!r}")
+    if head is None:
+        z = est.decision_function(rows)
+        if prior0 is None:
+            prior0 = em_prevalence(sigmoid(z), est.calibrated_prevalence_).prevalence
+        slope, intercept = recalibration(z, y, prior0, est.calibrated_prevalence_)
+        m = est.meta_
+        head = replace(m, coef=m.coef * slope, intercept=m.intercept * slope + intercept)
+        step = "recalibrate"
+    new.meta_ = head
+    new.calibrated_prevalence_ = float(np.clip(y.mean(), 1e-3, 1 - 1e-3)) if len(y) else 0.5
+    new.metadata_ = {**est.metadata_, "adapted": {"step": step, "labelled_rows": len(y)}}
+    return new
 
 
 def _fold_count(y: np.ndarray) -> int:
@@ -427,11 +469,14 @@ def first_labels_curve(
             drawn.append([train_all.row_ids()[i] for i in idx])
             y = y_train[idx]
             correct.append(float(y.sum()))
-            p_cal = recalibrated(on_train.stack[idx], y, z_all, prior0, held_at)
+            slope, intercept = recalibration(on_train.stack[idx], y, prior0, held_at)
+            p_cal = sigmoid(slope * z_all + intercept)
             results = {"recalibrate": (p_cal, False)}
             if k:  # k = 0: nothing to refit, the label-free generalist alone
-                head = _refit_head(on_train.logits[idx], y, on_test.logits)
-                results["head refit"] = (p_cal, True) if head is None else (head, False)
+                head = head_refit(on_train.logits[idx], y)
+                results["head refit"] = (
+                    (p_cal, True) if head is None else (sigmoid(head.logits(on_test.logits)), False)
+                )
                 scorer = refit_blocks(est, _subset(on_train, idx), y, seed + r)
                 results["in-domain refit"] = (
                     (results["head refit"][0], True)
@@ -466,15 +511,6 @@ def _subset(rows: BlockLogits, idx: np.ndarray) -> BlockLogits:
     out.features = {b: f[idx] for b, f in rows.features.items()}
     out.logits, out.stack = rows.logits[idx], rows.stack[idx]
     return out
-
-
-def _refit_head(x: np.ndarray, y: np.ndarray, x_all: np.ndarray) -> np.ndarray | None:
-    """The stack's head refit on the generalist's block logits (unweighted: p at the rows'
-    prevalence); None with one class."""
-    if len(np.unique(y)) < 2:
-        return None
-    head = LinearBlock.fit("stack", x, y, 1.0, None)
-    return sigmoid(head.logits(x_all))
 
 
 # --- the whole comparison ------------------------------------------------------------------------
