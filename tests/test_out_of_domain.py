@@ -60,6 +60,15 @@ def two_tasks(tmp_path_factory):
     return [capture_store(root / "words", WordTask(90)), capture_store(root / "lengths", LengthTask(90))]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def on_lengths(two_tasks):
+    """The tasks, and a deployable generalist fit on "lengths" alone ("words" held out)."""
+    from actmap.experiments.generalist import fit_generalist, open_tasks
+
+    words, lengths = open_tasks(two_tasks)
+    return words, lengths, fit_generalist([lengths], "deployable")
+
+
 def prr_by_loop(scores, labels, max_rejection):
     """PRR from its definition, one rejection rate at a time (distinct scores)."""
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
@@ -107,7 +116,12 @@ def test_leave_one_task_out_against_direct_scores(two_tasks):
     from actmap.scoring.prior import em_prevalence, sigmoid
 
     config = OutOfDomainConfig(
-        mlp_epochs=2, curve_k=(0, 8), draws=2, n_resamples=100, max_rejection=0.5
+        preset="deployable",
+        mlp_epochs=1,
+        curve_k=(0, 8),
+        draws=2,
+        n_resamples=50,
+        max_rejection=0.5,
     )
     result = leave_one_task_out(two_tasks, config)
     tasks = open_tasks(two_tasks)
@@ -154,14 +168,12 @@ def test_leave_one_task_out_against_direct_scores(two_tasks):
     json.dumps(result.to_json(), default=float)
 
 
-def test_first_labels_come_from_training_rows_only(two_tasks):
-    from actmap.experiments.generalist import fit_generalist, open_tasks
+def test_first_labels_come_from_training_rows_only(on_lengths):
     from actmap.experiments.out_of_domain import draw_labelled, first_labels_curve
 
-    words, lengths = open_tasks(two_tasks)
+    words, _, est = on_lengths
     train = words.sets["train_all"]
     elsewhere = {i for s in ("validation_all", "test_all") for i in words.sets[s].row_ids()}
-    est = fit_generalist([lengths], "deployable")
     z_all = est.decision_function(words.inputs(words.sets["test_all"], False))
     ks = (0, 5, len(train))
     _, drawn = first_labels_curve(est, words, z_all, ks, draws=3)
@@ -241,18 +253,16 @@ def test_bad_input_is_refused_by_name(two_tasks, tmp_path):
     assert out.exit_code != 0 and "different generators" in out.output
 
 
-def test_an_adapted_generalist_recalibrates_refits_and_saves(two_tasks, tmp_path):
+def test_an_adapted_generalist_recalibrates_refits_and_saves(on_lengths, tmp_path):
     """`adapt_generalist` (what policy fit / train can call on a small store): recalibration is
     sklearn's logistic regression on the generalist's logit; the adapted copy saves and loads
     to the same scores; labels of one class only move the prior."""
     from sklearn.linear_model import LogisticRegression
 
-    from actmap.experiments.generalist import fit_generalist, open_tasks
     from actmap.experiments.out_of_domain import adapt_generalist
     from actmap.stacked import StackedPlus
 
-    words, lengths = open_tasks(two_tasks)
-    est = fit_generalist([lengths], "deployable")
+    words, _, est = on_lengths
     train, test = (words.inputs(words.sets[s], False) for s in ("train_all", "test_all"))
     y = np.asarray(words.sets["train_all"].labels)
     adapted = adapt_generalist(est, train, y, "recalibrate")
