@@ -3,14 +3,12 @@ that ``actmap train --store A --store B ...`` fits (`train_generalist`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
-from actmap.atomic import atomic_write_text
 from actmap.cli.app import app
-from actmap.cli.common import console, parse_ints, user_errors
+from actmap.cli.common import console, parse_ints, user_errors, write_result
 
 
 def train_generalist(stores: list[Path], out: Path, detector: str, preset: str, fallback: bool):
@@ -62,9 +60,6 @@ def out_of_domain_command(
     token entropy, TAD and the paper's MLP; then its first labels (recalibrate, head refit,
     in-domain refit)."""
     with user_errors():
-        from rich.markdown import Markdown
-
-        from actmap.artifacts import json_safe
         from actmap.experiments.out_of_domain import OutOfDomainConfig, leave_one_task_out
 
         config = OutOfDomainConfig(
@@ -79,11 +74,4 @@ def out_of_domain_command(
             n_resamples=resamples,
         )
         result = leave_one_task_out(store, config, held_out or None, progress=console.print)
-        text = result.to_markdown()
-        console.print(Markdown(text))
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "out_of_domain.md", text)
-        atomic_write_text(
-            out / "out_of_domain.json", json.dumps(json_safe(result.to_json()), indent=2) + "\n"
-        )
-        console.print(f"written to {out / 'out_of_domain.md'} and {out / 'out_of_domain.json'}")
+        write_result(out, "out_of_domain", result)

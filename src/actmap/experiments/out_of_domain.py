@@ -85,16 +85,6 @@ class OutOfDomainConfig:
 # --- rows ----------------------------------------------------------------------------------------
 
 
-def _take(rows: Rows, index) -> Rows:
-    index = np.asarray(index, dtype=np.int64)
-    return Rows(
-        [rows.row_ids()[i] for i in index],
-        np.asarray(rows.labels)[index],
-        np.asarray(rows.maps)[index],
-        None if rows.scalars is None else np.asarray(rows.scalars)[index],
-    )
-
-
 def draw_labelled(train: Rows, k: int, seed: int) -> np.ndarray:
     """Indices of ``k`` rows of ``train`` (the held-out task's labelled training rows), drawn
     at random without replacement: the first labels a deployment gets, at its natural
