@@ -280,3 +280,14 @@ def test_an_adapted_generalist_recalibrates_refits_and_saves(on_lengths, tmp_pat
     z = est.decision_function(test)
     np.testing.assert_allclose(wrong_only.decision_function(test) - z, (wrong_only.decision_function(test) - z)[0])  # fmt: skip
     assert wrong_only.decision_function(test)[0] < z[0]  # no correct label: the prior falls
+
+
+def test_recalibration_never_reverses_the_ranking():
+    from actmap.experiments.out_of_domain import recalibration
+    from actmap.scoring.prior import logit
+
+    z = np.array([-2.0, -1.0, 0.0, 1.0, 2.0, 3.0])
+    assert recalibration(z, np.array([0, 0, 0, 1, 1, 1]), 0.3, 0.5)[0] > 0
+    # the one correct answer scored lowest: Platt's slope would be negative; the prior alone
+    slope, intercept = recalibration(z, np.array([1, 0, 0, 0, 0, 0]), 0.3, 0.5)
+    assert slope == 1.0 and intercept == pytest.approx(logit((1 + 0.6) / 8) - logit(0.5))

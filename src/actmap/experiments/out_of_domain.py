@@ -341,14 +341,16 @@ def recalibration(
 ) -> tuple[float, float]:
     """(slope, intercept) of the recalibrated logit ``slope * z + intercept`` fit on labelled
     rows: with both classes, a logistic regression on the logit (a temperature and a prior:
-    Platt scaling); with one class or none, the prior alone: the label-free prior ``prior0``
+    Platt scaling); with one class or none, or when that regression would reverse the ranking
+    (a negative slope, a few correct answers), the prior alone: the label-free prior ``prior0``
     updated by the labels (as two pseudo-rows at it). ``held_at``: the prevalence sigmoid(z)
     holds at (0.5 for a class-weighted fit)."""
     from sklearn.linear_model import LogisticRegression
 
     if len(np.unique(y)) == 2:
         fit = LogisticRegression(C=1.0).fit(np.asarray(z)[:, None], y)
-        return float(fit.coef_[0, 0]), float(fit.intercept_[0])
+        if fit.coef_[0, 0] > 0:  # a temperature is positive: never turn the ranking around
+            return float(fit.coef_[0, 0]), float(fit.intercept_[0])
     prior = (float(np.sum(y)) + 2 * prior0) / (len(y) + 2)
     return 1.0, float(logit(prior) - logit(held_at))
 
