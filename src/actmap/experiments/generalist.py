@@ -236,6 +236,8 @@ def train_generalist_run(
     est = fit_generalist(tasks, preset, fallback)
     out = Path(out)
     folder = out / "seed-0"
+    attention = preset == "full"  # the inputs the fit read (cached per row set)
+    val, y_val = pooled(tasks, "validation", attention)
     details = {
         "generalist": True,
         "stores": [str(p) for p in paths],
@@ -244,10 +246,7 @@ def train_generalist_run(
         "inputs": {"store_config": tasks[0].store.manifest.get("config")},
         "preset": preset,
         "selected": est.selected_,
-        "validation_auroc": metrics.auroc(
-            est.decision_function(pooled(tasks, "validation", "attention" in est.requires)[0]),
-            pooled(tasks, "validation", False)[1],
-        ),
+        "validation_auroc": metrics.auroc(est.decision_function(val), y_val),
         "n_train": est.n_train_,
     }
     est.save(folder, metadata=details)
@@ -257,7 +256,7 @@ def train_generalist_run(
             log.warning("%s has no balanced test rows: not scored", t.name)
             continue
         test = t.sets["test"]
-        z = est.decision_function(t.inputs(test, "attention" in est.requires))
+        z = est.decision_function(t.inputs(test, attention))
         y = np.asarray(test.labels)
         ids += test.row_ids()
         labels.append(y)
