@@ -171,15 +171,19 @@ def _logreg(C: float, class_weight):
     return LogisticRegression(C=C, class_weight=class_weight, max_iter=5000)
 
 
-def out_of_fold_logits(x: np.ndarray, y: np.ndarray, C: float, class_weight, folds) -> np.ndarray:
+def out_of_fold_logits(
+    x: np.ndarray, y: np.ndarray, C: float, class_weight, folds, sample_weight=None
+) -> np.ndarray:
     """(N,) logits of a standardised L2 logistic regression, each row scored by the model fit
-    on the folds without it (sklearn's cross_val_predict over ``folds``)."""
+    on the folds without it (sklearn's cross_val_predict over ``folds``; ``sample_weight``,
+    when given, weighs each fold's fit)."""
     from sklearn.model_selection import cross_val_predict
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
     model = make_pipeline(StandardScaler(), _logreg(C, class_weight))
-    return cross_val_predict(model, x, y, cv=folds, method="decision_function")
+    params = {} if sample_weight is None else {"logisticregression__sample_weight": sample_weight}
+    return cross_val_predict(model, x, y, cv=folds, method="decision_function", params=params)
 
 
 @dataclass
@@ -195,12 +199,15 @@ class LinearBlock:
     choices: dict[str, Any] = field(default_factory=dict)  # layer, position, PCA size ...
 
     @classmethod
-    def fit(cls, name: str, x: np.ndarray, y: np.ndarray, C: float, class_weight, **choices):
+    def fit(
+        cls, name: str, x: np.ndarray, y: np.ndarray, C: float, class_weight,
+        sample_weight=None, **choices,
+    ):  # fmt: skip
         mean, scale = x.mean(0), x.std(0)
         scale = np.where(scale > 0, scale, 1.0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            model = _logreg(C, class_weight).fit((x - mean) / scale, y)
+            model = _logreg(C, class_weight).fit((x - mean) / scale, y, sample_weight)
         return cls(
             name, C, mean, scale, model.coef_.ravel().copy(), float(model.intercept_[0]), choices
         )
@@ -267,8 +274,15 @@ class StackedPlus:
 
     # --- fitting ---------------------------------------------------------------------------
 
-    def fit(self, train: StackRows, y: Any, val: StackRows, y_val: Any) -> StackedPlus:
-        """Fit every block of the preset on ``train``, choose on ``val``, stack; returns self."""
+    def fit(
+        self, train: StackRows, y: Any, val: StackRows, y_val: Any, sample_weight: Any = None
+    ) -> StackedPlus:
+        """Fit every block of the preset on ``train``, choose on ``val``, stack; returns self.
+
+        ``sample_weight`` (N,) weighs the training rows in every logistic regression (the
+        blocks, their out-of-fold logits and the stack; not the map's PCA or TAD's Ridge): a
+        generalist over several tasks gives each task the same total weight
+        (`actmap.experiments.generalist`)."""
         from sklearn.decomposition import PCA
         from sklearn.model_selection import StratifiedKFold
 
@@ -279,7 +293,12 @@ class StackedPlus:
                 log.warning("TAD and lookback read K=%d previous tokens (stored)", stored)
                 cfg = self.config = replace(cfg, tad_previous=stored)
         y, y_val = _labels(y, len(train)), _labels(y_val, len(val))
-        folds = StratifiedKFold(cfg.folds, shuffle=True, random_state=cfg.seed)
+        w = self.w_ = _weights(sample_weight, len(y))
+        # fewer folds when a class has fewer training rows than folds (a small task)
+        n_folds = int(min(cfg.folds, np.bincount(y, minlength=2).min()))
+        if n_folds < 2:
+            raise ValueError("the stack's out-of-fold logits need 2 training rows of each class")
+        folds = StratifiedKFold(n_folds, shuffle=True, random_state=cfg.seed)
         weight = cfg.class_weight
         x_map = flat_maps(train.maps)
         k = min(cfg.map_components, len(x_map) - 1, x_map.shape[1])
@@ -303,15 +322,15 @@ class StackedPlus:
             best = max(
                 STRENGTHS,
                 key=lambda C: metrics.auroc(
-                    LinearBlock.fit(block, x, y, C, weight).logits(xv), y_val
+                    LinearBlock.fit(block, x, y, C, weight, w).logits(xv), y_val
                 ),
             )
-            fitted = LinearBlock.fit(block, x, y, best, weight)
+            fitted = LinearBlock.fit(block, x, y, best, weight, w)
             if layer is not None:
                 fitted.choices.update(layer=layer, position=block.split(":", 1)[1])
             self.blocks_[block] = fitted
             val_logits[block] = fitted.logits(xv)
-            oof[block] = out_of_fold_logits(x, y, best, weight, folds)
+            oof[block] = out_of_fold_logits(x, y, best, weight, folds, w)
             self.validation_[block] = metrics.auroc(val_logits[block], y_val)
             log.info("block %s: validation AUROC %.4f (C=%g)", block, self.validation_[block], best)
         # kept in memory (not saved): `restricted` re-stacks a subset without refitting blocks
@@ -319,8 +338,8 @@ class StackedPlus:
         self.all_blocks_, self.all_tad_ = dict(self.blocks_), self.tad_
         self._finish([b for b in oof if b != FALLBACK])
         self.n_train_ = len(y)
-        self.train_prevalence_ = float(y.mean())
-        self.calibrated_prevalence_ = 0.5 if weight == "balanced" else float(y.mean())
+        self.train_prevalence_ = float(np.average(y, weights=w))
+        self.calibrated_prevalence_ = 0.5 if weight == "balanced" else self.train_prevalence_
         self.metadata_: dict[str, Any] = {}
         return self
 
@@ -339,7 +358,8 @@ class StackedPlus:
         aucs = [
             metrics.auroc(
                 LinearBlock.fit(block, self._features(block, train, layer), y, LAYER_SEARCH_C,
-                                self.config.class_weight).logits(self._features(block, val, layer)),
+                                self.config.class_weight, self.w_,
+                                ).logits(self._features(block, val, layer)),
                 y_val,
             )
             for layer in range(n_layers)
@@ -404,7 +424,9 @@ class StackedPlus:
 
     def _meta(self, oof: dict[str, np.ndarray], y: np.ndarray, blocks=None) -> LinearBlock:
         blocks = list(self.selected_ if blocks is None else blocks)
-        return LinearBlock.fit("stack", self._stack(oof, blocks), y, 1.0, self.config.class_weight)
+        return LinearBlock.fit(
+            "stack", self._stack(oof, blocks), y, 1.0, self.config.class_weight, self.w_
+        )
 
     def _select(self, oof, val_logits, y, y_val) -> list[str]:
         """Greedy forward selection: add the block that most raises the stack's validation
@@ -544,6 +566,15 @@ def _labels(y: Any, n: int) -> np.ndarray:
     if y.shape != (n,) or not np.isin(y, (0, 1)).all() or len(np.unique(y)) < 2:
         raise ValueError(f"labels must be {n} values of 0/1 holding both classes")
     return y.astype(np.int64)
+
+
+def _weights(sample_weight: Any, n: int) -> np.ndarray | None:
+    if sample_weight is None:
+        return None
+    w = np.asarray(sample_weight, dtype=np.float64)
+    if w.shape != (n,) or not np.isfinite(w).all() or (w <= 0).any():
+        raise ValueError(f"sample_weight must be {n} finite positive values")
+    return w
 
 
 def _read_config(src: Path) -> dict:

@@ -15,6 +15,7 @@ from actmap.cli import maps as _maps  # noqa: F401
 from actmap.cli import labels as _labels  # noqa: F401
 from actmap.cli import demo as _demo  # noqa: F401
 from actmap.cli import monitor as _monitor  # noqa: F401
+from actmap.cli import out_of_domain as _out_of_domain  # noqa: F401
 from actmap.cli import product as _product  # noqa: F401
 from actmap.cli import report as _report  # noqa: F401
 from actmap.cli import reproduce as _reproduce  # noqa: F401

@@ -318,3 +318,23 @@ def sampling_option():
         "review queue's uniform random sample (unbiased: the review band is over-sampled) | "
         "all: every label | auto: sample when the queue holds a random sample, else all.",
     )
+
+
+def write_result(out, name: str, result) -> None:
+    """Print ``result.to_markdown()`` and write it as ``<out>/<name>.md`` beside
+    ``<out>/<name>.json`` (``result.to_json()``)."""
+    import json
+
+    from rich.markdown import Markdown
+
+    from actmap.artifacts import json_safe
+    from actmap.atomic import atomic_write_text
+
+    text = result.to_markdown()
+    console.print(Markdown(text))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / f"{name}.md", text)
+    atomic_write_text(
+        out / f"{name}.json", json.dumps(json_safe(result.to_json()), indent=2) + "\n"
+    )
+    console.print(f"written to {out / f'{name}.md'} and {out / f'{name}.json'}")

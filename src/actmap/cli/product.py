@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
-from actmap.atomic import atomic_write_text
 from actmap.cli.app import app
-from actmap.cli.common import console, user_errors
+from actmap.cli.common import console, user_errors, write_result
 
 
 @app.command("compare-product")
@@ -26,9 +24,6 @@ def compare_product_command(
 ) -> None:
     """actmap-plus vs the strongest single-pass baseline vs the paper's ViT, with intervals."""
     with user_errors():
-        from rich.markdown import Markdown
-
-        from actmap.artifacts import json_safe
         from actmap.detectors.base import CorrectnessDetector
         from actmap.experiments.compare_product import compare_product
         from actmap.store import MapStore
@@ -48,14 +43,7 @@ def compare_product_command(
             n_resamples=resamples,
             n_permutations=permutations,
         )
-        text = result.to_markdown()
-        console.print(Markdown(text))
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "comparison.md", text)
-        atomic_write_text(
-            out / "comparison.json", json.dumps(json_safe(result.to_json()), indent=2) + "\n"
-        )
-        console.print(f"written to {out / 'comparison.md'} and {out / 'comparison.json'}")
+        write_result(out, "comparison", result)
 
 
 @app.command("compare-stacked")
@@ -75,9 +63,6 @@ def compare_stacked_command(
 ) -> None:
     """The stacked actmap-plus's presets vs every single-pass baseline, with paired intervals."""
     with user_errors():
-        from rich.markdown import Markdown
-
-        from actmap.artifacts import json_safe
         from actmap.store import MapStore
 
         wanted = [p.strip() for p in presets.split(",") if p.strip()]
@@ -95,14 +80,7 @@ def compare_stacked_command(
                 MapStore.open(store), wanted, n_resamples=resamples, with_v1=v1
             )
             name = "stacked"
-        text = result.to_markdown()
-        console.print(Markdown(text))
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / f"{name}.md", text)
-        atomic_write_text(
-            out / f"{name}.json", json.dumps(json_safe(result.to_json()), indent=2) + "\n"
-        )
-        console.print(f"written to {out / f'{name}.md'} and {out / f'{name}.json'}")
+        write_result(out, name, result)
 
 
 @app.command("cascade")
@@ -125,9 +103,6 @@ def cascade_command(
     """Final accuracy when the small model's least trusted answers go to a large model: by
     actmap p(correct) vs baselines, random and the oracle, with paired intervals and a plot."""
     with user_errors():
-        from rich.markdown import Markdown
-
-        from actmap.artifacts import json_safe
         from actmap.errors import ActmapUserError
         from actmap.experiments.cascade import cascade_inputs, measure_cascade, plot_cascade
         from actmap.store import MapStore
@@ -145,14 +120,8 @@ def cascade_command(
         result = measure_cascade(
             inputs.small, inputs.large, inputs.routers, wanted, n_resamples=resamples, about=about
         )
-        text = result.to_markdown()
-        console.print(Markdown(text))
+        write_result(out, "cascade", result)
         for method, why in inputs.unavailable.items():
             console.print(f"[yellow]{method} unavailable:[/yellow] {why}")
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "cascade.md", text)
-        atomic_write_text(
-            out / "cascade.json", json.dumps(json_safe(result.to_json()), indent=2) + "\n"
-        )
         plot_cascade(result, out / "cascade.png")
-        console.print(f"written to {out}/cascade.{{md,json,png}}")
+        console.print(f"plot written to {out / 'cascade.png'}")

@@ -67,7 +67,11 @@ class SeedBars:
 
 @app.command()
 def train(
-    store: Path = typer.Option(..., help="Map store to train on (its balanced rows)."),
+    store: list[Path] = typer.Option(
+        ...,
+        help="Map store to train on (its balanced rows). Repeat it for a generalist over "
+        "several tasks of one generator (actmap-plus stacked presets; `actmap out-of-domain`).",
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Run folder: one seed-<s>/ per seed."),
     detector: str = typer.Option(
         "vit",
@@ -109,6 +113,14 @@ def train(
         from actmap.training.run_folder import extend_run_record, prepare_run_folder
 
         resolve_device(device)  # a device this machine lacks fails before any work
+        if len(store) > 1:
+            from actmap.cli.out_of_domain import train_generalist
+
+            prepare_run_folder(out, detector, None, overwrite)
+            print_summary(train_generalist(store, out, detector, preset, fallback))
+            console.print(f"run written to {out}")
+            return
+        store = store[0]
         if detector == "actmap-plus":
             from actmap.experiments.stacked import train_plus_preset
 

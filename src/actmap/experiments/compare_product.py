@@ -41,10 +41,10 @@ PLUS_GRID = tuple(
 )
 
 
-def store_rows(store) -> dict[str, Rows]:
+def store_rows(store, persist: bool = True) -> dict[str, Rows]:
     """Balanced rows ("train", "validation", "test") and every labelled row ("<split>_all"),
-    each with its per-answer scalars."""
-    sets = dict(balanced_rows(store))
+    each with its per-answer scalars (``persist=False``: nothing is written into the store)."""
+    sets = dict(balanced_rows(store, persist=persist))
     sets.update({f"{split}_all": rows for split, rows in natural_rows(store).items()})
     return {name: with_scalars(store, rows) for name, rows in sets.items()}
 

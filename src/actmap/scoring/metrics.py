@@ -86,6 +86,40 @@ def natural_ece(
     return ece(probs, labels, n_bins), ece(shifted, labels, n_bins)
 
 
+def _rejection_area(quality_sorted: np.ndarray, n_rejected: int) -> float:
+    """Area under the prediction-rejection curve: the mean quality of the answers kept when
+    the ``j`` least confident are rejected, summed over j = 0 .. n_rejected - 1, over n."""
+    n = len(quality_sorted)
+    kept_mean = np.cumsum(quality_sorted) / np.arange(1, n + 1)  # [k - 1]: the k most confident
+    return float(kept_mean[::-1][:n_rejected].sum() / n)
+
+
+def prr(scores, labels, max_rejection: float = 0.5) -> float:
+    """Prediction rejection ratio (LM-Polygraph's PRR, the RAUQ and TAD papers' metric).
+
+    Reject answers from the least confident up, to ``max_rejection`` of them; the area under
+    the curve of the kept answers' accuracy (`_rejection_area`) is read between a random
+    order (0: the accuracy stays the prevalence) and the oracle (1: every incorrect answer
+    rejected first): PRR = (area - random) / (oracle - random). Tied scores count their
+    group's mean accuracy (what a random order within the tie gives on average)."""
+    s, y = _check_scores_labels(scores, labels, both_classes=True)
+    if not 0.0 < max_rejection <= 1.0:
+        raise ValueError(f"max_rejection must be in (0, 1], got {max_rejection}")
+    n = len(s)
+    n_rejected = int(max_rejection * n)
+    if n_rejected < 2:
+        raise ValueError(f"PRR needs at least 2 rejected rows; {n} rows reject {n_rejected}")
+    order = np.argsort(-s, kind="stable")
+    ranked = s[order]
+    group = np.cumsum(np.r_[True, ranked[1:] != ranked[:-1]]) - 1
+    quality = y[order].astype(np.float64)
+    quality = (np.bincount(group, quality) / np.bincount(group))[group]
+    area = _rejection_area(quality, n_rejected)
+    oracle = _rejection_area(np.sort(y)[::-1].astype(np.float64), n_rejected)
+    random = float(y.mean()) * n_rejected / n
+    return (area - random) / (oracle - random)
+
+
 # the per-seed test metrics a run summarises (mean and std over seeds)
 SUMMARY_METRICS = ("auroc", "auprc", "ece", "coverage_at_5pct_risk", "risk_at_80pct_coverage")
 
