@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 
 from actmap.errors import ActmapUserError
-from actmap.serve.protocol import ActmapInfo, UsageInfo
+from actmap.serve.protocol import ActmapInfo, UsageInfo, sse_event, usage_of
 from actmap.serve.proxy import PATHS, choice_text
 from actmap.serve.upstream import Upstream, UpstreamFailure, upstream_model_name
 
@@ -123,11 +123,26 @@ class Actions:
         log.warning("route to %s failed (%s): %s", self.settings.route_to, failure.kind, failure.message)  # fmt: skip
         self.counter.labels("route", failure.kind).inc()
 
-    # -- audit ---------------------------------------------------------------------------
+    # -- what an action did: counted, noted in the audit store, said in the block --------
     def note(self, state, answer, action: str, **detail) -> None:
         audit = state.engine.audit
         if audit is not None and answer.map_id is not None:
             audit.note_action(answer.map_id, action, **detail)
+
+    def abstained(self, state, answer) -> ActionInfo:
+        self.counter.labels("abstain", "done").inc()
+        self.note(state, answer, "abstained")
+        return ActionInfo(**state.info(answer).model_dump(), abstained=True)
+
+    def routed(self, state, answer) -> ActionInfo:
+        self.counter.labels("route", "done").inc()
+        self.note(state, answer, "routed", route_model=self.route_model)
+        return ActionInfo(**state.info(answer).model_dump(), routed=True, route_model=self.route_model)  # fmt: skip
+
+    def route_failed(self, state, answer, failure: UpstreamFailure) -> ActionInfo:
+        self.failed(failure)
+        self.note(state, answer, "route_failed", route_error=failure.message)
+        return ActionInfo(**state.info(answer).model_dump(), routed=False, route_error=failure.message)  # fmt: skip
 
 
 def route_model_name(settings) -> str:
@@ -183,7 +198,6 @@ async def act(state, body, job, answer, response):
     kind = "answer" if actions is None else action_for(answer.decision, state.settings)
     if kind == "answer":
         return response
-    info = state.info(answer).model_dump()
     choice = response.choices[0]
     if kind == "abstain":
         if hasattr(choice, "message"):
@@ -191,39 +205,28 @@ async def act(state, body, job, answer, response):
         else:
             choice.text = state.settings.abstain_message
         choice.finish_reason = ABSTAIN_FINISH_REASON
-        actions.counter.labels("abstain", "done").inc()
-        actions.note(state, answer, "abstained")
-        return _dumped(response, ActionInfo(**info, abstained=True))
+        return _dumped(response, actions.abstained(state, answer))
     try:
         out, _, _ = await actions.ask_route(body, job.max_tokens, job.endpoint)
     except UpstreamFailure as failure:
-        actions.failed(failure)
-        actions.note(state, answer, "route_failed", route_error=failure.message)
-        return _dumped(response, ActionInfo(**info, routed=False, route_error=failure.message))
-    actions.counter.labels("route", "done").inc()
-    actions.note(state, answer, "routed", route_model=actions.route_model)
-    block = ActionInfo(**info, routed=True, route_model=actions.route_model)
-    out["actmap"] = block.model_dump(mode="json", exclude_none=True)
+        return _dumped(response, actions.route_failed(state, answer, failure))
+    out["actmap"] = actions.routed(state, answer).model_dump(mode="json", exclude_none=True)
     return JSONResponse(out)
 
 
 # -- a stream ---------------------------------------------------------------------------------
 
 
-def _event(chunk) -> str:
-    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-
-
 def _replaced(chunks, text: str, finish: str, block: ActionInfo, usage) -> list[str]:
     """A whole stream of one answer ``text``: role, text, the final chunk, usage, [DONE]."""
-    events = [_event(chunks.make("", role="assistant"))] if chunks.chat else []
-    events.append(_event(chunks.make(text)))
+    events = [sse_event(chunks.make("", role="assistant"))] if chunks.chat else []
+    events.append(sse_event(chunks.make(text)))
     final = chunks.make(None if chunks.chat else "", finish=finish)
     payload = final.model_dump(mode="json", exclude_none=True)
     payload["actmap"] = block.model_dump(mode="json", exclude_none=True)
     events.append(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n")
     if usage is not None:
-        events.append(_event(chunks.make(None, usage=usage, empty=True)))
+        events.append(sse_event(chunks.make(None, usage=usage, empty=True)))
     return [*events, "data: [DONE]\n\n"]
 
 
@@ -264,18 +267,11 @@ async def held(state, stream: AsyncIterator[str], future, chunks, body, job) -> 
             yield event
         return
     actions: Actions = state.actions
-    info = state.info(answer).model_dump()
     usage = None
     if body.stream_options and body.stream_options.include_usage:
-        usage = UsageInfo(
-            prompt_tokens=answer.prompt_tokens,
-            completion_tokens=answer.n_tokens,
-            total_tokens=answer.prompt_tokens + answer.n_tokens,
-        )
+        usage = usage_of(answer)
     if kind == "abstain":
-        actions.counter.labels("abstain", "done").inc()
-        actions.note(state, answer, "abstained")
-        block = ActionInfo(**info, abstained=True)
+        block = actions.abstained(state, answer)
         message = state.settings.abstain_message
         for event in _replaced(chunks, message, ABSTAIN_FINISH_REASON, block, usage):
             yield event
@@ -283,15 +279,10 @@ async def held(state, stream: AsyncIterator[str], future, chunks, body, job) -> 
     try:
         out, text, finish = await actions.ask_route(body, job.max_tokens, job.endpoint)
     except UpstreamFailure as failure:
-        actions.failed(failure)
-        actions.note(state, answer, "route_failed", route_error=failure.message)
-        block = ActionInfo(**info, routed=False, route_error=failure.message)
-        for event in _flag_final(events, block):
+        for event in _flag_final(events, actions.route_failed(state, answer, failure)):
             yield event
         return
-    actions.counter.labels("route", "done").inc()
-    actions.note(state, answer, "routed", route_model=actions.route_model)
-    block = ActionInfo(**info, routed=True, route_model=actions.route_model)
+    block = actions.routed(state, answer)
     chunks.model = actions.route_model
     for event in _replaced(chunks, text, finish, block, usage and _routed_usage(out)):
         yield event

@@ -59,8 +59,9 @@ from actmap.serve.protocol import (
     ModelList,
     RunningScore,
     ShiftInfo,
-    UsageInfo,
     random_id,
+    sse_event,
+    usage_of,
 )
 from actmap.serve.proxy import install_proxy_routes, start_proxy, stop_proxy
 from actmap.serve.reload import install_reload_route
@@ -606,7 +607,7 @@ async def _serve(state: ServerState, body, job: Job, endpoint: str, request: Req
         return Response(status_code=499)
     await state.audit_committed([answer])
     state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
-    usage = _usage(answer)
+    usage = usage_of(answer)
     if endpoint == "chat":
         response = ChatCompletionResponse(
             model=state.settings.model_name,
@@ -662,10 +663,6 @@ async def _client_left(request: Request) -> None:
         pass
 
 
-def _sse(chunk) -> str:
-    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-
-
 class _Chunks:
     """OpenAI stream chunks of one answer, chat or completion shaped."""
 
@@ -687,14 +684,6 @@ class _Chunks:
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
             actmap=actmap,
         )  # fmt: skip
-
-
-def _usage(answer: Answer) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=answer.prompt_tokens,
-        completion_tokens=answer.n_tokens,
-        total_tokens=answer.prompt_tokens + answer.n_tokens,
-    )
 
 
 def _end_events(events: asyncio.Queue) -> Callable[[asyncio.Future], None]:
@@ -723,7 +712,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
         sent = ""
         try:
             if chunks.chat:
-                yield _sse(chunks.make("", role="assistant"))
+                yield sse_event(chunks.make("", role="assistant"))
             while True:
                 try:
                     event = await asyncio.wait_for(events.get(), deadline - loop.time())
@@ -740,7 +729,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                 running = None
                 if event["p_correct"] is not None:
                     running = RunningScore(p_correct=event["p_correct"], n_tokens=event["n_tokens"])
-                yield _sse(chunks.make(event["text"], actmap=running))
+                yield sse_event(chunks.make(event["text"], actmap=running))
             error = future.exception()
             if error is not None:
                 message = ErrorResponse(
@@ -752,8 +741,8 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
             await state.audit_committed([answer])
             rest = answer.text[len(sent) :] if answer.text.startswith(sent) else ""
             if rest:
-                yield _sse(chunks.make(rest))
-            yield _sse(
+                yield sse_event(chunks.make(rest))
+            yield sse_event(
                 chunks.make(
                     None if chunks.chat else "",
                     finish=answer.finish_reason,
@@ -761,7 +750,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                 )
             )
             if include_usage:
-                yield _sse(chunks.make(None, usage=_usage(answer), empty=True))
+                yield sse_event(chunks.make(None, usage=usage_of(answer), empty=True))
             yield "data: [DONE]\n\n"
             state.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
         finally:

@@ -131,6 +131,20 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+def usage_of(answer) -> UsageInfo:
+    """The usage of one served answer (anything with ``prompt_tokens`` and ``n_tokens``)."""
+    return UsageInfo(
+        prompt_tokens=answer.prompt_tokens,
+        completion_tokens=answer.n_tokens,
+        total_tokens=answer.prompt_tokens + answer.n_tokens,
+    )
+
+
+def sse_event(chunk) -> str:
+    """One server-sent event of a stream chunk (unset fields left out, as OpenAI does)."""
+    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+
 class ChatMessageOut(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
