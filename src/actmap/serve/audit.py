@@ -204,8 +204,9 @@ class AuditTrail:
             self._thread.start()
 
     # -- building entries ------------------------------------------------------------------
-    def entry(self, job, answer, source, detector_id: str, policy: str | None = None) -> AuditEntry:
-        """An `AuditEntry` from an engine job and its answer."""
+    def entry(self, job, answer, source) -> AuditEntry:
+        """An `AuditEntry` from an engine job and its answer (which names the detector and the
+        policy version that scored it)."""
         record = MapRecord(
             id=answer.map_id,
             source_key=prompt_digest(job.prompt_for_audit or job.prompt),
@@ -229,9 +230,9 @@ class AuditTrail:
             p_correct_raw=answer.p_correct_raw,
             prevalence=answer.prevalence,
             decision=answer.decision,
-            detector=detector_id,
+            detector=answer.detector,
             scalars=answer.scalars,
-            policy=policy,
+            policy=answer.policy,
         )
 
     def note_action(

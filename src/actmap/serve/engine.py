@@ -425,12 +425,7 @@ class Engine:
             if map_id is not None:
                 records.append((job, answer))
         if records:
-            committed = self.audit.append(
-                [
-                    self.audit.entry(job, a, self.source, self.detector.id, self.policy_version)
-                    for job, a in records
-                ]
-            )
+            committed = self.audit.append([self.audit.entry(j, a, self.source) for j, a in records])
             answers = [replace(a, committed=committed) if a.map_id else a for a in answers]
         return answers
 
