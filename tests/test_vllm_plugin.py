@@ -79,14 +79,14 @@ def detector_for(run: Path, generator: Path) -> Path:
 
 
 def start_vllm(
-    folder: Path, run: Path, audit: Path, log: Path, tensor_parallel: int = 1
+    folder: Path, run: Path, audit: Path, log: Path, tensor_parallel: int = 1, **options
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(actmap.__file__).parents[1])}  # fmt: skip
     if tensor_parallel == 2:  # one core per rank (vLLM's CPU workers need a binding each)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    settings = {"actmap": {"detector": str(run), "audit": str(audit)}}
+    settings = {"actmap": {"detector": str(run), "audit": str(audit), **options}}
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
@@ -122,7 +122,7 @@ def servers(tmp_path_factory):
     folder, folder_tp = tiny_folder(root / "tiny"), tiny_folder(root / "tiny-tp", heads=4)
     run, run_tp = detector_for(root / "run", folder), detector_for(root / "run-tp", folder_tp)
     other = detector_for(root / "run-other", root / "another-model")
-    good, url = start_vllm(folder, run, root / "audit", root / "vllm.log")
+    good, url = start_vllm(folder, run, root / "audit", root / "vllm.log", score_route=True)
     tp, url_tp = start_vllm(folder_tp, run_tp, root / "audit-tp", root / "tp.log", 2)
     refused, _ = start_vllm(folder, other, root / "audit-other", root / "refused.log")
     deadline = time.time() + START_S
@@ -416,3 +416,123 @@ def test_an_answer_the_client_abandons_writes_no_partial_map(servers):
             except StoreError:
                 continue
         assert [n for n in lengths if n > 20] == [240]
+
+
+def streamed(url: str, body: dict) -> list[dict]:
+    """The JSON chunks of a stream (``data: [DONE]`` checked and left out)."""
+    events = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_running_scores_in_streamed_chunks_and_abort_below(servers, reference_model):
+    """``actmap.stream_scores``: each chunk's running p(correct) over the answer's first
+    n_tokens tokens equals the teacher-forced reference of those tokens; ``abort_below`` ends
+    the answer in vLLM, and its block (decision abstain_early) is that of the tokens read."""
+    url = servers["url"]
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    tokens = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
+    tokens = tokens["choices"][0]["token_ids"]
+    chunks = streamed(url, {**body, "stream": True, "actmap": {"stream_scores": True}})
+    running = [c["actmap"] for c in chunks if "actmap" in c and "n_tokens" in c["actmap"]]
+    answer = [t for t in tokens if t != reference_model[1].eos_token_id]
+    counts = [r["n_tokens"] for r in running]  # the workers may be a step ahead of the stream
+    assert counts and counts == sorted(set(counts)) and 1 <= counts[0] <= counts[-1] <= len(answer)
+    for score in running:
+        p_raw, _ = expected(reference_model, answer[: score["n_tokens"]])
+        assert same_score(score["p_correct"], p_raw), score
+    final = chunks[-1]["actmap"]  # the whole answer's block, as without stream_scores
+    assert same_score(final["p_correct_raw"], expected(reference_model, tokens)[0])
+
+    # abort_below 1: the first running score ends a 240-token answer
+    long = {**body, "max_tokens": 240, "ignore_eos": True, "stream": True,
+            "actmap": {"stream_scores": True, "abort_below": 1.0}}  # fmt: skip
+    chunks = streamed(url, long)
+    scores = [c["actmap"] for c in chunks if "n_tokens" in c.get("actmap", {})]
+    assert len(scores) == 1 and scores[0]["p_correct"] < 1.0
+    cut = scores[0]["n_tokens"]
+    last = chunks[-1]
+    assert last["choices"] == [{"index": 0, "delta": {}, "finish_reason": "stop"}]
+    block = last["actmap"]
+    assert block["decision"] == "abstain_early" and block["map_id"]
+    assert block["p_correct_raw"] == pytest.approx(scores[0]["p_correct"], abs=1e-6)
+    prefix = httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": cut,
+                        "ignore_eos": True}, timeout=300).json()["choices"][0]["token_ids"]  # fmt: skip
+    assert reference_model[1].eos_token_id not in prefix
+    p_raw, stored = expected(reference_model, prefix)
+    assert same_score(block["p_correct_raw"], p_raw)
+    maps = audit_maps(servers["root"] / "audit", {block["map_id"]})
+    assert same_map(maps[block["map_id"]], stored)
+    store = MapStore.open(servers["root"] / "audit")
+    n_tokens = {i: n for _, meta in store.iter_maps(columns=("id", "n_tokens"))
+                for i, n in zip(meta.column("id").to_pylist(),
+                                meta.column("n_tokens").to_pylist(), strict=True)}  # fmt: skip
+    assert n_tokens[block["map_id"]] == cut
+
+
+def test_actmap_options_are_checked_by_name(servers):
+    url = servers["url"] + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    for options, stream, param in (
+        ({"abort_below": 0.5}, False, "actmap.abort_below"),  # needs a stream
+        ({"abort_below": 2}, True, "actmap.abort_below"),  # outside 0..1
+        ({"bogus": True}, True, "actmap.bogus"),
+    ):
+        out = httpx.post(url, json={**body, "stream": stream, "actmap": options}, timeout=60)
+        assert out.status_code == 400 and out.json()["error"]["param"] == param, out.text
+
+
+def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_model):
+    """``/v1/actmap/score`` on vLLM's server (``score_route``: a teacher-forced transformers pass
+    in the API server) gives each answer vLLM generated the score of its block, within 1e-3."""
+    url, eos = servers["url"], reference_model[1].eos_token_id
+    client = client_for(servers)
+    answers = []
+    for options in ({"temperature": 0}, {"temperature": 1.0, "n": 2, "seed": 5}):
+        out = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
+            extra_body={"return_token_ids": True}, **options,
+        )  # fmt: skip
+        for choice in out.choices:
+            block = choice.model_extra.get("actmap") or out.model_extra["actmap"]
+            tokens = [t for t in choice.model_extra["token_ids"] if t != eos]
+            answers.append((block, {"messages": MESSAGES, "answer_token_ids": tokens}))
+    completion = client.completions.create(
+        model=MODEL, prompt="what is the capital city", max_tokens=4, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    tokens = [t for t in completion.choices[0].model_extra["token_ids"] if t != eos]
+    answers.append((completion.model_extra["actmap"],
+                    {"prompt": "what is the capital city", "answer_token_ids": tokens}))  # fmt: skip
+    items = [{"id": str(i), **item} for i, (_, item) in enumerate(answers)]
+    scored = httpx.post(url + "/v1/actmap/score", json={"model": MODEL, "items": items},
+                        timeout=300)  # fmt: skip
+    assert scored.status_code == 200, scored.text
+    out = scored.json()
+    assert out["detector"] == answers[0][0]["detector"]
+    for (block, item), result in zip(answers, out["results"], strict=True):
+        assert result["n_tokens"] == len(item["answer_token_ids"])
+        assert abs(result["p_correct"] - block["p_correct"]) <= 1e-3, (result, block)
+        assert same_score(result["p_correct_raw"], block["p_correct_raw"])
+        assert result["decision"] == block["decision"] and result["map_id"] != block["map_id"]
+    wanted = {r["map_id"]: b["map_id"] for (b, _), r in zip(answers, out["results"], strict=True)}
+    maps = audit_maps(servers["root"] / "audit", set(wanted) | set(wanted.values()))
+    assert all(same_map(maps[scored_id], maps[block_id]) for scored_id, block_id in wanted.items())
+
+    # actmap serve's checks and errors, unchanged
+    bad = httpx.post(url + "/v1/actmap/score", json={"items": [{"messages": MESSAGES}]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "items[0]", bad.text
+    other = httpx.post(url + "/v1/actmap/score", json={"model": "gpt-4o", "items": items[:1]},
+                       timeout=60)  # fmt: skip
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    empty = httpx.post(url + "/v1/actmap/score", json={"items": []}, timeout=60)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "items"
+    # a server started without score_route says how to turn it on
+    off = httpx.post(servers["url_tp"] + "/v1/actmap/score", json={"items": items[:1]}, timeout=60)
+    assert off.status_code == 400 and "score_route" in off.json()["error"]["message"]

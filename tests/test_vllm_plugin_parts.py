@@ -14,6 +14,7 @@ import torch
 from actmap.capture.records import CaptureConfig
 from actmap.capture.vllm_engine import _record, _Request
 from actmap.capture.vllm_rows import child_index, generation_from_payload, payload
+from actmap.serve.app import ServeSettings
 from actmap.serve.vllm_plugin import ActmapMiddleware
 
 BASE = "actmap-0123abcd"
@@ -61,10 +62,13 @@ def test_rows_round_trip_to_the_in_process_engines_generation(word_tokenizer):
 class Blocks:
     """Scores by choice index (what `VllmPlugin.blocks` returns); records what it was asked."""
 
+    settings = ServeSettings(model="tiny")
+    gives_running_scores = True
+
     def __init__(self) -> None:
         self.asked = []
 
-    async def blocks(self, base, body, endpoint, arrived):
+    async def blocks(self, base, body, endpoint, arrived, tokens=None):
         self.asked.append((base, endpoint))
         return {i: {"p_correct": 0.25 + i / 10} for i in range(body.get("n", 1))}
 
