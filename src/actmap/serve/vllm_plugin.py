@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections import defaultdict
@@ -152,9 +153,15 @@ class VllmPlugin:
         self.metrics = ServeMetrics()  # actmap serve's metrics, on vLLM's /metrics
 
     def expose_metrics(self) -> None:
-        """Serve the ``actmap_*`` metrics from vLLM's own ``/metrics`` (its registry)."""
+        """Serve the ``actmap_*`` metrics from vLLM's own ``/metrics`` (its registry). With
+        several API-server processes (``--api-server-count``) vLLM serves the values every
+        process writes into ``PROMETHEUS_MULTIPROC_DIR``, which prometheus-client does for these
+        metrics too (they are made after vLLM set it): nothing to register, and each answer is
+        counted once, by the process that answered it."""
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return
         try:
             get_prometheus_registry().register(self.metrics.registry)
         except ValueError as error:  # names taken (a second plugin in this process)
@@ -684,7 +691,7 @@ class _StreamSender:
             return event
         if not running:
             return event
-        for index, (p, t) in running.items():
+        for index, (_, t) in running.items():
             self.scored[index] = t
         if request.stream_scores:
             blocks = {i: {"p_correct": p, "n_tokens": t} for i, (p, t) in running.items()}
