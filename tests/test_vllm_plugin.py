@@ -486,6 +486,20 @@ def test_a_lora_request_gets_the_block_of_the_adapted_model(servers, reference_m
     assert same_map(maps[block["map_id"]], stored)
 
 
+def greedy_and_sampled(client, seed: int) -> list[tuple[dict, list[int]]]:
+    """(block, answer token ids) of a greedy answer and of two sampled ones (``n = 2``)."""
+    out = []
+    for options in ({"temperature": 0}, {"temperature": 1.0, "n": 2, "seed": seed}):
+        answer = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
+            extra_body={"return_token_ids": True}, **options,
+        )  # fmt: skip
+        for choice in answer.choices:
+            block = choice.model_extra.get("actmap") or answer.model_extra["actmap"]
+            out.append((block, choice.model_extra["token_ids"]))
+    return out
+
+
 def test_tensor_parallel_2_gives_the_reference_maps(servers):
     """TP=2 (two worker processes, rank 0 records): the blocks and audit maps of greedy and
     sampled answers equal the single-device transformers reference."""
@@ -493,16 +507,10 @@ def test_tensor_parallel_2_gives_the_reference_maps(servers):
     client = openai.OpenAI(base_url=servers["url_tp"] + "/v1", api_key="none", max_retries=0,
                            timeout=300)  # fmt: skip
     wanted = {}
-    for options in ({"temperature": 0}, {"temperature": 1.0, "n": 2, "seed": 3}):
-        out = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
-            extra_body={"return_token_ids": True}, **options,
-        )  # fmt: skip
-        for choice in out.choices:
-            block = choice.model_extra.get("actmap") or out.model_extra["actmap"]
-            p_raw, stored = expected(reference, choice.model_extra["token_ids"])
-            assert same_score(block["p_correct_raw"], p_raw)
-            wanted[block["map_id"]] = stored
+    for block, token_ids in greedy_and_sampled(client, seed=3):
+        p_raw, stored = expected(reference, token_ids)
+        assert same_score(block["p_correct_raw"], p_raw)
+        wanted[block["map_id"]] = stored
     maps = audit_maps(servers["root"] / "audit-tp", set(wanted))
     assert all(same_map(maps[key], stored) for key, stored in wanted.items())
 
@@ -614,15 +622,9 @@ def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_
     url, eos = servers["url"], reference_model[1].eos_token_id
     client = client_for(servers)
     answers = []
-    for options in ({"temperature": 0}, {"temperature": 1.0, "n": 2, "seed": 5}):
-        out = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
-            extra_body={"return_token_ids": True}, **options,
-        )  # fmt: skip
-        for choice in out.choices:
-            block = choice.model_extra.get("actmap") or out.model_extra["actmap"]
-            tokens = [t for t in choice.model_extra["token_ids"] if t != eos]
-            answers.append((block, {"messages": MESSAGES, "answer_token_ids": tokens}))
+    for block, token_ids in greedy_and_sampled(client, seed=5):
+        tokens = [t for t in token_ids if t != eos]
+        answers.append((block, {"messages": MESSAGES, "answer_token_ids": tokens}))
     completion = client.completions.create(
         model=MODEL, prompt="what is the capital city", max_tokens=4, temperature=0,
         extra_body={"return_token_ids": True},
@@ -641,6 +643,9 @@ def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_
         assert abs(result["p_correct"] - block["p_correct"]) <= 1e-3, (result, block)
         assert same_score(result["p_correct_raw"], block["p_correct_raw"])
         assert result["decision"] == block["decision"] and result["map_id"] != block["map_id"]
+    gaps = [abs(r["p_correct_raw"] - b["p_correct_raw"])
+            for (b, _), r in zip(answers, out["results"], strict=True)]  # fmt: skip
+    print(f"block vs /v1/actmap/score: max |dp| {max(gaps):.2e} over {len(gaps)} answers")
     wanted = {r["map_id"]: b["map_id"] for (b, _), r in zip(answers, out["results"], strict=True)}
     maps = audit_maps(servers["root"] / "audit", set(wanted) | set(wanted.values()))
     assert all(same_map(maps[scored_id], maps[block_id]) for scored_id, block_id in wanted.items())

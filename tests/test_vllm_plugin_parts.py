@@ -154,3 +154,101 @@ def test_a_stream_that_reported_an_error_gets_no_block():
     app, _ = vllm_like(200, [stream], b"text/event-stream")
     _, out, plugin = call(app, b'{"stream": true}')
     assert out == stream and plugin.asked == []
+
+
+class Running(Blocks):
+    """A plugin whose running score falls by 0.2 a token (tokens so far: one per chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = 0
+        self.cut = None
+
+    async def running(self, request, choices, since):
+        self.tokens += 1
+        return {0: (1.0 - 0.2 * self.tokens, self.tokens)}
+
+    async def blocks(self, base, body, endpoint, arrived, tokens=None):
+        self.cut = tokens
+        return {0: {"decision": "abstain_early" if tokens else "accept"}}
+
+
+def streaming_vllm(n_chunks: int):
+    """An ASGI app streaming ``n_chunks`` token chunks as Starlette's StreamingResponse does:
+    it stops when ``receive`` says the client left (vLLM then aborts the request)."""
+    seen = {"sent": 0}
+
+    async def app(scope, receive, send):
+        seen["body"] = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+
+        async def stream():
+            for k in range(n_chunks):
+                chunk = {"id": "c1", "choices": [{"index": 0, "delta": {"content": f"w{k}"}}]}
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"data: " + json.dumps(chunk).encode() + b"\n\n"})  # fmt: skip
+                seen["sent"] += 1
+                await asyncio.sleep(0.01)
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+        async def listen():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        tasks = {asyncio.ensure_future(stream()), listen_task := asyncio.ensure_future(listen())}
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        seen["disconnected"] = listen_task in done
+
+    return app, seen
+
+
+def stream_through(app, plugin, body: dict) -> list[dict]:
+    middleware = ActmapMiddleware(app)
+    middleware.plugin = plugin
+    sent = []
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():  # the client stays connected
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(middleware(scope, receive, send), 10))
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert not bodies[-1].get("more_body", False) and all(m.get("more_body") for m in bodies[:-1])
+    events = b"".join(m["body"] for m in bodies).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    return [json.loads(e[len("data: ") :]) for e in events[:-2]]
+
+
+def test_running_scores_and_abort_below_end_the_stream_in_vllm():
+    app, seen = streaming_vllm(20)
+    plugin = Running()
+    body = {"stream": True, "messages": [], "actmap": {"stream_scores": True, "abort_below": 0.5}}
+    chunks = stream_through(app, plugin, body)
+    assert "actmap" not in json.loads(seen["body"])  # actmap's options never reach vLLM
+    # 0.8, 0.6 pass; 0.4 < 0.5 ends the answer after its third token
+    running = [c["actmap"] for c in chunks[:-1]]
+    assert running == [
+        {"p_correct": pytest.approx(1.0 - 0.2 * k), "n_tokens": k} for k in (1, 2, 3)
+    ]
+    assert seen["disconnected"] and seen["sent"] < 20  # vLLM heard a client that left
+    final = chunks[-1]
+    assert final["choices"] == [{"index": 0, "delta": {}, "finish_reason": "stop"}]
+    assert final["actmap"] == {"decision": "abstain_early"} and plugin.cut == 3
+
+
+def test_running_scores_without_abort_leave_the_stream_whole():
+    app, seen = streaming_vllm(4)
+    plugin = Running()
+    chunks = stream_through(app, plugin, {"stream": True, "actmap": {"stream_scores": True}})
+    assert [c["actmap"]["n_tokens"] for c in chunks[:-1]] == [1, 2, 3, 4]
+    assert chunks[-1]["actmap"] == {"decision": "accept"} and plugin.cut is None
+    assert not seen["disconnected"] and seen["sent"] == 4

@@ -128,7 +128,11 @@ class ActmapWorker:
         place (the running score of a streamed answer)."""
         return self._actmap_rows(bases, take=False)
 
+    @torch.inference_mode()
     def _actmap_rows(self, bases: list[str], take: bool) -> list[dict]:
+        """(In inference mode: the host rows were made inside vLLM's forward, in inference
+        mode, and the last step's rows are scattered into them in place; an RPC that arrives
+        before the next step does that scatter.)"""
         recorder = getattr(self, "_actmap_recorder", None)
         if recorder is None:
             return []
