@@ -204,13 +204,13 @@ def expected(reference_model, token_ids: list[int], messages=MESSAGES):
     return float(detector.detector.predict_proba(stored[None], scalars)[0]), stored
 
 
+def logit(p: float) -> float:
+    return float(np.log(p) - np.log1p(-p))
+
+
 def same_score(served: float, reference: float) -> bool:
     """Equal within 1e-3, and in log-odds within 1e-3 (the detector's scores sit near 0 on these
     random answers, where an absolute tolerance alone says little)."""
-
-    def logit(p: float) -> float:
-        return float(np.log(p) - np.log1p(-p))
-
     return abs(served - reference) <= 1e-3 and abs(logit(served) - logit(reference)) <= 1e-3
 
 
@@ -643,9 +643,14 @@ def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_
         assert abs(result["p_correct"] - block["p_correct"]) <= 1e-3, (result, block)
         assert same_score(result["p_correct_raw"], block["p_correct_raw"])
         assert result["decision"] == block["decision"] and result["map_id"] != block["map_id"]
-    gaps = [abs(r["p_correct_raw"] - b["p_correct_raw"])
-            for (b, _), r in zip(answers, out["results"], strict=True)]  # fmt: skip
-    print(f"block vs /v1/actmap/score: max |dp| {max(gaps):.2e} over {len(gaps)} answers")
+    pairs = [(r["p_correct_raw"], b["p_correct_raw"])
+             for (b, _), r in zip(answers, out["results"], strict=True)]  # fmt: skip
+    print(
+        f"block vs /v1/actmap/score over {len(pairs)} answers: max |dp| "
+        f"{max(abs(a - b) for a, b in pairs):.2e}, in log-odds "
+        f"{max(abs(logit(a) - logit(b)) for a, b in pairs):.2e}, p in "
+        f"[{min(min(pair) for pair in pairs):.3g}, {max(max(pair) for pair in pairs):.3g}]"
+    )
     wanted = {r["map_id"]: b["map_id"] for (b, _), r in zip(answers, out["results"], strict=True)}
     maps = audit_maps(servers["root"] / "audit", set(wanted) | set(wanted.values()))
     assert all(same_map(maps[scored_id], maps[block_id]) for scored_id, block_id in wanted.items())
