@@ -2,8 +2,8 @@
 
 `create_app(settings)` builds a FastAPI app whose lifespan loads the generator,
 the detector, the policy and the audit trail once (`build_engine`). Requests are
-validated here (clear 4xx JSON errors in OpenAI's shape), rendered to prompts,
-and handed to the micro-batcher (`actmap.serve.batcher`), which runs
+checked and rendered to prompts by `actmap.serve.request_path` (the checks, message
+flattening and OpenAI-shaped errors of every server mode: plain, vLLM, proxy), and handed to the micro-batcher (`actmap.serve.batcher`), which runs
 `actmap.serve.engine.Engine.run` off the event loop. Endpoints:
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
 ``GET /v1/models``, ``GET /health``, ``GET /ready`` (readiness, `actmap.serve.lifecycle`),
@@ -33,7 +33,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actmap.errors import ActmapUserError
 from actmap.serve.actions import act, acts, held, start_actions, stop_actions
 from actmap.serve.answers import PrefixCache, chat_prefix, score_answers
-from actmap.serve.api_errors import APIError, retry_headers, server_busy
+from actmap.serve.request_path import (
+    APIError,
+    check_generation,
+    check_length,
+    check_request,
+    request_prompt,
+    retry_headers,
+    server_busy,
+    validation_error,
+)
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
 from actmap.serve.feedback import install_feedback_route
@@ -53,8 +62,6 @@ from actmap.serve.protocol import (
     CompletionResponse,
     CompletionStreamChoice,
     DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     RunningScore,
@@ -71,7 +78,6 @@ from actmap.serve.score_endpoint import install_score_route
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "ACTMAP_API_KEY"
-MAX_STOP_STRINGS = 4  # as OpenAI
 
 
 @dataclass(frozen=True)
@@ -241,97 +247,16 @@ def load_streaming_monitor(path: Path | None, window: int):
     return StreamingMonitor(ShiftMonitor.load(folder), window)
 
 
-# -- request checks ---------------------------------------------------------------------------
+# -- requests (`actmap.serve.request_path`: the checks every mode shares) ---------------------
 
 
-def _check_common(request, settings: ServeSettings, max_tokens: int | None) -> int:
-    if request.model != settings.model_name:
-        raise APIError(
-            404,
-            f"The model '{request.model}' does not exist; this server serves '{settings.model_name}'",
-            param="model",
-            code="model_not_found",
-        )
-    if request.n not in (None, 1):
-        raise APIError(400, f"n must be 1, got {request.n}", param="n")
-    if request.temperature not in (None, 0, 0.0):
-        raise APIError(
-            400,
-            f"temperature must be 0 or omitted, got {request.temperature}: actmap serves greedy "
-            "answers, the decoding its detectors are trained on",
-            param="temperature",
-        )
-    if request.top_p not in (None, 1, 1.0):
-        raise APIError(400, f"top_p must be 1 or omitted, got {request.top_p}", param="top_p")
-    if max_tokens is None:
-        max_tokens = min(settings.default_max_tokens, settings.max_tokens_cap)
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if max_tokens > settings.max_tokens_cap:
-        raise APIError(
-            400,
-            f"max_tokens={max_tokens} exceeds this server's cap of {settings.max_tokens_cap}",
-            param="max_tokens",
-        )
-    stops = request.stop_strings()
-    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise APIError(
-            400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop"
-        )
-    return max_tokens
-
-
-def _check_length(engine: Engine, prompt: str, max_tokens: int, param: str) -> int:
-    n = engine.count_tokens(prompt)
-    if n + max_tokens > engine.max_context:
-        raise APIError(
-            400,
-            f"the prompt has {n} tokens; with max_tokens={max_tokens} that exceeds this "
-            f"model's context of {engine.max_context} tokens",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return n
-
-
-def _chat_job(request: ChatCompletionRequest, state: ServerState) -> Job:
-    max_tokens = _check_common(
-        request, state.settings, request.max_completion_tokens or request.max_tokens
-    )
-    if not request.messages:
-        raise APIError(400, "messages must not be empty", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-    if not any(m["content"].strip() for m in messages):
-        raise APIError(400, "messages hold no text", param="messages")
-    try:
-        prompt = state.engine.render_chat(messages)
-    except ValueError as error:
-        raise APIError(400, str(error), param="messages") from None
-    except Exception as error:  # a template that rejects the conversation (roles, order)
-        raise APIError(
-            400, f"the chat template rejected the messages: {error}", param="messages"
-        ) from None
-    n = _check_length(state.engine, prompt, max_tokens, "messages")
-    audit_text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-    return _job(request, state, prompt, n, max_tokens, "chat", audit_text)
-
-
-def _completion_job(request: CompletionRequest, state: ServerState) -> Job:
-    max_tokens = _check_common(request, state.settings, request.max_tokens)
-    prompt = request.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise APIError(400, f"one prompt per request, got {len(prompt)}", param="prompt")
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    if request.echo:
-        raise APIError(400, "echo is not supported", param="echo")
-    n = _check_length(state.engine, prompt, max_tokens, "prompt")
-    return _job(request, state, prompt, n, max_tokens, "completion", prompt)
-
-
-def _job(request, state, prompt, n, max_tokens, endpoint, audit_text) -> Job:
+def _job(request, state: ServerState, endpoint: str) -> Job:
+    """The generation job of a checked request."""
+    settings = state.settings
+    check_request(request, settings.model_name)
+    max_tokens = check_generation(request, settings.default_max_tokens, settings.max_tokens_cap)
+    prompt, audit_text = request_prompt(request, state.engine, endpoint)
+    n = check_length(state.engine, prompt, max_tokens, endpoint)
     options = request.actmap
     stream_scores = state.settings.stream_scores
     if options is not None and options.stream_scores is not None:
@@ -522,14 +447,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = (
-            f"invalid request: {where}: {first.get('msg', 'invalid value')}"
-            if where
-            else (f"invalid request: {first.get('msg', 'invalid body')}")
-        )
-        return APIError(400, message, param=where or None).response()
+        return validation_error(error.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -584,12 +502,12 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state: ServerState = request.app.state.actmap
-        return await _serve(state, body, _chat_job(body, state), "chat", request)
+        return await _serve(state, body, _job(body, state, "chat"), "chat", request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state: ServerState = request.app.state.actmap
-        return await _serve(state, body, _completion_job(body, state), "completion", request)
+        return await _serve(state, body, _job(body, state, "completion"), "completion", request)
 
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     return app
@@ -720,8 +638,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                     job.cancelled = True
                     state.metrics.requests.labels(endpoint, "504").inc()
                     message = f"request timed out after {state.settings.timeout_s:g} s"
-                    error = ErrorResponse(error=ErrorInfo(message=message, type="timeout"))
-                    yield f"data: {error.model_dump_json()}\n\n"
+                    yield APIError(504, message, type="timeout").event()
                     return
                 if event is None:
                     break
@@ -732,10 +649,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                 yield sse_event(chunks.make(event["text"], actmap=running))
             error = future.exception()
             if error is not None:
-                message = ErrorResponse(
-                    error=ErrorInfo(message=f"generation failed: {error}", type="server_error")
-                )
-                yield f"data: {message.model_dump_json()}\n\n"
+                yield APIError(500, f"generation failed: {error}", type="server_error").event()
                 return
             answer: Answer = future.result()
             await state.audit_committed([answer])

@@ -17,7 +17,7 @@ import asyncio
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict, Field, field_validator
 
-from actmap.serve.api_errors import APIError
+from actmap.serve.request_path import APIError
 from actmap.serve.audit import UnknownMapId
 from actmap.serve.protocol import OpenAIBaseModel
 

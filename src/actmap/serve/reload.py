@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from pydantic import ConfigDict
 
 from actmap.errors import ActmapUserError
-from actmap.serve.api_errors import APIError
+from actmap.serve.request_path import APIError
 from actmap.serve.protocol import OpenAIBaseModel
 
 log = logging.getLogger(__name__)
