@@ -706,6 +706,11 @@ class VllmCapture:
         self.engine.abort_request([key])
         return self._finish(request)
 
+    def in_flight(self, key: str) -> _Request | None:
+        """The request ``key`` while it generates (its tokens, rows and statistics so far), or
+        None once it finished or was aborted: what a server reads for running scores."""
+        return self._requests.get(key)
+
     @property
     def busy(self) -> bool:
         return bool(self._requests)
