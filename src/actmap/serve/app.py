@@ -71,7 +71,7 @@ from actmap.serve.protocol import (
     usage_of,
 )
 from actmap.serve.proxy import install_proxy_routes, start_proxy, stop_proxy
-from actmap.serve.reload import install_reload_route
+from actmap.serve.reload import install_reload_route, load_pair
 from actmap.serve.review import REVIEW_PAGE, install_review_routes
 from actmap.serve.score_endpoint import install_score_route
 
@@ -206,13 +206,7 @@ def build_engine(settings: ServeSettings) -> Engine:
 def load_scoring(settings: ServeSettings):
     """(detector or None, policy, shift monitor or None) of ``settings``: what scores answers
     (`build_engine`, and the vLLM plugin's middleware)."""
-    from actmap.serve.loaded_run import load_detector_run
-    from actmap.serve.policy import Policy, load_policy
-
-    policy = load_policy(settings.policy) if settings.policy else Policy()
-    detector = None
-    if settings.detector is not None:
-        detector = load_detector_run(settings.detector, settings.seed, settings.device)
+    detector, policy = load_pair(settings.detector, settings.seed, settings.policy, settings.device)
     monitor = load_streaming_monitor(settings.monitor, settings.monitor_window)
     return detector, policy, monitor
 
