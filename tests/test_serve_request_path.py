@@ -5,7 +5,6 @@ client; a conversation without text is refused alike in every mode."""
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 
@@ -23,6 +22,7 @@ from serve_helpers import (  # noqa: E402
 from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 from actmap.serve.engine import Engine  # noqa: E402
 from actmap.serve.request_path import flatten_messages  # noqa: E402
+from actmap.serve.settings import ProxySettings  # noqa: E402
 
 USER = [{"role": "user", "content": "what is the capital of paris"}]
 COMMON = dict(model="tiny", default_max_tokens=4, max_tokens_cap=16)
@@ -71,7 +71,7 @@ def _vllm_app(run):
 def servers(run):
     with ServerThread(_upstream_app()) as upstream:
         proxy = create_app(
-            ServeSettings(detector=run, upstream=upstream.url + "/v1", **COMMON),
+            ServeSettings(detector=run, proxy=ProxySettings(upstream.url + "/v1"), **COMMON),
             lambda: tiny_engine(run),
         )
         plain = create_app(ServeSettings(detector=run, **COMMON), lambda: tiny_engine(run))
@@ -87,7 +87,14 @@ MALFORMED = [
     ("chat", {"messages": [{"role": "user", "content": "   "}]}),
     ("chat", {"messages": [{"role": "user", "content": None}]}),
     ("chat", {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": ""}]}),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),  # fmt: skip
+    (
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        },
+    ),  # fmt: skip
     ("chat", {"messages": "hello"}),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}),
     ("chat", {"actmap": {"abort_below": 2}}),
@@ -141,7 +148,11 @@ def test_the_same_malformed_request_gets_the_same_error_in_every_mode(servers, c
 
 def test_bad_json_gets_the_same_error_in_every_mode(servers):
     answers = [
-        httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})  # fmt: skip
+        httpx.post(
+            url + "/v1/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
         for url in servers.values()
     ]
     assert {a.status_code for a in answers} == {400}
@@ -179,10 +190,14 @@ def test_flatten_messages_keeps_text_parts_in_order():
 
     messages = [
         ChatMessage(role="system", content="be brief"),
-        ChatMessage(role="user", content=[
-            {"type": "text", "text": "what is "}, {"type": "image_url", "image_url": {}},
-            {"type": "text", "text": "this"},
-        ]),  # fmt: skip
+        ChatMessage(
+            role="user",
+            content=[
+                {"type": "text", "text": "what is "},
+                {"type": "image_url", "image_url": {}},
+                {"type": "text", "text": "this"},
+            ],
+        ),  # fmt: skip
         ChatMessage(role="assistant", content=None),
     ]
     assert flatten_messages(messages) == [

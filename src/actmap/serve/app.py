@@ -21,7 +21,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -31,18 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actmap.errors import ActmapUserError
-from actmap.serve.actions import act, acts, held, start_actions, stop_actions
+from actmap.serve.actions import act, held, start_actions, stop_actions
 from actmap.serve.answers import PrefixCache, chat_prefix, score_answers
-from actmap.serve.request_path import (
-    APIError,
-    check_generation,
-    check_length,
-    check_request,
-    request_prompt,
-    retry_headers,
-    server_busy,
-    validation_error,
-)
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
 from actmap.serve.feedback import install_feedback_route
@@ -72,68 +61,23 @@ from actmap.serve.protocol import (
 )
 from actmap.serve.proxy import install_proxy_routes, start_proxy, stop_proxy
 from actmap.serve.reload import install_reload_route, load_pair
+from actmap.serve.request_path import (
+    APIError,
+    check_generation,
+    check_length,
+    check_request,
+    request_prompt,
+    retry_headers,
+    server_busy,
+    validation_error,
+)
 from actmap.serve.review import REVIEW_PAGE, install_review_routes
 from actmap.serve.score_endpoint import install_score_route
+from actmap.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "ACTMAP_API_KEY"
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """Everything `actmap serve` is started with."""
-
-    model: str = "smollm2-135m-instruct"
-    detector: Path | None = None  # run folder from `actmap train` (or one seed-<s>/ folder)
-    seed: int | None = None  # which seed of the run; None = best validation AUROC
-    policy: Path | None = None  # policy TOML; None = accept at p >= 0.5, else abstain
-    audit: Path | None = None  # audit store folder; None = no audit trail
-    audit_text: bool = False  # keep prompt and answer text in the audit store (off: hash only)
-    audit_max_rows: int | None = None
-    audit_max_age_days: float | None = None
-    audit_sync: bool = False  # an answer is sent once its audit row is committed (SIGKILL-safe)
-    review_sample: float = 0.0  # share of all answers queued for review at random (the audit)
-    served_model_name: str | None = None  # the name clients send as "model"; default: model
-    api_key: str | None = None  # bearer token; None = no auth
-    default_max_tokens: int = 64
-    max_tokens_cap: int = 512
-    max_body_bytes: int = 1 << 20
-    max_context: int | None = None  # prompt + answer tokens; None = the model's own limit
-    max_batch: int = 16
-    batch_window_ms: float = 10.0
-    max_queue: int = 256
-    timeout_s: float = 120.0
-    stream_scores: bool = False  # running p(correct) in every streamed chunk by default
-    score_every: int = 1  # tokens between running scores
-    device: str = "cpu"
-    dtype: str | None = None  # the generator's; None = the dtype the detector's maps came from
-    monitor: Path | None = None  # shift monitor folder (or a run folder holding monitor/)
-    monitor_window: int = 50  # answers per window test
-    # local: transformers + the micro-batcher; vllm: vLLM's scheduler in this process
-    # (`actmap.serve.vllm_serving`; max_batch = requests in flight)
-    engine: str = "local"
-    vllm_compile: bool | None = None  # --engine vllm: compiled model (None: on a GPU only)
-    max_score_items: int = 64  # answers per POST /v1/actmap/score request
-    # proxy mode (`actmap.serve.proxy`): answers come from this OpenAI-compatible server
-    upstream: str | None = None  # its base URL, e.g. http://host:port/v1; None = generate here
-    upstream_model: str | None = None  # the model name the upstream serves; None = ask it
-    upstream_timeout_s: float = 60.0  # per upstream request; past it: 504
-    upstream_api_key: str | None = None  # bearer token the upstream wants
-    allow_weights_mismatch: bool = False  # serve although the start-up probe differs
-    upstream_dtype: str | None = None  # the dtype the upstream computes in; None = ours
-    allow_dtype_mismatch: bool = False  # proxy: read in another dtype than the detector's maps
-    # decisions that act (`actmap.serve.actions`): "route" answered by this OpenAI-compatible
-    # server, "abstain" / "abstain_early" replaced by abstain_message (None: handed out as is)
-    route_to: str | None = None
-    route_model: str | None = None  # the model the route target serves; None = ask it
-    route_api_key: str | None = None
-    route_timeout_s: float = 60.0  # per routed request; past it the small model's answer, flagged
-    abstain_message: str | None = None
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
 
 
 def build_engine(settings: ServeSettings) -> Engine:
@@ -141,11 +85,11 @@ def build_engine(settings: ServeSettings) -> Engine:
     from actmap.llm.models import load_model
 
     if settings.detector is None:  # a plain generator: nothing to score, decide or audit
-        needs = [
-            n
-            for n in ("policy", "audit", "monitor", "upstream", "route_to")
-            if getattr(settings, n)
-        ]
+        given = {
+            "policy": settings.policy, "audit": settings.audit, "monitor": settings.monitor,
+            "upstream": settings.proxy, "route_to": settings.actions.route_to,
+        }  # fmt: skip
+        needs = [n for n, value in given.items() if value]
         if needs:
             raise ActmapUserError(
                 "a detector run folder is required (--detector RUN) with --"
@@ -153,13 +97,14 @@ def build_engine(settings: ServeSettings) -> Engine:
             )
     detector, policy, monitor = load_scoring(settings)
     dtype = settings.dtype or (detector.dtype if detector is not None else "float32")
-    if detector is not None and settings.upstream is not None:  # refused unless allowed
+    proxy = settings.proxy
+    if detector is not None and proxy is not None:  # refused unless allowed
         from actmap.llm.models import check_dtype
         from actmap.serve.proxy import check_read_dtype
 
-        check_read_dtype(settings, detector.dtype, check_dtype(dtype))
-        if settings.upstream_dtype is not None:
-            check_dtype(settings.upstream_dtype)
+        check_read_dtype(proxy, detector.dtype, check_dtype(dtype))
+        if proxy.dtype is not None:
+            check_dtype(proxy.dtype)
     elif detector is not None and dtype != detector.dtype:
         log.warning(
             "serving %s in %s, but detector %s was fit on maps captured in %s: scores may shift",
@@ -168,18 +113,16 @@ def build_engine(settings: ServeSettings) -> Engine:
             detector.id,
             detector.dtype,
         )
-    if settings.engine not in ("local", "vllm"):
-        raise ActmapUserError(f"--engine must be 'local' or 'vllm', got {settings.engine!r}")
-    if acts(settings) and settings.upstream is not None:
+    if settings.actions.acting and proxy is not None:
         raise ActmapUserError(
             "--route-to and --abstain-message act on answers generated here, not --upstream's"
         )
-    if settings.engine == "vllm" and settings.upstream is not None:
+    if settings.vllm is not None and proxy is not None:
         raise ActmapUserError(
             "--upstream reads the upstream's answers with the transformers engine: "
             "leave --engine at local"
         )
-    if settings.engine == "vllm":
+    if settings.vllm is not None:
         from actmap.serve.vllm_serving import build_vllm_engine
 
         return build_vllm_engine(
@@ -413,7 +356,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = engine_factory() if engine_factory else build_engine(settings)
         state = ServerState(settings, engine)
-        if settings.upstream is not None:  # probe first: a mismatch stops here, nothing started
+        if settings.proxy is not None:  # probe first: a mismatch stops here, nothing started
             state.upstream_probe = getattr(app.state, "upstream_probe", None)  # the CLI's
             await start_proxy(state)
         await start_actions(state)  # route target's client, when decisions act
@@ -424,7 +367,7 @@ def create_app(
         try:
             yield
         finally:
-            if settings.upstream is not None:
+            if settings.proxy is not None:
                 await stop_proxy(state)
             await stop_actions(state)
             await state.batcher.stop()
@@ -459,7 +402,8 @@ def create_app(
             "model": state.settings.model_name,
             "detector": _detector_id(state),
             "queue": state.batcher.depth,
-            "upstream": state.settings.upstream,  # proxy mode's engine (None: generates here)
+            # proxy mode's engine (None: generates here)
+            "upstream": state.settings.proxy and state.settings.proxy.upstream,
         }
 
     @app.get("/metrics")
@@ -488,7 +432,7 @@ def create_app(
     install_feedback_route(app)
     install_review_routes(app)
     install_reload_route(app)
-    if settings.upstream is not None:
+    if settings.proxy is not None:
         install_proxy_routes(app)  # answers come from the upstream, read by teacher forcing
         app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
         return app

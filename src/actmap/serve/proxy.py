@@ -87,12 +87,12 @@ class ProxyState:
 def probe_upstream(engine, settings) -> ProbeResult:
     """Which model the upstream serves and whether it is ours (`ActmapUserError`, one line, when
     it is not and ``allow_weights_mismatch`` is off, or when the upstream cannot be reached)."""
-    timeout = settings.upstream_timeout_s
+    proxy = settings.proxy
     try:
         name = upstream_model_name(
-            settings.upstream, settings.upstream_model, settings.model_name, timeout
+            proxy.upstream, proxy.model, settings.model_name, proxy.timeout_s
         )
-        probe = probe_weights(engine, settings.upstream, name, timeout, settings.upstream_dtype)
+        probe = probe_weights(engine, proxy.upstream, name, proxy.timeout_s, proxy.dtype)
     except UpstreamFailure as failure:
         raise ActmapUserError(failure.message) from None
     check_probe(probe, settings)
@@ -101,13 +101,13 @@ def probe_upstream(engine, settings) -> ProbeResult:
 
 async def start_proxy(state) -> None:
     """Open the upstream client; probe the weights unless the CLI already did (``state.probe``)."""
-    settings = state.settings
     probe = getattr(state, "upstream_probe", None)
     if probe is None:
-        probe = await asyncio.to_thread(probe_upstream, state.engine, settings)
+        probe = await asyncio.to_thread(probe_upstream, state.engine, state.settings)
     registry = state.metrics.registry
+    settings = state.settings.proxy
     state.proxy = ProxyState(
-        upstream=Upstream(settings.upstream, settings.upstream_timeout_s, settings.upstream_api_key),
+        upstream=Upstream(settings.upstream, settings.timeout_s, settings.api_key),
         upstream_model=probe.upstream_model,
         probe=probe,
         token_ids=probe.token_ids,
@@ -132,15 +132,15 @@ def check_probe(probe: ProbeResult, settings) -> None:
         )  # fmt: skip
         return
     line = (
-        f"the upstream {settings.upstream} ({probe.upstream_model}) does not serve the weights of "
-        f"{settings.model}: {probe.problem}"
+        f"the upstream {settings.proxy.upstream} ({probe.upstream_model}) does not serve the "
+        f"weights of {settings.model}: {probe.problem}"
     )
-    if not settings.allow_weights_mismatch:
+    if not settings.proxy.allow_weights_mismatch:
         raise ActmapUserError(line + " (--allow-weights-mismatch serves anyway)")
     log.warning("%s; serving anyway (--allow-weights-mismatch)", line)
 
 
-def check_read_dtype(settings, detector_dtype: str, dtype: str) -> None:
+def check_read_dtype(proxy, detector_dtype: str, dtype: str) -> None:
     """The proxy reads answers in the dtype the detector's training maps were captured in:
     another one is refused (one line) unless ``allow_dtype_mismatch``. The upstream may
     generate in any dtype; the probe's tolerance follows it (``upstream_dtype``)."""
@@ -151,7 +151,7 @@ def check_read_dtype(settings, detector_dtype: str, dtype: str) -> None:
         f"proxy reads answers in the detector's dtype; fit one on a {dtype} store (`actmap "
         f"capture --dtype {dtype}`) or leave --dtype out"
     )
-    if not settings.allow_dtype_mismatch:
+    if not proxy.allow_dtype_mismatch:
         raise ActmapUserError(line + " (--allow-dtype-mismatch reads anyway)")
     log.warning("%s; reading in %s anyway (--allow-dtype-mismatch)", line, dtype)
 

@@ -29,8 +29,8 @@ from fastapi import FastAPI, Request
 from pydantic import ConfigDict
 
 from actmap.errors import ActmapUserError
-from actmap.serve.request_path import APIError
 from actmap.serve.protocol import OpenAIBaseModel
+from actmap.serve.request_path import APIError
 
 log = logging.getLogger(__name__)
 

@@ -265,7 +265,7 @@ def build_vllm_engine(settings, detector, policy, audit, monitor, dtype: str) ->
         settings.model,
         dtype,
         VllmOptions(
-            max_num_seqs=settings.max_batch, enforce_eager=enforce_eager_for(settings.vllm_compile)
+            max_num_seqs=settings.max_batch, enforce_eager=enforce_eager_for(settings.vllm.compile)
         ),
         greybox=detector.needs_scalars,
         max_context=settings.max_context,  # None: the model's own limit
