@@ -222,3 +222,28 @@ def test_every_error_has_one_shape():
     event = error.event()
     assert event.startswith("data: ") and event.endswith("\n\n")
     assert json.loads(event[6:]) == expected
+
+
+@pytest.mark.parametrize(
+    ("words", "stop", "expected"),
+    [
+        ("paris is the capital", (), "paris is the capital"),
+        ("paris is rome the", (" rome",), "paris is"),
+        ("rome paris rome", (" rome",), "rome paris"),
+    ],
+)
+def test_stream_emitter_sends_the_cut_answer_once(words, stop, expected):
+    """Both step loops' `StreamEmitter`: fed the tokens one at a time, the deltas join to the
+    answer cut before its stop string (worked by hand), and no delta carries the stop."""
+    from actmap.serve.engine import Job, StreamEmitter
+
+    _, tokenizer = tiny_generator()
+    ids = tokenizer(words, add_special_tokens=False)["input_ids"]
+    events = []
+    job = Job(prompt="q", prompt_tokens=1, max_tokens=len(ids), stop=stop, sink=events.append)
+    emitter = StreamEmitter(tokenizer, job)
+    for t in range(1, len(ids) + 1):
+        emitter.emit(ids[:t], None, t)
+    assert "".join(e["text"] for e in events) == expected == emitter.sent
+    assert all(e["text"] for e in events) and all(e["p_correct"] is None for e in events)
+    assert all(s not in e["text"] for e in events for s in stop)

@@ -64,7 +64,7 @@ class VllmServeEngine(Engine):
 class _Live:
     job: Job
     key: str
-    emitter: StreamEmitter
+    emitter: StreamEmitter | None  # None: the request does not stream
 
 
 class StepLoop:
@@ -142,7 +142,8 @@ class StepLoop:
             except (ActmapUserError, ValueError) as error:
                 self._fail(job, error)
                 continue
-            self._live[key] = _Live(job, key, StreamEmitter(self.engine.tokenizer, job))
+            emitter = StreamEmitter(self.engine.tokenizer, job) if job.sink is not None else None
+            self._live[key] = _Live(job, key, emitter)
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -198,7 +199,7 @@ class StepLoop:
             request = self.capture.in_flight(live.key)
             if request is None:
                 continue
-            if live.job.sink is not None:
+            if live.emitter is not None:
                 live.emitter.emit(request.token_ids, p, len(request.token_ids))
             if live.job.ends_below(p):
                 ended.append((live, self.capture.cut(live.key), True))
