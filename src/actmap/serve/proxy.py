@@ -18,8 +18,12 @@ one extra chunk (``choices: []`` plus ``actmap``) before ``[DONE]``. No running
 score: re-reading the answer at every token costs a teacher-forced pass per
 token (see ``benchmarks/bench_proxy.py``).
 
+A request is validated and checked as in every mode (`actmap.serve.request_path`: the same
+models, model name, ``n``, message flattening and errors); what only a generating server
+checks (greedy decoding, ``max_tokens``, stop strings) is left to the upstream.
+
 Failures (upstream unreachable, timed out, 5xx, malformed) answer 502/504 in
-OpenAI's error shape and count in ``actmap_upstream_failures_total``; nothing of
+OpenAI's error shape (`APIError`) and count in ``actmap_upstream_failures_total``; nothing of
 a failed request reaches the audit trail. An upstream 4xx goes back unchanged.
 """
 
@@ -143,7 +147,7 @@ def check_probe(probe: ProbeResult, settings) -> None:
 def check_read_dtype(proxy, detector_dtype: str, dtype: str) -> None:
     """The proxy reads answers in the dtype the detector's training maps were captured in:
     another one is refused (one line) unless ``allow_dtype_mismatch``. The upstream may
-    generate in any dtype; the probe's tolerance follows it (``upstream_dtype``)."""
+    generate in any dtype; the probe's tolerance follows it (``ProxySettings.dtype``)."""
     if dtype == detector_dtype:
         return
     line = (
