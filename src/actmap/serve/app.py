@@ -397,13 +397,13 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> dict:
         state: ServerState = request.app.state.actmap
+        proxy = state.settings.proxy  # proxy mode's engine
         return {
             "status": "ok",
             "model": state.settings.model_name,
             "detector": _detector_id(state),
             "queue": state.batcher.depth,
-            # proxy mode's engine (None: generates here)
-            "upstream": state.settings.proxy and state.settings.proxy.upstream,
+            "upstream": None if proxy is None else proxy.upstream,  # None: generates here
         }
 
     @app.get("/metrics")
