@@ -8,7 +8,7 @@ flattening and OpenAI-shaped errors of every server mode: plain, vLLM, proxy), a
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
 ``GET /v1/models``, ``GET /health``, ``GET /ready`` (readiness, `actmap.serve.lifecycle`),
 ``GET /metrics``, and ``POST /v1/actmap/score`` (existing answers,
-`actmap.serve.score_endpoint`). With ``upstream`` set, the two
+`actmap.serve.score_endpoint`). With ``settings.proxy`` set (``--upstream``), the two
 completion endpoints forward to that server instead (`actmap.serve.proxy`).
 """
 
