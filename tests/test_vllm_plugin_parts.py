@@ -14,7 +14,7 @@ import torch
 from actmap.capture.records import CaptureConfig
 from actmap.capture.vllm_engine import _record, _Request
 from actmap.capture.vllm_rows import child_index, generation_from_payload, payload
-from actmap.serve.app import ServeSettings
+from actmap.serve.settings import ServeSettings
 from actmap.serve.vllm_plugin import ActmapMiddleware
 
 BASE = "actmap-0123abcd"

@@ -43,20 +43,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+import numpy as np
 from pydantic import ValidationError
 
+from actmap.capture.answer_scalars import answer_scalars
 from actmap.capture.vllm_engine import _end_ids
 from actmap.capture.vllm_rows import generation_from_payload, payload_arrays
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, resolve_model
-from actmap.serve.api_errors import APIError
-from actmap.serve.app import ServeSettings, actmap_info, audit_trail, load_scoring
+from actmap.maps import build_maps_from_list
+from actmap.serve.app import actmap_info, audit_trail, load_scoring
 from actmap.serve.engine import Engine, Job
 from actmap.serve.loaded_run import generator_problem
-from actmap.serve.policy import correct_prior
 from actmap.serve.prometheus import ServeMetrics
 from actmap.serve.protocol import ActmapOptions
-from actmap.serve.streaming import running_scores
+from actmap.serve.request_path import APIError
+from actmap.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -129,13 +131,6 @@ class _Rows:
             for base, future in batch.items():
                 if not future.done():
                     future.set_result(found.get(base, []))
-
-
-@dataclass(frozen=True)
-class _EndedEarly:
-    """What `Engine._score` reads of a step watch: which answers ``abort_below`` ended."""
-
-    aborted: list[bool]
 
 
 class VllmPlugin:
@@ -302,9 +297,8 @@ class VllmPlugin:
         ]  # fmt: skip
         answers = []
         if jobs:
-            with self.engine.swap_lock:
-                ended = _EndedEarly([tokens is not None] * len(jobs))
-                answers = self.engine._score(jobs, generations, ended, started)
+            aborted = [tokens is not None] * len(jobs)  # abort_below: decision abstain_early
+            answers = self.engine.score(jobs, generations, started, aborted)
         for answer in answers:
             self.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
         if self.engine.monitor is not None and answers:
@@ -342,22 +336,16 @@ class VllmPlugin:
                 chosen.append((item, t))
         if not chosen:
             return {}
-        trajectories, statistics = [], []
+        trajectories, scalars = [], []
         for item, t in chosen:
             states, entropies, _ = payload_arrays(item)
             trajectories.append(states[:, :t])
-            if entropies is not None:
-                statistics.append((item["logprobs"][:t], entropies[:t].double().numpy()))
-        with engine.swap_lock:
-            detector = engine.detector
-            scalars = statistics if detector.needs_scalars else None
-            longest = max(t for _, t in chosen)  # each trajectory is clamped to its own rows
-            raw = running_scores(detector, trajectories, [longest], engine.map_config, scalars)
-            raw = raw[:, 0]
-            p = correct_prior(raw, engine.policy.prior, engine.prevalence.prevalence)
-        return {
-            item["index"]: (float(v), t) for (item, t), v in zip(chosen, p.tolist(), strict=True)
-        }
+            if engine.detector.needs_scalars:
+                scalars.append(answer_scalars(item["logprobs"][:t], entropies[:t].double().numpy()))
+        with engine.swap_lock:  # `Engine.running_scores`: both engines' running scorer
+            maps = build_maps_from_list(trajectories, engine.map_config)
+            p = engine.running_scores(maps, np.stack(scalars) if scalars else None)
+        return {item["index"]: (float(v), t) for (item, t), v in zip(chosen, p, strict=True)}
 
 
 def _served_source(model_config) -> ModelSource:
