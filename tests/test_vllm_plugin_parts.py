@@ -252,3 +252,47 @@ def test_running_scores_without_abort_leave_the_stream_whole():
     assert [c["actmap"]["n_tokens"] for c in chunks[:-1]] == [1, 2, 3, 4]
     assert chunks[-1]["actmap"] == {"decision": "accept"} and plugin.cut is None
     assert not seen["disconnected"] and seen["sent"] == 4
+
+
+def test_one_client_id_sent_twice_at_once_names_two_requests():
+    """The rows are taken by the id vLLM names a request after: a second request with a client's
+    id still in flight gets a suffix (else the first would take both answers' rows)."""
+    ids, both = [], asyncio.Event()
+
+    async def app(scope, receive, send):
+        ids.append(dict(scope["headers"])[b"x-request-id"].decode())
+        await receive()
+        if len(ids) == 2:
+            both.set()
+        await both.wait()  # both in flight together
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b'{"choices": []}'})
+
+    middleware = ActmapMiddleware(app)
+    middleware.plugin = Blocks()
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"x-request-id", b"mine")]}  # fmt: skip
+
+    async def one():
+        sent = []
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive():
+            return messages.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        await middleware(dict(scope), receive, send)
+        return json.loads(sent[-1]["body"])
+
+    async def main():
+        first = await asyncio.wait_for(asyncio.gather(one(), one()), 10)
+        again = await asyncio.wait_for(one(), 10)  # no longer in flight: the client's id
+        return first, again
+
+    (a, b), _ = asyncio.run(main())
+    assert ids[0] == "mine" and ids[1].startswith("mine-") and ids[2] == "mine"
+    assert sorted(base for base, _ in middleware.plugin.asked) == sorted(ids)  # each by its id
+    assert a["actmap"] == b["actmap"] == {"p_correct": 0.25}

@@ -57,7 +57,7 @@ from actmap.serve.engine import Engine, Job
 from actmap.serve.loaded_run import generator_problem
 from actmap.serve.prometheus import ServeMetrics
 from actmap.serve.protocol import ActmapOptions
-from actmap.serve.request_path import APIError
+from actmap.serve.request_path import APIError, validation_error
 from actmap.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,10 @@ class VllmPlugin:
         app.state.actmap = state
         install_score_route(app)
         app.add_exception_handler(APIError, lambda request, error: error.response())
-        app.add_exception_handler(RequestValidationError, _invalid_request)
+        app.add_exception_handler(
+            RequestValidationError,
+            lambda request, error: validation_error(error.errors()).response(),
+        )
         self.score_app, self.score_state = app, state
 
     async def close(self) -> None:
@@ -376,14 +379,6 @@ def _audit_text(body: dict, endpoint: str) -> str:
     return "\n".join(lines)
 
 
-def _invalid_request(request, error) -> object:
-    """A body ``/v1/actmap/score`` cannot read: 400 naming the first bad field."""
-    first = error.errors()[0] if error.errors() else {}
-    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-    message = f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'invalid body')}"
-    return APIError(400, message, param=where or None).response()
-
-
 def _missing(index: int) -> dict:
     return {"error": f"no map was recorded for choice {index}"}
 
@@ -395,6 +390,10 @@ class ActmapMiddleware:
     def __init__(self, app) -> None:
         self.app = app
         self.plugin: VllmPlugin | None = None
+        # the request ids vLLM names this process's answers after, while they run: a client
+        # that sends one X-Request-Id twice at once gets a suffix on the second (the rows are
+        # taken by this id; duplicates across API-server processes are not told apart)
+        self.in_flight: set[str] = set()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -459,10 +458,13 @@ class ActmapMiddleware:
             )
             if base is None:
                 base = f"actmap-{uuid.uuid4().hex}"
-                headers.append((b"x-request-id", base.encode()))
+            elif base in self.in_flight:  # a client's id twice at once: rows told apart
+                base = f"{base}-{uuid.uuid4().hex[:8]}"
             request = replace(request, base=base)
-            headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
-            headers.append((b"content-length", str(len(raw)).encode()))
+            headers = [(k, v) for k, v in headers
+                       if k.lower() not in (b"content-length", b"x-request-id")]  # fmt: skip
+            headers += [(b"x-request-id", base.encode()),
+                        (b"content-length", str(len(raw)).encode())]  # fmt: skip
             scope = {**scope, "headers": headers}
         replayed = False
 
@@ -485,12 +487,16 @@ class ActmapMiddleware:
 
         if request is None:
             return await self.app(scope, replay, send)
-        if request.stream:
-            sender = _StreamSender(send, self.plugin, request)
-            await self.app(scope, replay, sender)
-            await sender.end_early()
-        else:
-            await self.app(scope, replay, _JsonSender(send, self.plugin, request))
+        self.in_flight.add(request.base)
+        try:
+            if request.stream:
+                sender = _StreamSender(send, self.plugin, request)
+                await self.app(scope, replay, sender)
+                await sender.end_early()
+            else:
+                await self.app(scope, replay, _JsonSender(send, self.plugin, request))
+        finally:
+            self.in_flight.discard(request.base)
 
     def _read(self, body: dict, raw: bytes, endpoint: str) -> tuple[_Request, bytes]:
         """The request as the middleware sees it, and the body vLLM gets (without ``actmap``,
@@ -499,11 +505,9 @@ class ActmapMiddleware:
         if "actmap" in body:
             try:
                 options = ActmapOptions.model_validate(body.pop("actmap") or {})
-            except ValidationError as error:
-                first = error.errors()[0]
-                where = ".".join(str(x) for x in ("actmap", *first.get("loc", ())))
-                raise APIError(400, f"invalid request: {where}: {first['msg']}",
-                               param=where) from None  # fmt: skip
+            except ValidationError as error:  # named as actmap.<field>
+                errors = [{**e, "loc": ("actmap", *e.get("loc", ()))} for e in error.errors()]
+                raise validation_error(errors) from None
             raw = json.dumps(body).encode()
         n = body.get("n")
         n = n if isinstance(n, int) and n > 1 else 1
