@@ -192,9 +192,9 @@ def test_generalist_run_trains_from_the_cli_and_loads_for_serving(two_tasks, tmp
     from typer.testing import CliRunner
 
     from actmap.cli import app
+    from actmap.detectors.stacked import StackedPlus
     from actmap.experiments.generalist import task_weights
     from actmap.serve.loaded_run import load_detector_run
-    from actmap.stacked import StackedPlus
 
     run = tmp_path / "generalist"
     args = ["train", "--detector", "actmap-plus", "--preset", "deployable", "--out", str(run)]
@@ -259,8 +259,8 @@ def test_an_adapted_generalist_recalibrates_refits_and_saves(on_lengths, tmp_pat
     to the same scores; labels of one class only move the prior."""
     from sklearn.linear_model import LogisticRegression
 
+    from actmap.detectors.stacked import StackedPlus
     from actmap.experiments.out_of_domain import adapt_generalist
-    from actmap.stacked import StackedPlus
 
     words, _, est = on_lengths
     train, test = (words.inputs(words.sets[s], False) for s in ("train_all", "test_all"))

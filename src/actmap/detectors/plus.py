@@ -34,6 +34,8 @@ from sklearn.exceptions import NotFittedError
 
 from actmap.atomic import atomic_path
 from actmap.capture.answer_scalars import SCALAR_NAMES
+from actmap.capture.needs import needs_of
+from actmap.detectors.inputs import as_inputs
 from actmap.errors import ActmapUserError
 from actmap.scoring.prior import shift_to_prevalence, sigmoid
 
@@ -129,6 +131,15 @@ class ActMapPlus:
         config = getattr(self, "config_", None) or self.config or PlusConfig()
         return ("maps", "scalars") if config.use_scalars else ("maps",)
 
+    @property
+    def kind(self) -> str:
+        """The name its artifact and served answers record (``detector`` in config.json)."""
+        return NAME
+
+    def capture_needs(self) -> dict:
+        """`CaptureConfig` fields a capture pass needs for it (`actmap.capture.needs.needs_of`)."""
+        return needs_of(self.requires)
+
     # --- fitting -------------------------------------------------------------
 
     def _features(self, maps: Any, scalars: Any) -> np.ndarray:
@@ -147,21 +158,28 @@ class ActMapPlus:
         if self.config_.use_scalars:
             if scalars is None:
                 raise ValueError(
-                    "this actmap-plus reads the per-answer scalars; pass scalars= "
-                    "(actmap.capture.answer_scalars.scalars_of_generations)"
+                    "this actmap-plus reads the per-answer scalars; pass them in its inputs "
+                    "(DetectorInputs(maps, scalars); actmap.detectors.inputs.read_inputs reads "
+                    "them from a store)"
                 )
             parts.append(check_scalars(scalars, len(x)))
         return np.hstack(parts).astype(np.float64)
 
-    def fit(self, maps: Any, labels: Any, scalars: Any = None) -> ActMapPlus:
-        """Fit PCA, the standardisation and the logistic regression; returns self."""
+    def fit(self, inputs: Any, y: Any, val_inputs: Any = None, y_val: Any = None) -> ActMapPlus:
+        """Fit PCA, the standardisation and the logistic regression on ``inputs`` (a
+        `DetectorInputs`, or bare maps when ``use_scalars`` is off); returns self. The
+        strength and calibration are chosen by folds of the training rows: validation rows are
+        not read (`actmap.experiments.compare_product.select_plus` chooses among settings on
+        them)."""
         from sklearn.decomposition import PCA
         from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
         from sklearn.model_selection import StratifiedKFold
 
         cfg = self.config or PlusConfig()
+        rows = as_inputs(inputs)
+        maps, scalars = rows.maps, rows.scalars
         x = flatten_maps(maps)
-        y = np.asarray(labels)
+        y = np.asarray(y)
         if y.shape != (len(x),) or not np.isin(y, (0, 1)).all() or len(np.unique(y)) < 2:
             raise ValueError(f"labels must be {len(x)} values of 0/1 holding both classes")
         y = y.astype(np.int64)
@@ -218,18 +236,20 @@ class ActMapPlus:
 
     def _check_fitted(self) -> None:
         if not hasattr(self, "coef_"):
-            raise NotFittedError("this ActMapPlus is not fitted; call fit() or from_pretrained()")
+            raise NotFittedError("this ActMapPlus is not fitted; call fit() or load()")
 
-    def decision_function(self, maps: Any, scalars: Any = None) -> np.ndarray:
-        """(N,) logits of p(correct) at ``calibrated_prevalence_``; higher = more likely correct."""
+    def decision_function(self, inputs: Any, scalars: Any = None) -> np.ndarray:
+        """(N,) logits of p(correct) at ``calibrated_prevalence_``; higher = more likely correct.
+        ``inputs``: a `DetectorInputs`, or bare maps with ``scalars``."""
         self._check_fitted()
-        return self._features(maps, scalars) @ self.coef_ + self.intercept_
+        rows = as_inputs(inputs, scalars)
+        return self._features(rows.maps, rows.scalars) @ self.coef_ + self.intercept_
 
     def predict_proba(
-        self, maps: Any, scalars: Any = None, prevalence: float | None = None
+        self, inputs: Any, scalars: Any = None, prevalence: float | None = None
     ) -> np.ndarray:
         """(N,) p(correct); with ``prevalence``, prior-corrected to that deployment accuracy."""
-        p = sigmoid(self.decision_function(maps, scalars))
+        p = sigmoid(self.decision_function(inputs, scalars))
         if prevalence is None:
             return p
         return shift_to_prevalence(p, prevalence, self.calibrated_prevalence_)
@@ -273,8 +293,9 @@ class ActMapPlus:
         return out
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> ActMapPlus:
-        """Restore a saved actmap-plus; it predicts exactly as the one saved."""
+    def load(cls, directory: str | Path, device: str | None = None) -> ActMapPlus:
+        """Restore a saved actmap-plus; it predicts exactly as the one saved (numpy: ``device``
+        is not read)."""
         src = Path(directory)
         for name in ("config.json", "model.safetensors"):
             if not (src / name).is_file():
@@ -283,7 +304,7 @@ class ActMapPlus:
         if cfg.get("detector") == NAME and cfg.get("schema_version") == 2:
             raise ValueError(
                 f"{src} holds a stacked {NAME} (schema 2): load it with "
-                "actmap.stacked.load_plus (serving and `actmap evaluate` do)"
+                "actmap.detectors.load_detector (every caller in actmap does)"
             )
         if cfg.get("detector") != NAME or cfg.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(
@@ -302,5 +323,3 @@ class ActMapPlus:
         est.calibrated_prevalence_ = cfg["calibrated_prevalence"]
         est.metadata_ = cfg.get("metadata", {})
         return est
-
-    load = from_pretrained

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from actmap.capture.answer_scalars import with_scalars
+from actmap.detectors import DetectorInputs
 from actmap.detectors.plus import ActMapPlus, PlusConfig
 from actmap.scoring import metrics
 from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
@@ -77,7 +78,7 @@ def select_plus(
     """Fit every setting on ``train``; keep the best balanced-validation AUROC (ties: the first)."""
     best, best_auc, table = None, -np.inf, {}
     for cfg in grid:
-        est = ActMapPlus(cfg).fit(train.maps, train.labels, train.scalars)
+        est = ActMapPlus(cfg).fit(DetectorInputs(train.maps, train.scalars), train.labels)
         logits = est.decision_function(validation.maps, validation.scalars)
         auc = metrics.auroc(logits, validation.labels)
         table[plus_label(cfg)] = auc
@@ -105,7 +106,8 @@ class PlusScorer:
     def fit(self, train: Rows, y_train, val: Rows | None = None, y_val=None) -> PlusScorer:
         train = replace(train, labels=np.asarray(y_train))
         if len(self.grid) == 1:
-            self.model_ = ActMapPlus(self.grid[0]).fit(train.maps, train.labels, train.scalars)
+            inputs = DetectorInputs(train.maps, train.scalars)
+            self.model_ = ActMapPlus(self.grid[0]).fit(inputs, train.labels)
         else:
             if val is None or y_val is None:
                 raise ValueError("actmap-plus selects on validation rows: pass val and y_val")
