@@ -105,7 +105,7 @@ def store_p_raw(store: MapStore, detector, rows: Rows, chunk: int = STORE_CHUNK)
     attention-carrying generations, ``chunk`` rows at a time."""
     _check_stored_inputs(store, detector.requires, rows.row_ids(), detector)
     parts = [
-        detector.detector.predict_proba(
+        detector.predict_proba(
             read_inputs(store, _row_slice(rows, start, chunk), detector.requires)
         )
         for start in range(0, len(rows), chunk)

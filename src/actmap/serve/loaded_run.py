@@ -64,10 +64,13 @@ class LoadedDetector:
         return self.detector.capture_needs()
 
     def predict_proba(
-        self, maps: np.ndarray, scalars: np.ndarray | None = None, generations=None
+        self, maps: np.ndarray | DetectorInputs, scalars: np.ndarray | None = None, generations=None
     ) -> np.ndarray:
         """(N, C, H, W) float16 maps (+ (N, 6) scalars when required, + the `Generation`
-        records when it reads positions or attention) -> (N,) raw p(correct)."""
+        records when it reads positions or attention) -> (N,) raw p(correct). A
+        `DetectorInputs` bundle (`actmap.detectors.read_inputs` of a store) is scored as it is."""
+        if isinstance(maps, DetectorInputs):
+            return self.detector.predict_proba(maps).astype(np.float64)
         if generations is None and self.needs_generations:
             raise ValueError(
                 f"{self.id} reads {', '.join(self.requires)}: score it from the generations "
