@@ -428,10 +428,11 @@ def test_reproduce_trains_actmap_plus_like_any_registered_detector(tmp_path, tin
     import pandas as pd
     from sklearn.metrics import roc_auc_score
 
-    from actmap.detectors import all_detectors
+    from actmap.detectors import ALIASES, all_detectors
     from actmap.training.run_folder import read_run
 
-    assert {"vit", "mlp", "mlp4x", "logreg", "actmap-plus"} <= set(all_detectors())
+    assert {"vit", "mlp", "mlp4x", "logreg", "actmap-plus:v1"} <= set(all_detectors())
+    assert ALIASES == {"actmap-plus": "actmap-plus:v1"}  # the plain name: one meaning
     config = tiny_config(
         tmp_path, tiny_model_dir, seeds=[1], name="tiny", baselines=[], sections=["in_domain"]
     )
