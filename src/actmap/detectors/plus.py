@@ -110,7 +110,52 @@ def platt_on_out_of_fold(features, y, C, class_weight, folds) -> tuple[float, fl
     return float(outer.coef_[0, 0]), float(outer.intercept_[0])
 
 
-class ActMapPlus:
+class PriorShifted:
+    """``predict_proba`` of a logistic detector whose probabilities hold at its
+    ``calibrated_prevalence_`` (actmap-plus v1 and the stacked presets)."""
+
+    def predict_proba(
+        self, inputs: Any, scalars: Any = None, prevalence: float | None = None
+    ) -> np.ndarray:
+        """(N,) p(correct); with ``prevalence``, prior-corrected to that deployment accuracy."""
+        p = sigmoid(self.decision_function(inputs, scalars))
+        if prevalence is None:
+            return p
+        return shift_to_prevalence(p, prevalence, self.calibrated_prevalence_)
+
+    def _write(
+        self, directory: str | Path, arrays: dict, schema: int, fields: dict, metadata
+    ) -> Path:
+        """``arrays`` -> model.safetensors and config.json (``schema``, ``fields``, the training
+        rows and the prior, ``metadata`` added) in ``directory``; returns it."""
+        from actmap.artifacts import package_version, write_json
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        with atomic_path(out / "model.safetensors") as tmp:
+            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
+        write_json(
+            out / "config.json",
+            {
+                "schema_version": schema,
+                "actmap_version": package_version(),
+                "detector": NAME,
+                **fields,
+                "n_train": self.n_train_,
+                "train_prevalence": self.train_prevalence_,
+                "calibrated_prevalence": self.calibrated_prevalence_,
+                "metadata": {**self.metadata_, **(metadata or {})},
+            },
+        )
+        return out
+
+    def _restore_fit_record(self, cfg: dict[str, Any]) -> None:
+        self.n_train_, self.train_prevalence_ = cfg["n_train"], cfg["train_prevalence"]
+        self.calibrated_prevalence_ = cfg["calibrated_prevalence"]
+        self.metadata_ = cfg.get("metadata", {})
+
+
+class ActMapPlus(PriorShifted):
     """p(correct) from the map's principal components and the pass's scalars.
 
     Learned state: ``map_shape_``, ``map_mean_`` (F,), ``components_`` (k, F),
@@ -245,24 +290,11 @@ class ActMapPlus:
         rows = as_inputs(inputs, scalars)
         return self._features(rows.maps, rows.scalars) @ self.coef_ + self.intercept_
 
-    def predict_proba(
-        self, inputs: Any, scalars: Any = None, prevalence: float | None = None
-    ) -> np.ndarray:
-        """(N,) p(correct); with ``prevalence``, prior-corrected to that deployment accuracy."""
-        p = sigmoid(self.decision_function(inputs, scalars))
-        if prevalence is None:
-            return p
-        return shift_to_prevalence(p, prevalence, self.calibrated_prevalence_)
-
     # --- persistence ---------------------------------------------------------
 
     def save(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path:
         """Write model.safetensors (every fitted array) and config.json into ``directory``."""
-        from actmap.artifacts import package_version, write_json
-
         self._check_fitted()
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
         arrays = {
             "map_shape": self.map_shape_,
             "map_mean": self.map_mean_,
@@ -272,25 +304,13 @@ class ActMapPlus:
             "coef": self.coef_,
             "intercept": np.array([self.intercept_]),
         }
-        with atomic_path(out / "model.safetensors") as tmp:
-            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
-        write_json(
-            out / "config.json",
-            {
-                "schema_version": SCHEMA_VERSION,
-                "actmap_version": package_version(),
-                "detector": NAME,
-                "plus_config": asdict(self.config_),
-                "scalar_names": list(SCALAR_NAMES) if self.config_.use_scalars else [],
-                "C": self.C_,
-                "platt": list(self.platt_),
-                "n_train": self.n_train_,
-                "train_prevalence": self.train_prevalence_,
-                "calibrated_prevalence": self.calibrated_prevalence_,
-                "metadata": {**self.metadata_, **(metadata or {})},
-            },
-        )
-        return out
+        fields = {
+            "plus_config": asdict(self.config_),
+            "scalar_names": list(SCALAR_NAMES) if self.config_.use_scalars else [],
+            "C": self.C_,
+            "platt": list(self.platt_),
+        }
+        return self._write(directory, arrays, SCHEMA_VERSION, fields, metadata)
 
     @classmethod
     def load(cls, directory: str | Path, device: str | None = None) -> ActMapPlus:
@@ -318,8 +338,6 @@ class ActMapPlus:
         est.map_mean_, est.components_ = arrays["map_mean"], arrays["components"]
         est.feature_mean_, est.feature_scale_ = arrays["feature_mean"], arrays["feature_scale"]
         est.coef_, est.intercept_ = arrays["coef"], float(arrays["intercept"][0])
-        est.C_, est.n_train_, est.platt_ = cfg["C"], cfg["n_train"], tuple(cfg["platt"])
-        est.train_prevalence_ = cfg["train_prevalence"]
-        est.calibrated_prevalence_ = cfg["calibrated_prevalence"]
-        est.metadata_ = cfg.get("metadata", {})
+        est.C_, est.platt_ = cfg["C"], tuple(cfg["platt"])
+        est._restore_fit_record(cfg)
         return est

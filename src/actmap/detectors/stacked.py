@@ -45,13 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from actmap.artifacts import package_version, write_json
-from actmap.atomic import atomic_path
 from actmap.capture.needs import needs_of
 from actmap.capture.positions import POSITION_NAMES
 from actmap.detectors.inputs import DetectorInputs, as_inputs
+from actmap.detectors.plus import PriorShifted
 from actmap.scoring import metrics
-from actmap.scoring.prior import shift_to_prevalence, sigmoid
 from actmap.signals.rauq import RAUQ
 from actmap.signals.tad import TAD
 
@@ -197,7 +195,7 @@ class LinearBlock:
         return ((x - self.mean) / self.scale) @ self.coef + self.intercept
 
 
-class StackedPlus:
+class StackedPlus(PriorShifted):
     """actmap-plus v2: blocks fit on training rows, stacked on their out-of-fold logits.
 
     Learned state: ``blocks_`` (name -> `LinearBlock`), ``pca_`` (map mean and components),
@@ -457,23 +455,10 @@ class StackedPlus:
         logits = {b: self.blocks_[b].logits(self._features(b, rows)) for b in self.selected_}
         return self.meta_.logits(self._stack(logits, self.selected_))
 
-    def predict_proba(
-        self, inputs: Any, scalars: Any = None, prevalence: float | None = None
-    ) -> np.ndarray:
-        """(N,) p(correct); with ``prevalence``, prior-corrected to that deployment accuracy."""
-        p = sigmoid(self.decision_function(inputs, scalars))
-        if prevalence is None:
-            return p
-        return shift_to_prevalence(p, prevalence, self.calibrated_prevalence_)
-
     # --- persistence -----------------------------------------------------------------------
 
     def save(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path:
         """Write model.safetensors (every fitted array) and config.json into ``directory``."""
-        from safetensors.numpy import save_file
-
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
         arrays = {"pca.mean": self.pca_[0], "pca.components": self.pca_[1]}
         blocks = {}
         for name, b in [*self.blocks_.items(), ("stack", self.meta_)]:
@@ -494,27 +479,15 @@ class StackedPlus:
                 "ridge_intercept": float(self.tad_.model_.intercept_),
                 "n_features_in": int(self.tad_.n_features_in_),
             }
-        with atomic_path(out / "model.safetensors") as tmp:
-            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
-        write_json(
-            out / "config.json",
-            {
-                "schema_version": SCHEMA_VERSION,
-                "actmap_version": package_version(),
-                "detector": NAME,
-                "stack_config": asdict(self.config),
-                "requires": list(self.requires),
-                "selected": self.selected_,
-                "blocks": blocks,
-                "tad": tad,
-                "validation": self.validation_,
-                "n_train": self.n_train_,
-                "train_prevalence": self.train_prevalence_,
-                "calibrated_prevalence": self.calibrated_prevalence_,
-                "metadata": {**self.metadata_, **(metadata or {})},
-            },
-        )
-        return out
+        fields = {
+            "stack_config": asdict(self.config),
+            "requires": list(self.requires),
+            "selected": self.selected_,
+            "blocks": blocks,
+            "tad": tad,
+            "validation": self.validation_,
+        }
+        return self._write(directory, arrays, SCHEMA_VERSION, fields, metadata)
 
     @classmethod
     def load(cls, directory: str | Path, device: str | None = None) -> StackedPlus:
@@ -551,9 +524,7 @@ class StackedPlus:
             est.tad_.alpha_, est.tad_.aggregation_ = t["alpha"], t["aggregation"]
             est.tad_.stage1_alpha_, est.tad_.n_features_in_ = t["stage1_alpha"], t["n_features_in"]
         est.validation_ = cfg.get("validation", {})
-        est.n_train_, est.train_prevalence_ = cfg["n_train"], cfg["train_prevalence"]
-        est.calibrated_prevalence_ = cfg["calibrated_prevalence"]
-        est.metadata_ = cfg.get("metadata", {})
+        est._restore_fit_record(cfg)
         return est
 
 
