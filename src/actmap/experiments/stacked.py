@@ -31,17 +31,15 @@ from actmap.detectors.stacked import PRESETS, StackedPlus
 from actmap.errors import ActmapUserError
 from actmap.experiments.compare_product import (
     SINGLE_PASS_BASELINES,
-    GenerationReader,
     Scored,
-    baseline_scored,
-    natural_metrics,
+    measure,
     plus_scored,
-    score_test_once,
+    single_pass_scored,
     store_rows,
 )
 from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs
 from actmap.scoring import metrics
-from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
+from actmap.scoring.intervals import Interval
 from actmap.store import MapStore
 from actmap.store.rows import Rows
 from actmap.training.run_folder import ONE_FIT_SEED, seed_folder
@@ -281,16 +279,7 @@ def compare_stacked(
     (logged), so no method sees a row another does not."""
     sets = with_positions_only(store, store_rows(store))
     stacked = presets_scored(store, sets, presets)
-    gens = GenerationReader(store)
-    others = []
-    for method in baselines:
-        try:
-            others.append(baseline_scored(store, sets, method, gens))
-        except Exception as err:  # e.g. no attention stored: the others still compare
-            log.warning("%s cannot run on %s: %s", method, store.root, err)
-    if not others:
-        raise ValueError(f"{store.root}: none of the baselines {', '.join(baselines)} could run")
-    strongest = max(others, key=lambda m: m.validation_auroc)
+    strongest, others = single_pass_scored(store, sets, baselines)
     v1 = []
     if with_v1:
         try:
@@ -299,32 +288,27 @@ def compare_stacked(
             log.warning("actmap-plus v1 cannot run on %s: %s", store.root, err)
     for m in v1:
         m.name = "actmap-plus v1"
-    methods = stacked + [strongest] + [m for m in others if m is not strongest] + v1
-    score_test_once(methods, sets)  # every choice above saw validation rows only
+    methods = stacked + [strongest] + others + v1
+
+    def role(m: Scored) -> str:
+        if any(m is s for s in stacked):
+            return "preset"
+        if m is strongest:
+            return "strongest baseline"
+        return "actmap-plus v1" if any(m is s for s in v1) else "baseline"
+
+    rows = [
+        StackedRow(
+            m.scored.name,
+            role(m.scored),
+            m.scored.validation_auroc,
+            m.test_auroc,
+            m.vs,
+            *m.natural,
+            {k: v for k, v in m.scored.details.items() if k != "grid"},
+        )
+        for m in measure(methods, stacked, sets, n_resamples)
+    ]
     y, y_all = sets["test"].labels, sets["test_all"].labels
     deploy = sets["train_all"].prevalence
-    rows = []
-    for m in methods:
-        role = (
-            "preset" if any(m is s for s in stacked)
-            else "strongest baseline" if m is strongest
-            else "actmap-plus v1" if any(m is s for s in v1)
-            else "baseline"
-        )  # fmt: skip
-        vs = {
-            s.name: paired_bootstrap(s.test, m.test, y, n_resamples=n_resamples)
-            for s in stacked
-            if s is not m
-        }
-        rows.append(
-            StackedRow(
-                m.name,
-                role,
-                m.validation_auroc,
-                bootstrap(m.test, y, n_resamples=n_resamples),
-                vs,
-                *natural_metrics(m, y_all, deploy),
-                {k: v for k, v in m.details.items() if k != "grid"},
-            )
-        )
     return StackedComparison(str(store.root), len(y), len(y_all), float(y_all.mean()), deploy, rows)
