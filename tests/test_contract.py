@@ -61,6 +61,10 @@ def test_every_registered_name_round_trips_through_the_one_loader(
     assert p.shape == (len(inputs),) and np.all((p >= 0) & (p <= 1))
     logits = np.asarray(detector.decision_function(inputs), dtype=np.float64)
     np.testing.assert_allclose(p, 1 / (1 + np.exp(-logits)), rtol=1e-5, atol=1e-6)
+    result = detector.score(inputs)  # the scorer contract the baselines honour
+    np.testing.assert_allclose(result.confidence, p, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.raw, logits, rtol=1e-6)
+    assert result.raw_name == "logit"
     again = load_detector(detector.save(tmp_path / "saved"))
     assert type(again) is type(detector)
     assert (again.kind, again.requires) == (detector.kind, detector.requires)

@@ -2,7 +2,8 @@
 
 Every detector honours `Detector`: ``requires`` says what it reads per answer (the names of
 `actmap.detectors.inputs.INPUT_NAMES`: "maps", and "scalars", "positions", "attention");
-``fit(inputs, y, val_inputs, y_val)`` and ``predict_proba(inputs)`` read one `DetectorInputs`
+``fit(inputs, y, val_inputs, y_val)``, ``predict_proba(inputs)`` and ``score(inputs)`` (the
+baselines' `actmap.scoring.contract.ScoreResult`) read one `DetectorInputs`
 bundle, which `read_inputs(store, rows, detector.requires)` reads from a store and
 `live_inputs` builds from a capture pass; ``capture_needs()`` says what a capture must keep
 for it. `all_detectors()` names every one (`actmap.detectors.catalog`: the paper's `vit`,
@@ -41,6 +42,7 @@ from actmap.detectors.plus import ActMapPlus
 from actmap.detectors.registry import create_detector, list_detectors, register_detector
 from actmap.detectors.stacked import StackedPlus
 from actmap.detectors.vit import MapViT, parameter_breakdown
+from actmap.scoring.contract import ScoreResult
 
 
 @runtime_checkable
@@ -60,6 +62,8 @@ class Detector(Protocol):
     def predict_proba(self, inputs: Any) -> np.ndarray: ...
 
     def decision_function(self, inputs: Any) -> np.ndarray: ...
+
+    def score(self, inputs: Any) -> ScoreResult: ...
 
     def save(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path: ...
 

@@ -220,9 +220,9 @@ class CorrectnessDetector:
 
     # --- persistence ---------------------------------------------------------
 
-    def score(self, maps: Any) -> ScoreResult:
+    def score(self, inputs: Any) -> ScoreResult:
         """The scorer contract (`actmap.scoring.contract`): confidence = p(correct), raw = the logit."""
-        logits = self.decision_function(maps).astype(np.float64)
+        logits = self.decision_function(inputs).astype(np.float64)
         return ScoreResult(
             confidence=1.0 / (1.0 + np.exp(-logits)),
             raw=logits,

@@ -37,6 +37,7 @@ from actmap.capture.answer_scalars import SCALAR_NAMES
 from actmap.capture.needs import needs_of
 from actmap.detectors.inputs import as_inputs
 from actmap.errors import ActmapUserError
+from actmap.scoring.contract import ScoreResult
 from actmap.scoring.prior import shift_to_prevalence, sigmoid
 
 NAME = "actmap-plus"
@@ -122,6 +123,12 @@ class PriorShifted:
         if prevalence is None:
             return p
         return shift_to_prevalence(p, prevalence, self.calibrated_prevalence_)
+
+    def score(self, inputs: Any) -> ScoreResult:
+        """The scorer contract every baseline honours (`actmap.scoring.contract`): confidence =
+        p(correct) at ``calibrated_prevalence_``, raw = the logit."""
+        logits = np.asarray(self.decision_function(inputs), dtype=np.float64)
+        return ScoreResult(sigmoid(logits), logits, "logit", {"detector": self.kind})
 
     def _write(
         self, directory: str | Path, arrays: dict, schema: int, fields: dict, metadata
