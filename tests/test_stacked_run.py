@@ -360,3 +360,26 @@ def test_the_default_preset_is_the_richest_the_store_holds(store_path, tmp_path)
         )
     else:
         assert loaded.needs_generations
+
+
+def test_the_baselines_input_provider_hands_a_detector_its_one_bundle(store_path):
+    """`StoreInputs.rows(requires, ids)`, the provider every baseline reads through, hands a
+    detector the bundle it requires: equal to the tables decoded by hand, parts it does not
+    require left out."""
+    from actmap.baselines.inputs import StoreInputs
+    from actmap.baselines.options import BaselineOptions
+
+    store = MapStore.open(store_path)
+    ids = store.metadata()["id"].tolist()[:12]
+    provider = StoreInputs(store, BaselineOptions(device="cpu"), {})
+    want = hand_built_inputs(store, ids, attention=True)
+    full = provider.rows(("maps", "scalars", "positions", "attention"), ids)
+    np.testing.assert_array_equal(full.maps, want.maps)
+    np.testing.assert_allclose(full.scalars, want.scalars, rtol=1e-6)
+    np.testing.assert_array_equal(full.positions, want.positions)
+    assert [g.answer for g in full.generations] == [g.answer for g in want.generations]
+    for a, b in zip(full.generations, want.generations, strict=True):
+        np.testing.assert_array_equal(a.attention.numpy(), b.attention.numpy())
+    maps_only = provider.rows(("maps",), ids)
+    np.testing.assert_array_equal(maps_only.maps, want.maps)
+    assert (maps_only.scalars, maps_only.positions, maps_only.generations) == (None, None, None)
