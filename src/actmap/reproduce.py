@@ -301,7 +301,8 @@ def copy_path(config: ReproduceConfig, spec: StoreSpec) -> Path:
 
 
 def run_path(config: ReproduceConfig, spec: StoreSpec, detector: str) -> Path:
-    return config.out / "runs" / spec.name / detector
+    """A detector's run folder: its name, a version's colon as a dash (actmap-plus-full)."""
+    return config.out / "runs" / spec.name / detector.replace(":", "-")
 
 
 def plan(config: ReproduceConfig, report: bool = True) -> list[Stage]:
@@ -448,7 +449,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
 
         if plus:
             key = {"settings": settings(), "source": source_content(spec.path)}
-            prepare_run_folder(out, detector, None, overwrite=True)
+            prepare_run_folder(out, "actmap-plus", None, overwrite=True)  # what it saves
             progress(0, 1, "fitting actmap-plus")
             train_plus_run(copy_path(config, spec), out)
             write_json(out / TRAIN_KEY, key)
@@ -515,7 +516,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
 
 def plus_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: Path) -> Stage:
     """One stacked actmap-plus preset on a store's copy: no epochs, no seeds (seed-0)."""
-    out = run_path(config, spec, detector.replace(":", "-"))
+    out = run_path(config, spec, detector)
 
     def work(progress: Progress) -> None:
 
