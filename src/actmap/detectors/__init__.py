@@ -34,6 +34,7 @@ from actmap.detectors.inputs import (
     INPUT_NAMES,
     DetectorInputs,
     as_inputs,
+    check_stored_inputs,
     live_inputs,
     read_inputs,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "StackedPlus",
     "all_detectors",
     "as_inputs",
+    "check_stored_inputs",
     "create_detector",
     "detector_name",
     "list_detectors",

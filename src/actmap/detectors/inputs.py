@@ -20,10 +20,16 @@ import numpy as np
 
 from actmap.capture.answer_scalars import scalars_from_store
 from actmap.capture.from_store import read_generations
+from actmap.errors import ActmapUserError
 from actmap.maps import saturated_float16
 
 # what a detector may read per answer, in the order a store keeps them
 INPUT_NAMES = ("maps", "scalars", "positions", "attention")
+# the store's side table of each part beside the map and the per-answer scalars, and how to add it
+SIDE_TABLES = {
+    "positions": ("positions", "capture with --keep-positions or run scripts/add_positions.py"),
+    "attention": ("attention", "capture with --attention-keys and --lookback-attention"),
+}
 
 
 @dataclass
@@ -90,11 +96,32 @@ def read_positions(store, ids: Sequence[str]) -> np.ndarray:
     return saturated_float16(states)
 
 
+def check_stored_inputs(store, ids: Sequence[str], requires: Sequence[str], name=None) -> None:
+    """A clear error when ``store`` lacks a side table part ``requires`` names for ``ids``
+    (``name``: the detector, in the message)."""
+    name = name or "the detector"
+    for need, (table, how) in SIDE_TABLES.items():
+        if need not in requires:
+            continue
+        if not store.has_table(table):
+            raise ActmapUserError(
+                f"{name} reads {need}, but {store.root} has no '{table}' table ({how})"
+            )
+        have = store.ids(table)
+        missing = [k for k in ids if k not in have]
+        if missing:
+            raise ActmapUserError(
+                f"{name} reads {need}, but {len(missing)} of the {len(ids)} rows to score have "
+                f"none in {store.root}'s '{table}' table, e.g. {missing[:3]} ({how})"
+            )
+
+
 def read_inputs(store, rows, requires: Sequence[str]) -> DetectorInputs:
     """What ``requires`` names for ``rows`` of ``store``: ``rows`` is a `actmap.store.rows.Rows`
     (its maps and scalars are used when it holds them) or a sequence of ids. The position
     states and the attention-carrying generations are read when required and stored (a
-    detector that finds one missing says so when it scores)."""
+    detector that finds one missing says so when it scores; `check_stored_inputs` says so
+    first)."""
     if hasattr(rows, "row_ids"):
         ids, maps, scalars = rows.row_ids(), rows.maps, rows.scalars
     else:
@@ -105,10 +132,10 @@ def read_inputs(store, rows, requires: Sequence[str]) -> DetectorInputs:
     if "scalars" in need and scalars is None:
         scalars = scalars_from_store(store, ids)
     positions = None
-    if "positions" in need and store.has_table("positions"):
+    if "positions" in need and store.has_table(SIDE_TABLES["positions"][0]):
         positions = read_positions(store, ids)
     gens = None
-    if "attention" in need and store.has_table("attention"):
+    if "attention" in need and store.has_table(SIDE_TABLES["attention"][0]):
         gens = read_generations(store, ids)
     return DetectorInputs(maps, scalars if "scalars" in need else None, positions, gens)
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import minimize_scalar
 
-from actmap.detectors import read_inputs
+from actmap.detectors import check_stored_inputs, read_inputs
 from actmap.errors import ActmapUserError
 from actmap.scoring.intervals import N_RESAMPLES, Interval, resample_indices
 from actmap.scoring.metrics import ece
@@ -103,7 +103,7 @@ def store_p_raw(store: MapStore, detector, rows: Rows, chunk: int = STORE_CHUNK)
     what it ``requires``, read by `actmap.detectors.read_inputs` (as training and
     compare-stacked read them): the maps, the per-answer scalars, the position states and the
     attention-carrying generations, ``chunk`` rows at a time."""
-    _check_stored_inputs(store, detector.requires, rows.row_ids(), detector)
+    check_stored_inputs(store, rows.row_ids(), detector.requires, getattr(detector, "id", None))
     parts = [
         detector.predict_proba(
             read_inputs(store, _row_slice(rows, start, chunk), detector.requires)
@@ -117,28 +117,6 @@ def _row_slice(rows: Rows, start: int, size: int) -> Rows:
     part = slice(start, start + size)
     scalars = None if rows.scalars is None else rows.scalars[part]
     return Rows(rows.row_ids()[part], rows.labels[part], rows.maps[part], scalars)
-
-
-def _check_stored_inputs(store: MapStore, requires, ids: list, detector) -> None:
-    """A clear error when the store lacks what the detector reads for ``ids``."""
-    name = getattr(detector, "id", "the detector")
-    for need, table, how in (
-        ("positions", "positions", "capture with --keep-positions or run scripts/add_positions.py"),
-        ("attention", "attention", "capture with --attention-keys and --lookback-attention"),
-    ):
-        if need not in requires:
-            continue
-        if not store.has_table(table):
-            raise ActmapUserError(
-                f"{name} reads {need}, but {store.root} has no '{table}' table ({how})"
-            )
-        have = store.ids(table)
-        missing = [k for k in ids if k not in have]
-        if missing:
-            raise ActmapUserError(
-                f"{name} reads {need}, but {len(missing)} of the {len(ids)} rows to score have "
-                f"none in {store.root}'s '{table}' table, e.g. {missing[:3]} ({how})"
-            )
 
 
 def detector_train_prevalence(detector) -> float:
