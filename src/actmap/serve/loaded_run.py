@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from actmap.detectors import DetectorInputs, live_inputs, load_detector
+from actmap.detectors.inputs import SIDE_TABLES
 from actmap.llm.models import ModelSource, file_digest
 from actmap.maps import MapConfig, build_maps, build_maps_from_list, stored_form
 from actmap.training.run_folder import seed_folders
@@ -56,7 +57,7 @@ class LoadedDetector:
     def needs_generations(self) -> bool:
         """True when scoring reads more than maps and scalars (positions, attention): the
         whole answer's `Generation` records; no running scores over answer prefixes then."""
-        return bool({"positions", "attention"} & set(self.requires))
+        return bool(set(SIDE_TABLES) & set(self.requires))  # the parts a store keeps aside
 
     def capture_settings(self) -> dict:
         """`CaptureConfig` fields the generation pass needs for this detector: what the
