@@ -75,12 +75,13 @@ def train(
     out: Path = typer.Option(..., "--out", "-o", help="Run folder: one seed-<s>/ per seed."),
     detector: str = typer.Option(
         "vit",
-        help="vit | mlp | mlp4x | logreg (the paper's), or actmap-plus (the one to deploy: "
-        "a stacked detector, see --preset; choices on validation; ignores seeds/epochs).",
+        help="vit | mlp | mlp4x | logreg (the paper's), or actmap-plus:v1 | "
+        "actmap-plus:deployable | actmap-plus:full (the one to deploy; choices on validation; "
+        "ignores seeds/epochs), or plain actmap-plus with --preset.",
     ),
     preset: str = typer.Option(
         "auto",
-        help="actmap-plus only: v1 (map PCA + six scalars) | full (the stacked version: map, "
+        help="plain actmap-plus only: v1 (map PCA + six scalars) | full (the stacked version: map, "
         "scalars, position probes, lookback attention, RAUQ, TAD; what the store holds) | "
         "deployable (stacked, no attention weights: what vLLM gives) | auto (the richest the "
         "store can train: full with position states and attention weights, deployable with "
@@ -121,10 +122,13 @@ def train(
             console.print(f"run written to {out}")
             return
         store = store[0]
-        if detector == "actmap-plus":
+        if detector.startswith("actmap-plus"):
+            from actmap.detectors import detector_name
             from actmap.experiments.stacked import train_plus_preset
 
-            prepare_run_folder(out, detector, None, overwrite)
+            if detector != "actmap-plus":  # a named version: actmap-plus:<preset>
+                preset = detector_name(detector).split(":", 1)[1]
+            prepare_run_folder(out, "actmap-plus", None, overwrite)
             chosen, summary, details = train_plus_preset(store, out, preset, fallback)
             if preset == "auto":
                 console.print(f"actmap-plus preset: {chosen} (what {store} holds)")
