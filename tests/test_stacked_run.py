@@ -321,8 +321,8 @@ def test_audit_rescore_of_a_stacked_run_is_one_clear_error(store_path, tmp_path)
     assert "positions" in str(raised.value)
 
 
-def test_the_default_preset_is_the_richest_the_store_holds(store_path, tmp_path):
-    """`actmap train --detector actmap-plus` without --preset: full on a store with position
+def test_the_auto_preset_is_the_richest_the_store_holds(store_path, tmp_path):
+    """`actmap train --detector actmap-plus --preset auto`: full on a store with position
     states and attention weights; the map+scalars block replaces the stack exactly when it
     ranks validation better, and then maps and scalars alone score it (as the audit trail and
     the server's running scores hold them)."""
@@ -338,7 +338,7 @@ def test_the_default_preset_is_the_richest_the_store_holds(store_path, tmp_path)
     assert preset_for_store(store) == "full"
     run = tmp_path / "plus"
     args = ["train", "--store", str(store_path), "--out", str(run), "--detector", "actmap-plus"]
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(app, [*args, "--preset", "auto"])
     assert result.exit_code == 0, result.output
     assert "preset: full" in result.output
     saved = json.loads((run / "seed-0" / "config.json").read_text())
@@ -383,3 +383,19 @@ def test_the_baselines_input_provider_hands_a_detector_its_one_bundle(store_path
     maps_only = provider.rows(("maps",), ids)
     np.testing.assert_array_equal(maps_only.maps, want.maps)
     assert (maps_only.scalars, maps_only.positions, maps_only.generations) == (None, None, None)
+
+
+def test_plain_actmap_plus_trains_v1_and_a_named_version_refuses_another_preset():
+    """One meaning for plain actmap-plus everywhere (reproduce's and train's): actmap-plus:v1;
+    --preset picks another only beside the plain name."""
+    from actmap.errors import ActmapUserError
+    from actmap.experiments.stacked import plus_preset
+
+    assert plus_preset("actmap-plus") == "v1"
+    assert plus_preset("actmap-plus", "auto") == "auto"
+    assert plus_preset("actmap-plus:full") == "full"
+    assert plus_preset("actmap-plus:deployable", "deployable") == "deployable"
+    with pytest.raises(ActmapUserError, match="trains the full preset; --preset deployable"):
+        plus_preset("actmap-plus:full", "deployable")
+    with pytest.raises(ActmapUserError, match="unknown detector"):
+        plus_preset("actmap-plus:v2")

@@ -80,12 +80,13 @@ def train(
         "ignores seeds/epochs), or plain actmap-plus with --preset.",
     ),
     preset: str = typer.Option(
-        "auto",
-        help="plain actmap-plus only: v1 (map PCA + six scalars) | full (the stacked version: map, "
-        "scalars, position probes, lookback attention, RAUQ, TAD; what the store holds) | "
-        "deployable (stacked, no attention weights: what vLLM gives) | auto (the richest the "
-        "store can train: full with position states and attention weights, deployable with "
-        "position states, else v1).",
+        None,
+        help="With plain actmap-plus (alone it means actmap-plus:v1): v1 (map PCA + six "
+        "scalars) | full (the stacked version: map, scalars, position probes, lookback "
+        "attention, RAUQ, TAD; what the store holds) | deployable (stacked, no attention "
+        "weights: what vLLM gives) | auto (the richest the store can train: full with position "
+        "states and attention weights, deployable with position states, else v1). A "
+        "generalist (several --store) takes auto when none is given.",
     ),
     fallback: bool = typer.Option(
         True,
@@ -118,16 +119,14 @@ def train(
             from actmap.cli.out_of_domain import train_generalist
 
             prepare_run_folder(out, detector, None, overwrite)
-            print_summary(train_generalist(store, out, detector, preset, fallback))
+            print_summary(train_generalist(store, out, detector, preset or "auto", fallback))
             console.print(f"run written to {out}")
             return
         store = store[0]
         if detector.startswith("actmap-plus"):
-            from actmap.detectors import detector_name
-            from actmap.experiments.stacked import train_plus_preset
+            from actmap.experiments.stacked import plus_preset, train_plus_preset
 
-            if detector != "actmap-plus":  # a named version: actmap-plus:<preset>
-                preset = detector_name(detector).split(":", 1)[1]
+            preset = plus_preset(detector, preset)
             prepare_run_folder(out, "actmap-plus", None, overwrite)
             chosen, summary, details = train_plus_preset(store, out, preset, fallback)
             if preset == "auto":

@@ -119,6 +119,23 @@ def preset_for_store(store) -> str:
 PLUS_PRESETS = ("auto", "v1", *PRESETS)  # what `train_plus_preset` takes
 
 
+def plus_preset(detector: str, preset: str | None = None) -> str:
+    """The preset an actmap-plus name trains: ``actmap-plus:<preset>`` names its own; plain
+    ``actmap-plus`` means ``actmap-plus:v1`` unless ``preset`` (one of `PLUS_PRESETS`, "auto"
+    included) says otherwise. A named version with another ``preset`` is refused."""
+    from actmap.detectors import detector_name
+
+    named = detector_name(detector).split(":", 1)[1]  # plain actmap-plus: v1
+    if ":" not in detector:
+        return preset or named
+    if preset is not None and preset != named:
+        raise ActmapUserError(
+            f"--detector {detector} trains the {named} preset; --preset {preset} says otherwise "
+            "(give plain actmap-plus with --preset, or the name alone)"
+        )
+    return named
+
+
 def train_plus_preset(
     store_path: str | Path, out: str | Path, preset: str = "auto", fallback: bool = True
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
