@@ -813,7 +813,6 @@ def end_ids(folder: str, tokenizer) -> set[int]:
     return end_token_ids(generation, tokenizer)
 
 
-_end_ids = end_ids  # the vLLM plugin's import (`actmap.serve.vllm_plugin`)
 
 
 def _chosen_logprobs(logprobs, token_ids: list[int]) -> list[float]:

@@ -23,6 +23,7 @@ import torch
 
 from actmap.detectors import DetectorInputs, live_inputs, load_detector
 from actmap.detectors.inputs import SIDE_TABLES
+from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, file_digest
 from actmap.maps import MapConfig, build_maps, build_maps_from_list, stored_form
 from actmap.training.run_folder import seed_folders
@@ -130,6 +131,17 @@ def load_detector_run(
     ident = f"{kind}:{name}:{file_digest(folder / 'model.safetensors')[:12]}"
     log.info("detector %s from %s", ident, folder)
     return LoadedDetector(detector, ident, map_config, folder, dtype, store_config.get("model"))
+
+
+def refuse_what_vllm_cannot_read(detector: LoadedDetector, instead: str) -> None:
+    """vLLM's capture (the in-process engine and the plugin) gives maps, scalars and position
+    states, not attention weights: a run that reads them is refused by name before any model
+    loads. ``instead``: what the user can do in that mode."""
+    if "attention" in detector.requires:
+        raise ActmapUserError(
+            f"{detector.id} reads attention weights (actmap-plus:full), which vLLM's capture "
+            f"does not give: {instead}"
+        )
 
 
 def generator_problem(detector: LoadedDetector, served: ModelSource) -> str | None:

@@ -47,14 +47,14 @@ import numpy as np
 from pydantic import ValidationError
 
 from actmap.capture.answer_scalars import answer_scalars
-from actmap.capture.vllm_engine import _end_ids
+from actmap.capture.vllm_engine import end_ids
 from actmap.capture.vllm_rows import generation_from_payload, payload_arrays
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, resolve_model
 from actmap.maps import build_maps_from_list
 from actmap.serve.app import actmap_info, audit_trail, load_scoring
 from actmap.serve.engine import Engine, Job
-from actmap.serve.loaded_run import generator_problem
+from actmap.serve.loaded_run import generator_problem, refuse_what_vllm_cannot_read
 from actmap.serve.prometheus import ServeMetrics
 from actmap.serve.protocol import ActmapOptions
 from actmap.serve.request_path import APIError, validation_error
@@ -183,11 +183,7 @@ class VllmPlugin:
         if not (detector.generator or {}).get("name"):
             log.warning("actmap: %s records no generator; not checked against %s",
                         detector.id, served.path)  # fmt: skip
-        if "attention" in detector.requires:
-            raise ActmapUserError(
-                f"{detector.id} reads attention weights (actmap-plus --preset full), which the "
-                "vLLM plugin does not capture yet: serve a deployable run"
-            )
+        refuse_what_vllm_cannot_read(detector, "serve a deployable run")
         dtype = str(model_config.dtype).removeprefix("torch.")
         if dtype != detector.dtype:
             log.warning("actmap: vLLM runs %s, but %s was fit on %s maps: scores may shift",
@@ -228,7 +224,7 @@ class VllmPlugin:
             monitor=monitor,
         )  # fmt: skip
         log.info("actmap: scoring vLLM's answers with %s (workers: %s)", detector.id, infos)
-        plugin = cls(engine, client, _end_ids(model_config.tokenizer, tokenizer), settings)
+        plugin = cls(engine, client, end_ids(model_config.tokenizer, tokenizer), settings)
         plugin.expose_metrics()
         if model is not None:
             names = model_config.served_model_name

@@ -33,6 +33,7 @@ from actmap.errors import ActmapUserError
 from actmap.maps import build_maps_from_list
 from actmap.serve.batcher import QueueFull
 from actmap.serve.engine import BatchTimings, Engine, Job, StreamEmitter
+from actmap.serve.loaded_run import refuse_what_vllm_cannot_read
 
 log = logging.getLogger(__name__)
 
@@ -257,11 +258,7 @@ class StepLoop:
 
 def build_vllm_engine(settings, detector, policy, audit, monitor, dtype: str) -> VllmServeEngine:
     """The generator of ``actmap serve --engine vllm`` (called by `actmap.serve.app.build_engine`)."""
-    if "attention" in detector.requires:
-        raise ActmapUserError(
-            f"{detector.id} reads attention weights (actmap-plus --preset full), which the vLLM "
-            "engine does not capture: serve a deployable run, or use --engine local"
-        )
+    refuse_what_vllm_cannot_read(detector, "serve a deployable run, or use --engine local")
     capture = VllmCapture(
         settings.model,
         dtype,
