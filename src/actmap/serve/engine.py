@@ -31,7 +31,7 @@ from actmap.capture.generate import generate_batch, stop_ids
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import stop_position
 from actmap.llm.models import ModelSource
-from actmap.maps import MapConfig, build_maps, stored_form
+from actmap.maps import MapConfig, build_maps, build_maps_from_list, stored_form
 from actmap.monitor.stream import MapShift, StreamingMonitor
 from actmap.scoring.prior import em_prevalence
 from actmap.serve.loaded_run import LoadedDetector, answer_maps
@@ -349,6 +349,19 @@ class Engine:
         here) and, when the detector reads them, their scalars so far."""
         raw = self.detector.predict_proba(stored_form(maps), scalars)
         return correct_prior(raw, self.policy.prior, self.prevalence.prevalence).tolist()
+
+    def prefix_scores(self, prefixes: Sequence[tuple[torch.Tensor, Sequence, torch.Tensor]]):
+        """`running_scores` of answers so far, each given as (its layer states up to token t,
+        the log-probs and entropies of those t tokens): the running scorer of both vLLM step
+        loops (`actmap serve --engine vllm` and the plugin), whose rows arrive one by one."""
+        with self.swap_lock:
+            maps = build_maps_from_list([states for states, _, _ in prefixes], self.map_config)
+            scalars = None
+            if self.detector.needs_scalars:
+                scalars = np.stack(
+                    [answer_scalars(lp, h.double().numpy()) for _, lp, h in prefixes]
+                )
+            return self.running_scores(maps, scalars)
 
     # -- one batch -------------------------------------------------------------------------
     def run(self, jobs: list[Job]) -> tuple[list[Answer], BatchTimings]:

@@ -43,15 +43,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-import numpy as np
 from pydantic import ValidationError
 
-from actmap.capture.answer_scalars import answer_scalars
 from actmap.capture.vllm_engine import end_ids
 from actmap.capture.vllm_rows import generation_from_payload, payload_arrays
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, resolve_model
-from actmap.maps import build_maps_from_list
 from actmap.serve.app import actmap_info, audit_trail, load_scoring
 from actmap.serve.engine import Engine, Job
 from actmap.serve.loaded_run import generator_problem, refuse_what_vllm_cannot_read
@@ -335,15 +332,11 @@ class VllmPlugin:
                 chosen.append((item, t))
         if not chosen:
             return {}
-        trajectories, scalars = [], []
+        prefixes = []
         for item, t in chosen:
             states, entropies, _ = payload_arrays(item)
-            trajectories.append(states[:, :t])
-            if engine.detector.needs_scalars:
-                scalars.append(answer_scalars(item["logprobs"][:t], entropies[:t].double().numpy()))
-        with engine.swap_lock:  # `Engine.running_scores`: both engines' running scorer
-            maps = build_maps_from_list(trajectories, engine.map_config)
-            p = engine.running_scores(maps, np.stack(scalars) if scalars else None)
+            prefixes.append((states[:, :t], item["logprobs"][:t], entropies[:t]))
+        p = engine.prefix_scores(prefixes)  # the running scorer of both vLLM step loops
         return {item["index"]: (float(v), t) for (item, t), v in zip(chosen, p, strict=True)}
 
 

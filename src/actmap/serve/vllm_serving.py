@@ -24,13 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
-from actmap.capture.answer_scalars import answer_scalars
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.vllm_engine import VllmCapture, VllmOptions, enforce_eager_for
 from actmap.errors import ActmapUserError
-from actmap.maps import build_maps_from_list
 from actmap.serve.batcher import QueueFull
 from actmap.serve.engine import BatchTimings, Engine, Job, StreamEmitter
 from actmap.serve.loaded_run import refuse_what_vllm_cannot_read
@@ -170,7 +166,7 @@ class StepLoop:
 
     def _watch(self, lives: list[_Live]) -> list[tuple[_Live, Generation, bool]]:
         """Stream deltas and running scores; end requests below their ``abort_below`` (the
-        running score and the emitter are the transformers engine's: `Engine.running_scores`,
+        running scorer and the emitter are the transformers engine's: `Engine.prefix_scores`,
         `actmap.serve.engine.StreamEmitter`)."""
         engine = self.engine
         scored = []
@@ -183,16 +179,8 @@ class StepLoop:
                 scored.append((live, request, t))
         running = {}
         if scored:
-            maps = build_maps_from_list([r.states[:, :t] for _, r, t in scored], engine.map_config)
-            scalars = None
-            if engine.detector.needs_scalars:
-                scalars = np.stack(
-                    [
-                        answer_scalars(r.logprobs[:t], r.entropies[:t].double().numpy())
-                        for _, r, t in scored
-                    ]
-                )
-            p = engine.running_scores(maps, scalars)
+            prefixes = [(r.states[:, :t], r.logprobs[:t], r.entropies[:t]) for _, r, t in scored]
+            p = engine.prefix_scores(prefixes)
             running = {live.key: v for (live, _, _), v in zip(scored, p, strict=True)}
         ended = []
         for live in lives:
