@@ -68,6 +68,18 @@ class Scorer(Protocol):
     def score(self, rows: Sequence[Any]) -> ScoreResult: ...
 
 
+def bundle_part(inputs: Any, part: str, reader: str = "the scorer") -> Any:
+    """What a scorer reads from its input bundle (`actmap.detectors.inputs.DetectorInputs`):
+    the bundle's ``part`` ("generations", "dense"); bare rows (a list of `Generation` records,
+    a stacked tensor) stand for a bundle of that part alone."""
+    if isinstance(inputs, list | tuple) or not hasattr(inputs, part):
+        return inputs
+    value = getattr(inputs, part)
+    if value is None:
+        raise ValueError(f"{reader} reads {part}, but the input bundle holds none")
+    return value
+
+
 def row_input(requires: Sequence[str]) -> str:
     """The row input a scorer reads: the most specific one it requires."""
     unknown = sorted(set(requires) - set(INPUTS))
