@@ -87,6 +87,14 @@ def test_every_trainable_baseline_fits_and_predicts_through_the_one_bundle(store
     np.testing.assert_allclose(chunked.confidence, result.confidence, atol=ATOL)
 
 
+def test_the_trainable_baselines_tested_here_are_every_registered_one():
+    from actmap.baselines.registry import baseline_class, list_baselines
+
+    trains = {name for name in list_baselines() if baseline_class(name).supervised}
+    assert trains == set(TRAINABLE)
+    assert all(hasattr(baseline_class(name), "predict_proba") for name in trains)
+
+
 def test_the_length_baseline_through_the_bundle_is_sklearn_on_the_token_counts(store):
     inputs = store_inputs(store)
     scorer = fit(inputs, "answer_length", lambda s, ids: inputs.bundle(s.requires, ids))
