@@ -94,13 +94,19 @@ OPTIONS = BaselineOptions(
 )
 
 
-@pytest.fixture(scope="module")
-def captured(tmp_path_factory, tiny_llama, word_tokenizer):
+def capture_alternating(root, model, tokenizer) -> MapStore:
+    """A tiny store of `AlternatingTask` at ``root``, with attention (K=3) and dense states."""
     task = AlternatingTask()
     config = CaptureConfig(max_new_tokens=5, batch_size=8, attention_keys=3, keep_dense=True)
-    root = tmp_path_factory.mktemp("captured")
     store = MapStore.create(root, store_config(task, SOURCE, config, MapConfig(), {}))
-    run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config)
+    run_capture(model, tokenizer, SOURCE, task, task.examples, store, config)
+    return store
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, tiny_llama, word_tokenizer):
+    root = tmp_path_factory.mktemp("captured")
+    capture_alternating(root, tiny_llama, word_tokenizer)
     return root
 
 

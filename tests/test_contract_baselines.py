@@ -12,16 +12,13 @@ import pytest
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
-from test_baselines_runner import OPTIONS, SOURCE, AlternatingTask
+from test_baselines_runner import OPTIONS, capture_alternating
 
 from actmap.baselines.inputs import StoreInputs
 from actmap.baselines.options import BaselineOptions
 from actmap.baselines.runner import run_baselines, score_in_chunks
-from actmap.capture import CaptureConfig
 from actmap.capture.from_store import read_generations
-from actmap.capture.run import run_capture, store_config
 from actmap.detectors.inputs import DetectorInputs
-from actmap.maps import MapConfig
 from actmap.store import MapStore
 from actmap.store.rows import balanced_splits
 
@@ -31,12 +28,8 @@ ATOL = 1e-6
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, tiny_llama, word_tokenizer):
-    task = AlternatingTask()
-    config = CaptureConfig(max_new_tokens=5, batch_size=8, attention_keys=3, keep_dense=True)
     root = tmp_path_factory.mktemp("contract-baselines")
-    store = MapStore.create(root, store_config(task, SOURCE, config, MapConfig(), {}))
-    run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config)
-    return store
+    return capture_alternating(root, tiny_llama, word_tokenizer)
 
 
 def store_inputs(store) -> StoreInputs:
