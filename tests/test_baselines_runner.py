@@ -94,13 +94,19 @@ OPTIONS = BaselineOptions(
 )
 
 
-@pytest.fixture(scope="module")
-def captured(tmp_path_factory, tiny_llama, word_tokenizer):
+def capture_alternating(root, model, tokenizer) -> MapStore:
+    """A tiny store of `AlternatingTask` at ``root``, with attention (K=3) and dense states."""
     task = AlternatingTask()
     config = CaptureConfig(max_new_tokens=5, batch_size=8, attention_keys=3, keep_dense=True)
-    root = tmp_path_factory.mktemp("captured")
     store = MapStore.create(root, store_config(task, SOURCE, config, MapConfig(), {}))
-    run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config)
+    run_capture(model, tokenizer, SOURCE, task, task.examples, store, config)
+    return store
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, tiny_llama, word_tokenizer):
+    root = tmp_path_factory.mktemp("captured")
+    capture_alternating(root, tiny_llama, word_tokenizer)
     return root
 
 
@@ -378,9 +384,12 @@ def test_a_toy_baseline_runs_by_one_registration(captured, tmp_path, monkeypatch
     """A new method needs its class and one registration; the runner provides, fits, scores
     and writes it like the built-in ones."""
     from actmap.baselines import registry
-    from actmap.scoring.contract import ScoreResult
+    from actmap.scoring.contract import ScoreResult, bundle_part
 
     monkeypatch.setattr(registry, "BASELINES", dict(registry.BASELINES))
+
+    def first_logprobs(inputs):  # the bundle's generations (`DetectorInputs`)
+        return np.array([float(g.logprobs[0]) for g in bundle_part(inputs, "generations")])
 
     @registry.register_baseline
     class FirstTokenThreshold:
@@ -392,17 +401,19 @@ def test_a_toy_baseline_runs_by_one_registration(captured, tmp_path, monkeypatch
         requires = ("generations",)
         probability = True
 
-        def fit(self, train, y_train, val=None, y_val=None):
-            first = np.array([float(g.logprobs[0]) for g in train])
+        def fit(self, inputs, y, val_inputs=None, y_val=None):
+            first = first_logprobs(inputs)
             self.cut_ = float(np.median(first))
             high = first > self.cut_
-            self.p_ = (float(y_train[~high].mean()), float(y_train[high].mean()))
+            self.p_ = (float(y[~high].mean()), float(y[high].mean()))
             return self
 
-        def score(self, rows):
-            first = np.array([float(g.logprobs[0]) for g in rows])
-            p = np.where(first > self.cut_, self.p_[1], self.p_[0])
-            return ScoreResult(p, first, "first_logprob", {"cut": self.cut_})
+        def predict_proba(self, inputs):
+            return np.where(first_logprobs(inputs) > self.cut_, self.p_[1], self.p_[0])
+
+        def score(self, inputs):
+            p = self.predict_proba(inputs)
+            return ScoreResult(p, first_logprobs(inputs), "first_logprob", {"cut": self.cut_})
 
     root = tmp_path / "store"
     shutil.copytree(captured, root)
@@ -446,8 +457,16 @@ def test_register_baseline_rejects_an_undeclared_contract(monkeypatch):
     class UnknownInput:
         name, supervised, probability, requires = "y", False, False, ("telepathy",)
 
+    class TrainsButCannotPredict:  # the one contract: a method that trains has predict_proba
+        name, supervised, probability, requires = "z", True, True, ("generations",)
+
+        def fit(self, inputs, y, val_inputs=None, y_val=None):
+            return self
+
     with pytest.raises(TypeError, match="does not declare requires"):
         registry.register_baseline(NoRequires)
+    with pytest.raises(TypeError, match="does not declare predict_proba"):
+        registry.register_baseline(TrainsButCannotPredict)
     with pytest.raises(ValueError, match="unknown inputs"):
         registry.register_baseline(UnknownInput)
 

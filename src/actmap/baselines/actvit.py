@@ -43,7 +43,7 @@ from actmap.atomic import atomic_path, atomic_write_text
 from actmap.baselines.base import BaselineUnavailable
 from actmap.device import resolve_device
 from actmap.maps import DENSE_LAYER_GROUPS, FLOAT16_MAX, PadMode, pool_layers, saturated_float16
-from actmap.scoring.contract import ScoreResult
+from actmap.scoring.contract import ScoreResult, bundle_part
 from actmap.training.recipe import (
     EpochOutcome,
     deterministic_torch,
@@ -823,8 +823,9 @@ def _score_test(
 class ACTViTScorer:
     """The scorer contract over ACT-ViT: fit runs the sweep (or one fixed config), score gives p(correct).
 
-    Rows are (8, 100, D) tensors, one stacked (n, 8, 100, D) tensor, or
-    `Generation` records captured with `keep_dense=True`. `confidence` comes
+    Inputs are a `DetectorInputs` bundle holding ``dense`` (n, 8, 100, D) states, or bare
+    rows: (8, 100, D) tensors, one stacked (n, 8, 100, D) tensor, or `Generation` records
+    captured with `keep_dense=True`. `confidence` comes
     from the first seed's checkpoint (the selection seed); the other seeds'
     scores are in `details["confidence_by_seed"]` so metrics can be averaged
     over seeds as the protocol reports them.
@@ -904,8 +905,8 @@ class ACTViTScorer:
             raise ValueError("seeds is empty")
         grid = (self.config,) if self.config is not None else self.grid
         self.result_ = run_sweep(
-            (_as_batch(train, self.layer_pad_mode), y_train),
-            (_as_batch(val, self.layer_pad_mode), y_val),
+            (self._batch(train), y_train),
+            (self._batch(val), y_val),
             seed=self.seeds[0],
             retrain_seeds=self.seeds[1:],
             grid=grid,
@@ -923,14 +924,25 @@ class ACTViTScorer:
             self.models_.append(model.to(device).eval())
         return self
 
-    def score(self, rows: Any) -> ScoreResult:
+    def _batch(self, inputs: Any) -> torch.Tensor:
+        return _as_batch(bundle_part(inputs, "dense", self.name), self.layer_pad_mode)
+
+    def predict_proba_by_seed(self, inputs: Any) -> dict[int, np.ndarray]:
+        """Each seed's checkpoint's (N,) p(correct), the selection seed first."""
         if not hasattr(self, "models_"):
-            raise RuntimeError("ACTViTScorer.score called before fit")
-        x = _as_batch(rows, self.layer_pad_mode)
-        by_seed = {
+            raise RuntimeError("ACTViTScorer used before fit")
+        x = self._batch(inputs)
+        return {
             run.seed: predict_proba(m, x, self.micro_batch)
             for run, m in zip(self.result_.runs, self.models_, strict=False)
         }
+
+    def predict_proba(self, inputs: Any) -> np.ndarray:
+        """(N,) p(correct) of the selection seed's checkpoint."""
+        return self.predict_proba_by_seed(inputs)[self.result_.runs[0].seed]
+
+    def score(self, inputs: Any) -> ScoreResult:
+        by_seed = self.predict_proba_by_seed(inputs)
         confidence = by_seed[self.result_.runs[0].seed]
         return ScoreResult(
             confidence=confidence,

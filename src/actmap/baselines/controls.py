@@ -7,7 +7,7 @@ and the answer length alone stays well below the full map.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -16,7 +16,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from actmap.baselines.registry import baseline_class
-from actmap.scoring.contract import Scorer, ScoreResult
+from actmap.scoring.contract import Scorer, ScoreResult, bundle_part
 
 
 def answer_length(row: Any) -> int:
@@ -50,24 +50,26 @@ class AnswerLengthPredictor:
         self.features = features  # "n" or "n_log" ([n, log(1 + n)] lets the fit bend)
         self.C = C  # inverse L2 strength of the logistic regression
 
-    def _x(self, rows: Sequence[Any]) -> np.ndarray:
+    def _x(self, inputs: Any) -> np.ndarray:
+        rows = bundle_part(inputs, "generations", self.name)
         return length_features(np.array([answer_length(r) for r in rows]), self.features)
 
-    def fit(
-        self, train: Sequence[Any], y_train: np.ndarray, val=None, y_val=None
-    ) -> AnswerLengthPredictor:
-        y = np.asarray(y_train).astype(int)
-        if len(train) != len(y):
-            raise ValueError(f"train has {len(train)} rows but y_train has {len(y)}")
-        self.model_ = make_pipeline(StandardScaler(), LogisticRegression(C=self.C)).fit(
-            self._x(train), y
-        )
+    def fit(self, inputs: Any, y: np.ndarray, val_inputs=None, y_val=None) -> AnswerLengthPredictor:
+        """Fit on a `DetectorInputs` bundle's generations (or bare rows); no validation used."""
+        x, y = self._x(inputs), np.asarray(y).astype(int)
+        if len(x) != len(y):
+            raise ValueError(f"train has {len(x)} rows but y_train has {len(y)}")
+        self.model_ = make_pipeline(StandardScaler(), LogisticRegression(C=self.C)).fit(x, y)
         return self
 
-    def score(self, rows: Sequence[Any]) -> ScoreResult:
+    def predict_proba(self, inputs: Any) -> np.ndarray:
+        """(N,) p(correct) from each answer's token count."""
         if not hasattr(self, "model_"):
-            raise RuntimeError("AnswerLengthPredictor.score called before fit")
-        p = self.model_.predict_proba(self._x(rows))[:, 1].astype(np.float64)
+            raise RuntimeError("AnswerLengthPredictor used before fit")
+        return self.model_.predict_proba(self._x(inputs))[:, 1].astype(np.float64)
+
+    def score(self, inputs: Any) -> ScoreResult:
+        p = self.predict_proba(inputs)
         return ScoreResult(
             confidence=p,
             raw=p,
@@ -154,9 +156,8 @@ class PermutedLabelControl:
             return self.inner()  # a class or a factory function
         raise TypeError("inner must be a scorer or a factory returning one")
 
-    def fit(
-        self, train: Sequence[Any], y_train: np.ndarray, val=None, y_val=None
-    ) -> PermutedLabelControl:
+    def fit(self, train: Any, y_train: np.ndarray, val=None, y_val=None) -> PermutedLabelControl:
+        """Fit the inner scorer on ``train`` (its input bundle, or bare rows) and permuted labels."""
         rng = np.random.default_rng(self.seed)
         self.y_train_permuted_ = permute_labels(y_train, rng)
         scorer = self._make()
@@ -173,10 +174,17 @@ class PermutedLabelControl:
             self.scorer_ = scorer.fit(train, self.y_train_permuted_, val, y_val_permuted)
         return self
 
-    def score(self, rows: Sequence[Any]) -> ScoreResult:
+    def _fitted(self) -> Scorer:
         if not hasattr(self, "scorer_"):
-            raise RuntimeError("PermutedLabelControl.score called before fit")
-        inner = self.scorer_.score(rows)
+            raise RuntimeError("PermutedLabelControl used before fit")
+        return self.scorer_
+
+    def predict_proba(self, inputs: Any) -> np.ndarray:
+        """The inner scorer's ``predict_proba`` after its permuted-label fit."""
+        return self._fitted().predict_proba(inputs)
+
+    def score(self, inputs: Any) -> ScoreResult:
+        inner = self._fitted().score(inputs)
         details = {
             "seed": self.seed,
             "inner": getattr(self.scorer_, "name", type(self.scorer_).__name__),

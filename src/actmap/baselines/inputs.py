@@ -3,9 +3,11 @@
 As LM-Polygraph's stat calculators do, each input is computed once and shared
 by every scorer that reads it: the captured generations, the attention
 entries, the dense states, the verification pairs, the sampled answers, and
-the generator and judge themselves. `StoreInputs.rows(requires, ids)` hands a
-scorer its rows; `make_scorer(name)` builds a registered scorer, through its
-``from_inputs`` classmethod when it has one.
+the generator and judge themselves. `StoreInputs.scorer_inputs(scorer, ids)` hands a
+scorer what it reads: a method that trains (a detector, TAD, ACT-ViT, the answer length, the
+permuted-label control) gets the one input bundle, `DetectorInputs` (`StoreInputs.bundle`),
+the others their rows (`StoreInputs.rows(requires, ids)`); `make_scorer(name)` builds a
+registered scorer, through its ``from_inputs`` classmethod when it has one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from actmap.baselines.registry import baseline_class
 from actmap.baselines.samples_table import draw_samples, read_samples, sampling_request
 from actmap.capture.from_store import read_generations
 from actmap.data.splits import SPLITS
-from actmap.detectors.inputs import INPUT_NAMES, read_inputs
+from actmap.detectors.inputs import INPUT_NAMES, DetectorInputs, read_inputs
 from actmap.llm.models import load_model, stored_dtype
 from actmap.scoring.contract import row_input
 from actmap.store import MapStore, decode_rows
@@ -80,6 +82,28 @@ class StoreInputs:
         if kind == "attention":
             self.require_table("attention", method)
         return ROW_PROVIDERS[kind](self, ids, method)
+
+    def bundle(self, requires: Sequence[str], ids: Sequence[str], method: str = ""):
+        """The one input bundle (`DetectorInputs`) of ``ids`` holding what ``requires`` names:
+        a detector's parts (`read_inputs`), the attention-carrying generations, the dense
+        states."""
+        kind = row_input(requires)
+        if kind == "maps":
+            return read_inputs(self.store, list(ids), [r for r in requires if r in INPUT_NAMES])
+        if kind not in ("dense", "attention", "generations"):
+            raise ValueError(f"{method or 'a scorer'} reads {kind}, which the bundle does not hold")
+        if kind == "dense":
+            return DetectorInputs(dense=self.dense(ids, method))
+        if kind == "attention":
+            self.require_table("attention", method)
+        return DetectorInputs(generations=self.generations(ids, method))
+
+    def scorer_inputs(self, scorer, ids: Sequence[str], method: str = ""):
+        """What ``scorer`` reads for ``ids``: the bundle for a method that trains (it has
+        ``predict_proba``), its rows for the others."""
+        if hasattr(scorer, "predict_proba"):
+            return self.bundle(scorer.requires, ids, method)
+        return self.rows(scorer.requires, ids, method)
 
     # -- the store -------------------------------------------------------------------------
     @cached_property

@@ -34,8 +34,11 @@ def list_baselines() -> list[str]:
 
 
 def register_baseline(cls: type) -> type:
-    """Class decorator: register a scorer under its ``name`` (it must declare the contract)."""
+    """Class decorator: register a scorer under its ``name`` (it must declare the contract: a
+    method that trains also predicts, ``predict_proba`` over the one input bundle)."""
     missing = [a for a in ("name", "supervised", "requires", "probability") if not hasattr(cls, a)]
+    if getattr(cls, "supervised", False) and not hasattr(cls, "predict_proba"):
+        missing.append("predict_proba")
     if missing:
         raise TypeError(f"{cls.__name__} does not declare {', '.join(missing)}")
     row_input(cls.requires)  # names a row input, and only known inputs

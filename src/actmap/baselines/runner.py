@@ -34,6 +34,7 @@ from actmap.baselines.inputs import Progress, StoreInputs
 from actmap.baselines.options import BaselineOptions
 from actmap.baselines.registry import baseline_class, list_baselines
 from actmap.data.splits import SPLITS
+from actmap.detectors.inputs import DetectorInputs
 from actmap.errors import ActmapUserError
 from actmap.scoring.contract import ScoreResult
 from actmap.store import MapStore
@@ -126,6 +127,11 @@ def split_details(details: dict, n: int) -> tuple[dict, dict[str, Any]]:
     return settings, columns
 
 
+def chunk_of(rows, index: slice):
+    """``rows[index]``; of an input bundle (`DetectorInputs`), its ``take``."""
+    return rows.take(index) if isinstance(rows, DetectorInputs) else rows[index]
+
+
 def score_in_chunks(inputs: StoreInputs, method: str, scorer, rows):
     """Score ``rows`` a chunk at a time -> (merged result, per-row columns, scoring seconds).
 
@@ -140,7 +146,7 @@ def score_in_chunks(inputs: StoreInputs, method: str, scorer, rows):
         chunk = 1
     try:
         for start in range(0, n, chunk):
-            part = rows[start : start + chunk]
+            part = chunk_of(rows, slice(start, start + chunk))
             tick = time.perf_counter()
             result = scorer.score(part)
             seconds += time.perf_counter() - tick
@@ -209,13 +215,13 @@ def run_method(inputs: StoreInputs, method: str, rows: str) -> MethodResult:
     scorer = make_scorer(inputs, method)  # resolve
     fit_s = None
     if supervised:  # provide, fit
-        train = inputs.rows(scorer.requires, fit_ids, method)
-        val = inputs.rows(scorer.requires, val_ids, method)
+        train = inputs.scorer_inputs(scorer, fit_ids, method)
+        val = inputs.scorer_inputs(scorer, val_ids, method)
         inputs.report(method, 0, len(ids), f"fitting on {len(fit_ids)} rows")
         tick = time.perf_counter()
         scorer.fit(train, inputs.labels(fit_ids), val, inputs.labels(val_ids))
         fit_s = time.perf_counter() - tick
-    scored = inputs.rows(scorer.requires, ids, method)  # provide, score
+    scored = inputs.scorer_inputs(scorer, ids, method)  # provide, score
     result, columns, scoring_s = score_in_chunks(inputs, method, scorer, scored)
     if not np.isfinite(result.confidence).all():
         bad = int((~np.isfinite(result.confidence)).sum())

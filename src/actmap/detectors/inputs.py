@@ -7,7 +7,9 @@ them. `read_inputs(store, rows, requires)` reads exactly those from a store (the
 the ``generations``, ``positions`` and ``attention`` side tables); `live_inputs(maps, scalars,
 generations)` builds the same bundle from the `Generation` records of a capture pass (the
 server's). ``fit(inputs, y, val_inputs, y_val)`` and ``predict_proba(inputs)`` of every detector
-take it; a bare maps array stands for ``DetectorInputs(maps)`` (`as_inputs`).
+and of every baseline that trains take it; a bare maps array stands for ``DetectorInputs(maps)``
+(`as_inputs`). The baselines read its ``generations`` (TAD, the answer length) or its ``dense``
+states (ACT-ViT); `actmap.baselines.inputs.StoreInputs.bundle` fills those from a store.
 """
 
 from __future__ import annotations
@@ -34,29 +36,38 @@ SIDE_TABLES = {
 
 @dataclass
 class DetectorInputs:
-    """What detectors read for N answers.
+    """What detectors and the trainable baselines read for N answers.
 
-    maps (N, C, H, W); scalars (N, 6) or None; positions (N, 4, L, D) float16 or None;
-    generations: `Generation` records (with ``attention`` when captured) or None.
+    maps (N, C, H, W) or None (a baseline reads no map); scalars (N, 6) or None; positions
+    (N, 4, L, D) float16 or None; generations: `Generation` records (with ``attention`` when
+    captured) or None; dense: (N, 8, 100, D) ACT-ViT inputs (a torch tensor) or None.
     """
 
-    maps: Any
+    maps: Any = None
     scalars: np.ndarray | None = None
     positions: np.ndarray | None = None
     generations: list | None = None
+    dense: Any = None
 
     def __len__(self) -> int:
-        return len(self.maps)
+        for part in (self.maps, self.generations, self.dense, self.scalars, self.positions):
+            if part is not None:
+                return len(part)
+        return 0
 
     def take(self, index) -> DetectorInputs:
         """The rows at ``index`` (a slice or an integer array) of every part held."""
         idx = np.arange(len(self))[index]
         gens = None if self.generations is None else [self.generations[i] for i in idx]
+        dense = None
+        if self.dense is not None:
+            dense = self.dense[index] if isinstance(index, slice) else self.dense[list(idx)]
         return DetectorInputs(
-            np.asarray(self.maps)[idx],
+            None if self.maps is None else np.asarray(self.maps)[idx],
             None if self.scalars is None else np.asarray(self.scalars)[idx],
             None if self.positions is None else self.positions[idx],
             gens,
+            dense,
         )
 
 

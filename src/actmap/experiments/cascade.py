@@ -318,12 +318,12 @@ def store_routers(
             if getattr(scorer, "supervised", False):
                 if not fit_ids:
                     raise BaselineUnavailable(f"{method} is fitted on '{fit_split}' rows; the store has none")  # fmt: skip
-                val = inputs.rows(scorer.requires, val_ids, method) if val_ids else None
+                val = inputs.scorer_inputs(scorer, val_ids, method) if val_ids else None
                 scorer.fit(
-                    inputs.rows(scorer.requires, fit_ids, method), split_labels(store, fit_ids),
+                    inputs.scorer_inputs(scorer, fit_ids, method), split_labels(store, fit_ids),
                     val, split_labels(store, val_ids) if val_ids else None,
                 )  # fmt: skip
-            result = scorer.score(inputs.rows(scorer.requires, ids, method))
+            result = scorer.score(inputs.scorer_inputs(scorer, ids, method))
             routers[method] = np.asarray(result.confidence, dtype=np.float64)
         except BaselineUnavailable as error:
             unavailable[method] = str(error)

@@ -199,6 +199,10 @@ class GenerationReader:
             self._cache[key] = read_generations(self.store, rows.ids)
         return self._cache[key]
 
+    def bundle(self, rows: Rows) -> DetectorInputs:
+        """The one input bundle of ``rows``: their generations (what TAD and the length read)."""
+        return DetectorInputs(generations=self(rows))
+
 
 def baseline_scored(store, sets: dict[str, Rows], method: str, gens=None) -> Scored:
     """One single-pass baseline fit (when supervised) on balanced train, selected on validation.
@@ -207,10 +211,12 @@ def baseline_scored(store, sets: dict[str, Rows], method: str, gens=None) -> Sco
     """
     gens = gens or GenerationReader(store)
     scorer = scorer_template(method)
-    if getattr(scorer, "supervised", False):
+    supervised = getattr(scorer, "supervised", False)
+    provide = gens.bundle if supervised else gens  # a method that trains reads the one bundle
+    if supervised:
         train, val = sets["train"], sets["validation"]
-        scorer.fit(gens(train), train.labels, gens(val), val.labels)
-    val = scorer.score(gens(sets["validation"])).confidence
+        scorer.fit(provide(train), train.labels, provide(val), val.labels)
+    val = scorer.score(provide(sets["validation"])).confidence
     details = {"validation_auroc": metrics.auroc(val, sets["validation"].labels)}
     if method == "tad":
         details.update(aggregation=scorer.aggregation_, alpha=scorer.alpha_)
@@ -219,10 +225,10 @@ def baseline_scored(store, sets: dict[str, Rows], method: str, gens=None) -> Sco
         val,
         calibrated_prevalence=0.5 if method == "answer_length" else None,  # fit on balanced rows
         details=details,
-        score_test=lambda rows: scorer.score(gens(rows)).confidence,
+        score_test=lambda rows: scorer.score(provide(rows)).confidence,
         control=None
-        if not getattr(scorer, "supervised", False)
-        else (lambda seed: permuted_auroc(scorer, sets, seed, gens)),
+        if not supervised
+        else (lambda seed: permuted_auroc(scorer, sets, seed, provide)),
     )
 
 

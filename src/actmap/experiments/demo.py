@@ -23,6 +23,7 @@ from actmap.capture.overhead import measure_overhead
 from actmap.capture.run import run_capture, store_config
 from actmap.data.builtin import BuiltinArithmeticTask
 from actmap.detectors.base import CorrectnessDetector
+from actmap.detectors.inputs import DetectorInputs
 from actmap.experiments.seeds import recipe_config, train_on_store
 from actmap.llm.models import load_model
 from actmap.maps import MapConfig
@@ -101,7 +102,10 @@ def run_demo(
 
     # controls on the identical balanced rows
     meta = store.metadata().set_index("id")
-    rows = {s: list(meta.loc[v.ids].itertuples()) for s, v in splits.items()}  # .n_tokens
+    # the one input bundle, its generations standing in by their .n_tokens (all the length reads)
+    rows = {
+        s: DetectorInputs(generations=list(meta.loc[v.ids].itertuples())) for s, v in splits.items()
+    }
     length_model = AnswerLengthPredictor().fit(rows["train"], splits["train"].labels)
     length_metrics = compute_metrics(
         length_model.score(rows["test"]).confidence, splits["test"].labels

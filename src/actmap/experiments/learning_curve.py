@@ -133,12 +133,12 @@ class _Baseline:
         self.inputs = StoreInputs(store, BaselineOptions(), splits)
         self.method = method
         scorer = self.inputs.make_scorer(method)  # BaselineUnavailable when inputs are missing
-        self.rows = {s: self.inputs.rows(scorer.requires, ids, method) for s, ids in splits.items()}
+        self.rows = {s: self.inputs.scorer_inputs(scorer, ids, method) for s, ids in splits.items()}
 
     def scores(self, train_rows: np.ndarray, labels: dict[str, np.ndarray], seed: int):
         scorer = self.inputs.make_scorer(self.method)
         train = self.rows["train"]
-        subset = train[train_rows] if hasattr(train, "shape") else [train[i] for i in train_rows]
+        subset = train.take(np.asarray(train_rows))  # the one input bundle (`DetectorInputs`)
         scorer.fit(
             subset, labels["train"][train_rows], self.rows["validation"], labels["validation"]
         )

@@ -270,6 +270,7 @@ def label_free_scores(held: TaskRows, methods: Sequence[str]) -> list[Scores]:
 def tad_scores(sources: Sequence[TaskRows], held: TaskRows) -> Scores:
     """TAD fit on the sources' pooled balanced training rows, chosen on their validation rows."""
     from actmap.capture.from_store import read_generations
+    from actmap.detectors.inputs import DetectorInputs
     from actmap.signals.tad import TAD
 
     def gens(split: str) -> tuple[list, np.ndarray]:
@@ -277,11 +278,12 @@ def tad_scores(sources: Sequence[TaskRows], held: TaskRows) -> Scores:
         labels = np.concatenate([np.asarray(t.sets[split].labels) for t in sources])
         return [g for part in parts for g in part], labels
 
-    train, y = gens("train")
-    val, y_val = gens("validation")
+    (train, y), (val, y_val) = gens("train"), gens("validation")
     stored = int(train[0].attention.shape[-1])  # K the capture kept
-    tad = TAD(n_previous=min(TAD().n_previous, stored)).fit(train, y, val, y_val)
-    conf = tad.score(read_generations(held.store, held.sets["test_all"].row_ids())).confidence
+    tad = TAD(n_previous=min(TAD().n_previous, stored))  # fit and scored on the one input bundle
+    tad.fit(DetectorInputs(generations=train), y, DetectorInputs(generations=val), y_val)
+    test = read_generations(held.store, held.sets["test_all"].row_ids())
+    conf = tad.score(DetectorInputs(generations=test)).confidence
     return Scores("tad", "trained on the others", np.asarray(conf, dtype=np.float64))
 
 

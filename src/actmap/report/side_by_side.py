@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from actmap.baselines.controls import AnswerLengthPredictor
+from actmap.detectors.inputs import DetectorInputs
 from actmap.errors import ActmapUserError
 from actmap.scoring.contract import is_probability
 from actmap.scoring.metrics import auprc, auroc, ece, seed_summary
@@ -100,7 +101,9 @@ def length_control_row(store: MapStore, splits: dict[str, list[str]]) -> dict:
             len(y_test),
             "balanced train rows lack a class",
         )
-    scores = AnswerLengthPredictor().fit(x_train, y_train).score(x_test).confidence
+    # the one input bundle, its generations standing in by their token counts (all the length reads)
+    length = AnswerLengthPredictor().fit(DetectorInputs(generations=x_train), y_train)
+    scores = length.score(DetectorInputs(generations=x_test)).confidence
     row = _metric_row(
         "answer_length",
         "control",

@@ -5,9 +5,13 @@ uncertainties U are negated by `negate`, once, and the raw upstream value is
 kept beside it so numbers can be compared with the authors' own.
 
 A scorer declares what it reads in ``requires`` (see `INPUTS`); the runner's
-input providers read each of those from the store once and hand the scorer its
-rows. ``probability`` says whether the confidence estimates p(correct), so
-ECE applies to it.
+input providers read each of those from the store once and hand it over. Every method
+that trains (the detectors, TAD, ACT-ViT, the answer length, the permuted-label control)
+reads ONE input bundle, `actmap.detectors.inputs.DetectorInputs`, from a store or from live
+generations: ``fit(inputs, y, val_inputs, y_val)``, ``predict_proba(inputs)`` and
+``score(inputs)`` (`bundle_part` reads the part a baseline needs; bare rows stand for a
+bundle of that part). The label-free methods score rows (``score(rows)``). ``probability``
+says whether the confidence estimates p(correct), so ECE applies to it.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ class ScoreResult:
 
 
 class Scorer(Protocol):
-    """fit (a no-op for unsupervised methods) then score, like a scikit-learn estimator."""
+    """fit (a no-op for unsupervised methods) then score, like a scikit-learn estimator; a
+    supervised one also has ``predict_proba(inputs)`` over the one input bundle."""
 
     name: ClassVar[str]
     supervised: ClassVar[bool]
@@ -66,6 +71,18 @@ class Scorer(Protocol):
     ) -> Scorer: ...
 
     def score(self, rows: Sequence[Any]) -> ScoreResult: ...
+
+
+def bundle_part(inputs: Any, part: str, reader: str = "the scorer") -> Any:
+    """What a scorer reads from its input bundle (`actmap.detectors.inputs.DetectorInputs`):
+    the bundle's ``part`` ("generations", "dense"); bare rows (a list of `Generation` records,
+    a stacked tensor) stand for a bundle of that part alone."""
+    if isinstance(inputs, list | tuple) or not hasattr(inputs, part):
+        return inputs
+    value = getattr(inputs, part)
+    if value is None:
+        raise ValueError(f"{reader} reads {part}, but the input bundle holds none")
+    return value
 
 
 def row_input(requires: Sequence[str]) -> str:

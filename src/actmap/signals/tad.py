@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from scipy.linalg import LinAlgWarning
@@ -32,7 +32,7 @@ from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
 from actmap.capture.records import Generation
-from actmap.scoring.contract import ScoreResult, negate
+from actmap.scoring.contract import ScoreResult, bundle_part, negate
 from actmap.scoring.metrics import auroc
 from actmap.signals.steps import answer_steps, captured_attention
 
@@ -237,7 +237,11 @@ class TAD:
         if val is not None and y_val is not None and len(np.unique(y_val)) < 2:
             raise ValueError("y_val must hold both classes to select by AUROC")
 
-    def fit(self, train: Sequence[Generation], y_train: np.ndarray, val=None, y_val=None) -> TAD:
+    def fit(self, train: Any, y_train: np.ndarray, val=None, y_val=None) -> TAD:
+        """Fit on a `DetectorInputs` bundle's attention-carrying generations (or bare
+        `Generation` records); ``val``/``y_val`` choose the alphas and the aggregation."""
+        train = bundle_part(train, "generations", self.name)
+        val = None if val is None else bundle_part(val, "generations", self.name)
         with ill_conditioned_solves_logged("TAD fit"):
             return self._fit(train, y_train, val, y_val)
 
@@ -299,10 +303,22 @@ class TAD:
             )
         return tad_recurrence(seq, self.model_.coef_, float(self.model_.intercept_))
 
-    def score(self, rows: Sequence[Generation]) -> ScoreResult:
+    def confidence(self, inputs: Any) -> np.ndarray:
+        """(N,) the aggregated token confidences of a bundle's generations (or bare records)."""
         if not hasattr(self, "model_"):
-            raise RuntimeError("TAD.score called before fit")
-        conf = np.array([aggregate(self.token_confidences(g), self.aggregation_) for g in rows])
+            raise RuntimeError("TAD used before fit")
+        rows = bundle_part(inputs, "generations", self.name)
+        return np.array([aggregate(self.token_confidences(g), self.aggregation_) for g in rows])
+
+    def predict_proba(self, inputs: Any) -> np.ndarray:
+        """(N,) in [0, 1], ranked as `score`'s confidence: the mean of the token confidences
+        (a p(correct), `probability`), or for ``sum_log`` exp of it, the product of (q_t + 1e-5)
+        capped at 1."""
+        conf = self.confidence(inputs)
+        return conf if self.aggregation_ == "mean" else np.minimum(np.exp(conf), 1.0)
+
+    def score(self, inputs: Any) -> ScoreResult:
+        conf = self.confidence(inputs)
         return ScoreResult(
             confidence=conf,
             raw=negate(conf),
