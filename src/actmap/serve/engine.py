@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -350,16 +351,17 @@ class Engine:
         raw = self.detector.predict_proba(stored_form(maps), scalars)
         return correct_prior(raw, self.policy.prior, self.prevalence.prevalence).tolist()
 
-    def prefix_scores(self, prefixes: Sequence[tuple[torch.Tensor, Sequence, torch.Tensor]]):
-        """`running_scores` of answers so far, each given as (its layer states up to token t,
-        the log-probs and entropies of those t tokens): the running scorer of both vLLM step
-        loops (`actmap serve --engine vllm` and the plugin), whose rows arrive one by one."""
+    def prefix_scores(self, rows: Sequence[tuple[torch.Tensor, Any, Any, int]]) -> list[float]:
+        """`running_scores` of answers so far, each given as (its layer states, log-probs and
+        entropies as recorded, the t tokens to read; the statistics may be None when the
+        detector reads no scalars): the running scorer of both vLLM step loops (`actmap serve
+        --engine vllm` and the plugin), whose rows arrive one by one."""
         with self.swap_lock:
-            maps = build_maps_from_list([states for states, _, _ in prefixes], self.map_config)
+            maps = build_maps_from_list([states[:, :t] for states, _, _, t in rows], self.map_config)
             scalars = None
             if self.detector.needs_scalars:
                 scalars = np.stack(
-                    [answer_scalars(lp, h.double().numpy()) for _, lp, h in prefixes]
+                    [answer_scalars(lp[:t], h[:t].double().numpy()) for _, lp, h, t in rows]
                 )
             return self.running_scores(maps, scalars)
 

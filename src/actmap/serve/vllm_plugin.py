@@ -335,7 +335,7 @@ class VllmPlugin:
         prefixes = []
         for item, t in chosen:
             states, entropies, _ = payload_arrays(item)
-            prefixes.append((states[:, :t], item["logprobs"][:t], entropies[:t]))
+            prefixes.append((states, item["logprobs"], entropies, t))
         p = engine.prefix_scores(prefixes)  # the running scorer of both vLLM step loops
         return {item["index"]: (float(v), t) for (item, t), v in zip(chosen, p, strict=True)}
 

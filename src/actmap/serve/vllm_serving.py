@@ -179,8 +179,7 @@ class StepLoop:
                 scored.append((live, request, t))
         running = {}
         if scored:
-            prefixes = [(r.states[:, :t], r.logprobs[:t], r.entropies[:t]) for _, r, t in scored]
-            p = engine.prefix_scores(prefixes)
+            p = engine.prefix_scores([(r.states, r.logprobs, r.entropies, t) for _, r, t in scored])
             running = {live.key: v for (live, _, _), v in zip(scored, p, strict=True)}
         ended = []
         for live in lives:
