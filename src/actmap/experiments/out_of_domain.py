@@ -628,3 +628,50 @@ def leave_one_task_out(
             continue
         results.append(evaluate_held_out(tasks, held, preset, config, progress))
     return OutOfDomain(generator_of(tasks[0].store), preset, config, results)
+
+
+# --- reading a result back ----------------------------------------------------------------------
+
+
+def _interval(value: dict | None) -> Interval | None:
+    return None if value is None else Interval(**value)
+
+
+def from_json(data: dict) -> OutOfDomain:
+    """The `OutOfDomain` that ``to_json`` wrote (``actmap out-of-domain``'s out_of_domain.json)."""
+    config = dict(data["config"])
+    config["label_free"] = tuple(config.get("label_free", LABEL_FREE))
+    config["curve_k"] = tuple(config.get("curve_k", ()))
+    held = []
+    for h in data["held_out"]:
+        methods = []
+        for m in h.get("methods", []):
+            c = m.get("calibration")
+            cal = None if c is None else Calibration(c["raw"], Interval(**c["em"]), c["known"],
+                                                     c["em_prevalence"])  # fmt: skip
+            methods.append(
+                MethodResult(m["method"], m["role"], Interval(**m["auroc"]), Interval(**m["prr"]),
+                             _interval(m.get("vs_auroc")), _interval(m.get("vs_prr")), cal)
+            )  # fmt: skip
+        fields = {k: v for k, v in h.items() if k not in ("methods", "curve")}
+        curve = [CurvePoint(**p) for p in h.get("curve", [])]
+        held.append(HeldOut(**fields, methods=methods, curve=curve))
+    return OutOfDomain(data["generator"], data["preset"], OutOfDomainConfig(**config), held)
+
+
+def read_out_of_domain(folder: str | Path) -> OutOfDomain:
+    """The result in ``folder`` (``actmap out-of-domain --out folder``); a folder without
+    out_of_domain.json, or with one this version cannot read, is refused naming it."""
+    import json
+
+    path = Path(folder) / "out_of_domain.json"
+    if not path.is_file():
+        raise ActmapUserError(
+            f"{folder} holds no out_of_domain.json (`actmap out-of-domain --out`)"
+        )
+    try:
+        return from_json(json.loads(path.read_text()))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ActmapUserError(
+            f"{path} is not a result of `actmap out-of-domain`: {error!r}"
+        ) from None
