@@ -35,8 +35,7 @@ from actmap.errors import ActmapUserError
 from actmap.experiments.generalist import (
     TaskRows,
     concat_stack_rows,
-    generator_of,
-    map_setup_of,
+    setup_difference,
     task_name,
     task_sets,
 )
@@ -93,14 +92,13 @@ def check_same_setup(est: StackedPlus, run: Path, store) -> None:
             "inputs.store_config in its config.json): retrain it with this version"
         )
     trained = SimpleNamespace(manifest={"config": config}, map_shape=store.map_shape)
-    for what, read in (("generator", generator_of), ("map configuration", map_setup_of)):
-        a, b = read(trained), read(store)
-        if a != b:
-            differs = ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in a if a[k] != b.get(k))
-            raise ActmapUserError(
-                f"{store.root} holds answers of another {what} than --generalist {run} "
-                f"({differs}): adapt a generalist of the same generator and map configuration"
-            )
+    problem = setup_difference(trained, store)
+    if problem is not None:
+        what, differs = problem
+        raise ActmapUserError(
+            f"{store.root} holds answers of another {what} than --generalist {run} "
+            f"({differs}): adapt a generalist of the same generator and map configuration"
+        )
 
 
 def adapt_run(
