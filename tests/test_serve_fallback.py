@@ -109,6 +109,9 @@ def test_the_generalist_scores_on_the_alarm_and_learns_from_labels(runs, tmp_pat
         z = np.log(after["p_correct_raw"] / (1 - after["p_correct_raw"]))
         want = sigmoid(z / want_t + math.log(4 / 3))  # prior 4/7 from 0.5
         assert after["p_correct"] == pytest.approx(want, rel=1e-3)
+        # a label changed (the latest wins) refits too
+        client.post("/v1/actmap/feedback", json={"map_id": later[0]["map_id"], "label": 0})
+        assert fallback.fitted["labels"] == len(labels) and fallback.fitted["correct"] == 3
         # the alarm clears: the in-domain run and its own policy score again
         fallback.swapped.clear()
         fallback.on_alarm(False)

@@ -106,6 +106,7 @@ class Fallback:
         self.train_prevalence = detector_train_prevalence(generalist)
         self.policy = fallback_policy(engine.policy, self.train_prevalence)
         self.fitted: dict[str, Any] = {"labels": 0}
+        self._fitted_on: tuple = ((), ())  # the (ids, labels) the recalibration was fit on
         self.active = False  # the state the alarm asks for
         self._state_lock = threading.Lock()
         self._swap_lock = threading.Lock()  # one swap at a time, the latest state wins
@@ -147,13 +148,16 @@ class Fallback:
         scored (the audit store); swap the new policy in when it is scoring. Returns what
         was fitted."""
         labelled = self.labelled_answers()
-        if labelled is None or len(labelled) == self.fitted["labels"]:
+        if labelled is None:
+            return self.fitted
+        key = (tuple(labelled["id"]), tuple(labelled["label"]))  # a relabel refits too
+        if key == self._fitted_on:
             return self.fitted
         policy, fitted = recalibrated_policy(
             self.policy, labelled["p_correct_raw"], labelled["label"], self.train_prevalence
         )
         with self._swap_lock:
-            self.policy, self.fitted = policy, fitted
+            self.policy, self.fitted, self._fitted_on = policy, fitted, key
             if self.engine.detector is self.generalist:
                 self.engine.swap(self.generalist, policy)
         log.info("fallback %s recalibrated: %s (%s)", self.generalist.id, fitted,
