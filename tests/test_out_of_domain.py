@@ -46,6 +46,17 @@ class NoCorrectTestTask(WordTask):
         return example.split != "test" and super().label(answer, example)
 
 
+class FewCorrectTestTask(WordTask):
+    """WordTask's rule outside the test split; in it, exactly one answer is correct."""
+
+    name = "few-correct-test"
+
+    def label(self, answer, example):
+        if example.split == "test":
+            return example.source_key == "q2"
+        return super().label(answer, example)
+
+
 def capture_store(path, task, source=SOURCE, maps=MapConfig()):
     model, tokenizer = tiny_generator()
     store = MapStore.create(path, store_config(task, source, CONFIG, maps, {}))
@@ -394,3 +405,23 @@ def test_train_with_a_generalist_refuses_bad_input_by_name(on_lengths, two_tasks
     MapStore.create(other, store_config(LengthTask(9), ModelSource("tiny-2", "tiny-2", None, "0"),
                                         CONFIG, MapConfig(), {})).close()  # fmt: skip
     assert "another generator" in train(store=other) and "tiny-2" in train(store=other)
+
+
+def test_a_held_out_task_with_too_few_test_rows_is_noted_and_the_others_still_run(
+    two_tasks, tmp_path
+):
+    from actmap.experiments.out_of_domain import OutOfDomainConfig, leave_one_task_out
+
+    few = capture_store(tmp_path / "few", FewCorrectTestTask(90))
+    config = OutOfDomainConfig(
+        preset="deployable", mlp=False, tad=False, in_domain=False, curve_k=(), n_resamples=50
+    )
+    result = leave_one_task_out([two_tasks[0], few], config)
+    words, noted = result.held_out
+    assert words.task == "words" and words.methods and not words.note
+    assert noted.task == "few-correct-test" and not noted.methods
+    assert noted.note == (
+        "held out few-correct-test: 2 balanced test rows (1 of them correct); PRR rejecting "
+        "up to 50% needs at least 4"
+    )
+    assert "held out few-correct-test: 2 balanced test rows" in result.to_markdown()

@@ -32,6 +32,7 @@ in-domain detector fit on all the task's training rows is the line to reach.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -553,6 +554,13 @@ def evaluate_held_out(
     note = held_out_note(held, held.name)
     if not note and "test" not in held.sets:
         note = f"held out {held.name}: no balanced test rows (its test split lacks a label)"
+    fewest = math.ceil(2 / cfg.max_rejection)  # PRR needs 2 rejected rows
+    if not note and len(held.sets["test"]) < fewest:
+        n = len(held.sets["test"])
+        note = (
+            f"held out {held.name}: {n} balanced test rows ({n // 2} of them correct); PRR "
+            f"rejecting up to {cfg.max_rejection:.0%} needs at least {fewest}"
+        )
     if note:
         return HeldOut(held.name, str(held.store.root), names, note=note)
     say = progress or (lambda text: log.info("%s", text))
@@ -626,7 +634,13 @@ def leave_one_task_out(
     for held in tasks:
         if held_out and held.name not in held_out:
             continue
-        results.append(evaluate_held_out(tasks, held, preset, config, progress))
+        try:
+            results.append(evaluate_held_out(tasks, held, preset, config, progress))
+        except (ActmapUserError, ValueError) as error:  # the other held-out tasks still run
+            log.warning("held out %s: %s", held.name, error)
+            note = held_out_note(held, held.name, error)
+            results.append(HeldOut(held.name, str(held.store.root),
+                                   [t.name for t in tasks if t is not held], note=note))  # fmt: skip
     return OutOfDomain(generator_of(tasks[0].store), preset, config, results)
 
 
