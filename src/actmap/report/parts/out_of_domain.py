@@ -47,6 +47,11 @@ def compute(context: ReportContext) -> OutOfDomainResults | Skipped:
     return OutOfDomainResults(results, notes)
 
 
+def generator_name(result: OutOfDomain) -> str:
+    """The generator as a reader knows it: its GGUF file, else its name."""
+    return str(result.generator.get("gguf_file") or result.generator.get("name"))
+
+
 def _vs(interval) -> str:
     if interval is None:
         return "n/a"
@@ -64,7 +69,7 @@ def summary_lines(results: dict[str, OutOfDomain]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results.values():
-        name = result.generator.get("name")
+        name = generator_name(result)
         for h in result.held_out:
             if h.note:
                 lines.append(f"| {name} | {h.task} | {', '.join(h.sources)} | - | {h.note} "
@@ -91,7 +96,7 @@ def curve_lines(result: OutOfDomain) -> list[str]:
         ref = h.in_domain
         lines += [
             "",
-            f"First labels of {h.task} ({result.generator.get('name')}; {result.config.draws} "
+            f"First labels of {h.task} ({generator_name(result)}; {result.config.draws} "
             f"draws per k from {h.n_train_all} labelled training rows): balanced-test AUROC "
             f"(ECE on every labelled test row), mean over draws; in-domain detector on all of "
             f"them: AUROC {ref.get('auroc', float('nan')):.3f}, ECE "
@@ -123,7 +128,7 @@ def render(result: OutOfDomainResults | Skipped, figure_dir: Path) -> str:
         lines += curve_lines(one)
         if any(h.curve for h in one.held_out):
             path = save_figure(plot_first_labels(one), figure_dir / f"out_of_domain_{i}.png")
-            lines += ["", figure_markdown(path, f"First labels, {one.generator.get('name')} "
+            lines += ["", figure_markdown(path, f"First labels, {generator_name(one)} "
                                                 f"(from {folder})")]  # fmt: skip
     lines += ["", "Read from: " + ", ".join(f"`{f}`" for f in result.results)]
     lines += [f"- not read: {note}" for note in result.notes]

@@ -30,5 +30,6 @@ def plot_first_labels(result):
         ax.set_title(f"held out: {h.task} (n={h.n_test})", fontsize=10)
     axes[0].set_ylabel("balanced test AUROC")
     axes[0].legend(fontsize=7)
-    figure.suptitle(f"First labels: {result.generator.get('name')}", fontsize=10)
+    name = result.generator.get("gguf_file") or result.generator.get("name")
+    figure.suptitle(f"First labels: {name}", fontsize=10)
     return figure
