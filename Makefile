@@ -32,9 +32,13 @@ demo: $(STAMP)
 # One torch thread: the suite's models are tiny, so a second thread buys nothing (1,105 tests in
 # 339 s at one thread with a one-thread job beside it, 355 s at two threads alone on 2 cores),
 # and two threads collapse where anything else shares the cores (612 s beside a one-thread
-# job; the slowest test 83 s instead of 6.5 s).
+# job; the slowest test 83 s instead of 6.5 s). Two test processes of one thread each (pytest-xdist),
+# a test file kept whole in one of them (its server fixtures start once): TEST_WORKERS=0 runs
+# them in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 \
+	  -n $(TEST_WORKERS) --dist loadfile
 
 # installed once with the system's package manager (skipped when present); never a browser download
 browser:

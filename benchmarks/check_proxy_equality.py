@@ -44,14 +44,15 @@ def main() -> None:
     from actmap.serve.audit import AuditTrail
     from actmap.serve.engine import Engine
     from actmap.serve.loaded_run import load_detector_run
+    from actmap.serve.settings import ProxySettings
     from actmap.store import MapStore
 
     model, tokenizer, source = load_model(MODEL, dtype=args.dtype)
     root = Path(tempfile.mkdtemp(prefix="proxy-equality-"))
     run = make_detector(root / "run", args.dtype)
     settings = ServeSettings(
-        model=MODEL, detector=run, served_model_name=SERVED, upstream=args.upstream + "/v1",
-        audit=root / "audit", dtype=args.dtype, upstream_dtype=args.upstream_dtype,
+        model=MODEL, detector=run, served_model_name=SERVED, audit=root / "audit",
+        dtype=args.dtype, proxy=ProxySettings(args.upstream + "/v1", dtype=args.upstream_dtype),
     )  # fmt: skip
 
     def factory():

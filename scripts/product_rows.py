@@ -29,6 +29,7 @@ from sklearn.linear_model import LogisticRegressionCV
 from sklearn.model_selection import StratifiedKFold
 
 from actmap.capture.answer_scalars import with_scalars
+from actmap.detectors import DetectorInputs
 from actmap.detectors.base import CorrectnessDetector
 from actmap.detectors.plus import ActMapPlus, PlusConfig
 from actmap.experiments.compare_product import PLUS_GRID, select_plus, store_rows
@@ -83,7 +84,7 @@ def row(name, score, sets, chosen=None, proba=None, calibrated=None):
 def seed_average_row(train: Rows, sets, seeds=(0, 1, 2)):
     """The setting validation chooses (seed 0), refit with other PCA / fold seeds; mean logit."""
     chosen, _ = select_plus(train, sets["validation"], grid(None))
-    fits = [ActMapPlus(replace(chosen.config_, seed=s)).fit(train.maps, train.labels, train.scalars)
+    fits = [ActMapPlus(replace(chosen.config_, seed=s)).fit(DetectorInputs(train.maps, train.scalars), train.labels)
             for s in seeds]  # fmt: skip
 
     def mean_logit(r):
@@ -136,7 +137,7 @@ def pretrain_rows(source: Rows, source_name: str, every: Rows, sets) -> list[dic
     oof = np.zeros(len(every.ids))
     for fit_idx, held in folds.split(every.maps, every.labels):
         part = ActMapPlus(tgt.config_).fit(
-            every.maps[fit_idx], every.labels[fit_idx], every.scalars[fit_idx]
+            DetectorInputs(every.maps[fit_idx], every.scalars[fit_idx]), every.labels[fit_idx]
         )
         oof[held] = part.decision_function(every.maps[held], every.scalars[held])
     fuse = fusion_lr(
@@ -236,7 +237,9 @@ def main() -> None:
     )
     for other in args.pretrain_store:
         opened = MapStore.open(other)
-        source = with_scalars(opened, natural_rows(opened, ("train",))["train"])  # labelled train rows
+        source = with_scalars(
+            opened, natural_rows(opened, ("train",))["train"]
+        )  # labelled train rows
         print(f"source {other.name}: {len(source.ids)} rows, {source.prevalence:.3f}", flush=True)
         rows += pretrain_rows(source, other.name, every, sets)
     if args.vit_run is not None:

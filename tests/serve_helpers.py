@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from conftest import make_tiny_llama, make_word_tokenizer
 
+from actmap.detectors import DetectorInputs
 from actmap.detectors.base import CorrectnessDetector
 from actmap.llm.models import ModelSource
 from actmap.serve.engine import Engine
@@ -46,7 +47,7 @@ def save_tiny_plus(folder: Path, seed: int = 0) -> Path:
     scalars = rng.normal(size=(40, len(SCALAR_NAMES)))
     labels = (scalars[:, 2] + 0.5 * rng.normal(size=40) > 0).astype(int)
     config = PlusConfig(n_components=4, n_strengths=3, cv_folds=2)
-    plus = ActMapPlus(config).fit(maps, labels, scalars)
+    plus = ActMapPlus(config).fit(DetectorInputs(maps, scalars), labels)
     return plus.save(folder / f"seed-{seed}", metadata={"validation_auroc": 0.5})
 
 

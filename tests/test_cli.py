@@ -112,10 +112,16 @@ def test_capture_keeps_what_the_methods_need():
     from actmap.capture.needs import capture_settings
 
     default = capture_settings(None, None, 0, False)
-    assert default == {"greybox": True, "attention_keys": 0, "keep_dense": False}
+    off = {"keep_positions": False, "lookback_attention": False}
+    assert default == {"greybox": True, "attention_keys": 0, "keep_dense": False, **off}
     assert capture_settings(["actmap"], None, 0, False)["greybox"] is False  # map-only
     both = capture_settings(["actmap", " tad", "actvit"], None, 0, False)
-    assert both == {"greybox": True, "attention_keys": 10, "keep_dense": True}
+    assert both == {"greybox": True, "attention_keys": 10, "keep_dense": True, **off}
+    full = capture_settings(["actmap-plus:full"], None, 0, False)
+    assert full == {
+        "greybox": True, "attention_keys": 10, "keep_dense": False,
+        "keep_positions": True, "lookback_attention": True,
+    }  # fmt: skip
     assert capture_settings(["rauq"], None, 12, False)["attention_keys"] == 12
     with pytest.raises(ValueError, match="unknown method 'vitt' in --methods; known: actmap"):
         capture_settings(["vitt"], None, 0, False)

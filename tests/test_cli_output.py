@@ -40,7 +40,7 @@ def test_capture_shows_no_transformers_progress_bar(tmp_path, tiny_llama, word_t
 
 def test_piped_output_keeps_paths_and_tables_on_one_line(tmp_path):
     assert not console.is_terminal and console.width == PIPED_WIDTH
-    deep = tmp_path / ("a-rather-long-folder-name-" * 3) / "run-with-a-long-name"
+    deep = tmp_path / ("a-rather-long-folder-name-" * 8) / "run-with-a-long-name"  # > PIPED_WIDTH
     synthetic_store(tmp_path / "store")
     args = ["train", "--store", str(tmp_path / "store"), "--out", str(deep), "--detector", "logreg"]
     trained = runner.invoke(app, [*args, "--seeds", "123456789,987654321", "--max-epochs", "2"])

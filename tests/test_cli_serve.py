@@ -226,3 +226,51 @@ def test_policy_fit_calibrates_from_the_prior_the_detector_holds_at(tmp_path):
     # the check can tell: from a balanced prior the temperature would be another
     assert abs(map_temperature_by_grid(p, y) / expected - 1) > 0.05
     assert "detector's prior 0.300" in flat(result)
+
+
+def test_serve_flags_land_in_their_mode_groups(monkeypatch, tmp_path):
+    """Every mode flag of `actmap serve` reaches its settings group (`actmap.serve.settings`):
+    the flags are read back from the settings `build_engine` is given."""
+    import actmap.capture.vllm_engine as vllm_engine
+    import actmap.serve.app as serve_app
+    from actmap.errors import ActmapUserError
+    from actmap.serve.settings import ActionSettings, ProxySettings, VllmSettings
+
+    given = []
+
+    def build_engine(settings):
+        given.append(settings)
+        raise ActmapUserError("stop here")
+
+    monkeypatch.setattr(serve_app, "build_engine", build_engine)
+    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: None)
+    base = ["serve", "--model", "tiny", "--detector", str(tmp_path), "--batch-size", "3"]
+    proxy = [
+        "--upstream", "http://127.0.0.1:9/v1", "--upstream-model", "big", "--upstream-timeout",
+        "7", "--upstream-api-key", "k", "--upstream-dtype", "bfloat16",
+        "--allow-weights-mismatch", "--allow-dtype-mismatch",
+    ]  # fmt: skip
+    actions = [
+        "--route-to", "http://127.0.0.1:8/v1", "--route-model", "huge", "--route-api-key", "r",
+        "--route-timeout", "3", "--abstain-message", "no",
+    ]  # fmt: skip
+    for extra in (proxy, ["--engine", "vllm", "--vllm-compile"], actions, []):
+        result = runner.invoke(app, [*base, *extra])
+        assert result.exit_code == 2 and "stop here" in result.output, result.output
+    as_proxy, as_vllm, acting, plain = given
+    assert as_proxy.proxy == ProxySettings(
+        upstream="http://127.0.0.1:9/v1", model="big", timeout_s=7.0, api_key="k",
+        dtype="bfloat16", allow_weights_mismatch=True, allow_dtype_mismatch=True,
+    )  # fmt: skip
+    assert (as_proxy.mode, as_proxy.vllm, as_proxy.actions) == ("proxy", None, ActionSettings())
+    assert (as_vllm.mode, as_vllm.vllm, as_vllm.proxy) == ("vllm", VllmSettings(compile=True), None)
+    assert acting.actions == ActionSettings(
+        route_to="http://127.0.0.1:8/v1", route_model="huge", route_api_key="r",
+        route_timeout_s=3.0, abstain_message="no",
+    )  # fmt: skip
+    assert acting.actions.acting and not plain.actions.acting
+    assert (plain.mode, plain.max_batch, plain.model) == ("local", 3, "tiny")
+    refused = runner.invoke(app, [*base, "--engine", "ray"])
+    assert refused.exit_code == 2 and "--engine must be 'local' or 'vllm', got 'ray'" in flat(
+        refused
+    )

@@ -107,7 +107,7 @@ def test_train_actmap_plus_cli_saves_a_loadable_run(tiny_store, tmp_path, monkey
         app, ["train", "--store", str(root), "--out", str(out), "--detector", "actmap-plus"]
     )
     assert result.exit_code == 0, result.output
-    est = ActMapPlus.from_pretrained(out / "seed-0")
+    est = ActMapPlus.load(out / "seed-0")
     sets = store_rows(MapStore.open(root))
     test = sets["test"]
     import pandas as pd

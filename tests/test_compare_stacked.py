@@ -1,6 +1,6 @@
 """`compare_stacked` on the fixed split (no cross-fit): each method's balanced-test AUROC and
 the paired difference "preset minus method", against sklearn on independently computed
-scores (RAUQ run on the test rows; the preset as `train_stacked_run` writes its test scores)."""
+scores (RAUQ run on the test rows; the preset as `train_plus_run` writes its test scores)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ pytest.importorskip("fastapi")
 from sklearn.metrics import roc_auc_score  # noqa: E402
 from test_stacked_run import store_path  # noqa: E402, F401  (the tiny store fixture)
 
-from actmap.baselines.rauq import RAUQ  # noqa: E402
 from actmap.capture.from_store import read_generations  # noqa: E402
 from actmap.experiments.compare_product import store_rows  # noqa: E402
-from actmap.experiments.stacked import compare_stacked, train_stacked_run  # noqa: E402
+from actmap.experiments.stacked import compare_stacked, train_plus_run  # noqa: E402
+from actmap.signals.rauq import RAUQ  # noqa: E402
 from actmap.store import MapStore  # noqa: E402
 
 PRESET = "actmap-plus deployable"
@@ -32,7 +32,7 @@ def test_the_paired_difference_is_the_preset_minus_the_method(store_path, tmp_pa
     assert result.n_test == len(ids)
     rows = {r.method: r for r in result.rows}
     rauq = np.asarray(RAUQ().score(read_generations(store, ids)).confidence, dtype=np.float64)
-    train_stacked_run(store_path, tmp_path / "run", "deployable")
+    train_plus_run(store_path, tmp_path / "run", "deployable")
     scores = pd.read_parquet(tmp_path / "run" / "seed-0" / "test_scores.parquet").set_index("id")
     preset = scores.loc[ids, "p_correct"].to_numpy(dtype=np.float64)
     auroc_preset, auroc_rauq = roc_auc_score(y, preset), roc_auc_score(y, rauq)

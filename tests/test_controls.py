@@ -147,7 +147,7 @@ def length_store():
 
 
 def test_permuted_tad_keeps_the_choices_made_on_real_labels(length_store):
-    from actmap.baselines.tad import TAD
+    from actmap.signals.tad import TAD
 
     (tr, _, ytr), (va, _, yva), (te, _, yte) = length_store
     real = TAD(n_previous=3).fit(tr, ytr, va, yva)
@@ -196,9 +196,9 @@ def test_permuted_actmap_plus_falls_to_chance_where_length_predicts_the_label(le
 
 def test_from_fitted_shares_one_real_label_fit_and_scores_as_the_full_control(length_store):
     """Choices taken from a scorer already fit on the real labels: the same control, cheaper."""
-    from actmap.baselines.tad import TAD
     from actmap.detectors.plus import PlusConfig
     from actmap.experiments.compare_product import PlusScorer
+    from actmap.signals.tad import TAD
 
     (tr, str_, ytr), (va, sva, yva), (te, ste, yte) = length_store
     grid = [PlusConfig(n_components=4, n_strengths=4), PlusConfig(n_components=0, n_strengths=4)]

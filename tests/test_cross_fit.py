@@ -56,8 +56,8 @@ def test_pooled_scores_equal_each_method_on_its_own(store_path):  # noqa: F811
     test rows directly; the pooled AUROC and the paired difference are sklearn's on them."""
     from sklearn.metrics import roc_auc_score
 
-    from actmap.baselines.rauq import RAUQ
     from actmap.capture.from_store import read_generations
+    from actmap.signals.rauq import RAUQ
 
     store = MapStore.open(store_path)
     result = cross_fitted_comparison(

@@ -13,6 +13,7 @@ from sklearn.exceptions import NotFittedError
 
 from actmap.detectors import (
     CorrectnessDetector,
+    DetectorInputs,
     create_detector,
     list_detectors,
     parameter_breakdown,
@@ -529,7 +530,7 @@ def test_compiled_scoring_pads_to_one_shape_and_falls_back_to_eager(monkeypatch,
     assert set(other.state_dict()) == set(model.state_dict())
 
 
-@pytest.mark.parametrize("name", ["logreg", "mlp", "vit", "actmap-plus"])
+@pytest.mark.parametrize("name", ["logreg", "mlp", "vit", "actmap-plus:v1"])
 def test_every_detector_honours_one_protocol(name, tmp_path):
     """Fit each kind on tiny planted maps; then the same calls score it, whatever it is."""
     from actmap.detectors import ActMapPlus, Detector, all_detectors, load_detector
@@ -541,8 +542,10 @@ def test_every_detector_honours_one_protocol(name, tmp_path):
     maps = rng.standard_normal((48, 12, 16, 64)).astype(np.float16)
     maps[:, 0, :4, :4] += 2.0 * y[:, None, None].astype(np.float16)
     scalars = np.column_stack([rng.random(48) + y, rng.random((48, 5))])
-    if name == "actmap-plus":
-        detector = ActMapPlus(PlusConfig(n_components=4, n_strengths=2)).fit(maps, y, scalars)
+    if name == "actmap-plus:v1":
+        detector = ActMapPlus(PlusConfig(n_components=4, n_strengths=2)).fit(
+            DetectorInputs(maps, scalars), y
+        )
         assert detector.requires == ("maps", "scalars")
     else:
         config = TrainConfig(max_epochs=2, batch_size=16, device="cpu")
@@ -559,6 +562,6 @@ def test_every_detector_honours_one_protocol(name, tmp_path):
     np.testing.assert_allclose(
         p, 1 / (1 + np.exp(-logits.astype(np.float64))), rtol=1e-5, atol=1e-6
     )
-    again = load_detector(detector.save(tmp_path / name))
+    again = load_detector(detector.save(tmp_path / name.replace(":", "-")))
     assert again.requires == detector.requires
     np.testing.assert_allclose(again.predict_proba(maps, scalars), p, rtol=1e-6, atol=1e-7)

@@ -168,16 +168,58 @@ def test_no_two_packages_import_each_other(graph):
     assert two_way_pairs(graph) == []
 
 
-def test_the_stacked_detector_lives_outside_the_detectors(graph):
-    """actmap-plus v2 (`actmap.stacked`) stacks RAUQ's and TAD's scores, so it lives outside
-    `actmap.detectors`: it may import those two baselines and nothing else of the baselines,
-    and no module of `actmap.detectors` imports it (the paper's detectors stay baseline-free)."""
-    assert {d for d in graph["actmap.stacked"] if d.startswith("actmap.baselines")} <= {
-        "actmap.baselines.rauq",
-        "actmap.baselines.tad",
+def test_the_signals_sit_below_the_detectors_and_the_baselines(graph):
+    """RAUQ's and TAD's formulas and the log-prob signals (`actmap.signals`) are read by the
+    stacked actmap-plus (`actmap.detectors.stacked`) and by the baselines; they import neither,
+    so the detectors need no baseline."""
+    signals = {
+        m: d for m, d in graph.items() if m == "actmap.signals" or m.startswith("actmap.signals.")
     }
-    assert not [
-        m
-        for m, deps in graph.items()
-        if m.startswith("actmap.detectors") and "actmap.stacked" in deps
-    ]
+    assert signals, "actmap.signals was not read"
+    assert {
+        m: sorted(x for x in d if x.startswith(("actmap.detectors", "actmap.baselines")))
+        for m, d in signals.items()
+        if any(x.startswith(("actmap.detectors", "actmap.baselines")) for x in d)
+    } == {}
+    assert "actmap.detectors.stacked" in graph
+    assert {d for d in graph["actmap.detectors.stacked"] if d.startswith("actmap.signals")} >= {
+        "actmap.signals.rauq",
+        "actmap.signals.tad",
+    }
+
+
+DETECTOR_CLASSES = ("CorrectnessDetector", "ActMapPlus", "StackedPlus")
+
+
+def isinstance_checks_on_detectors(root: Path = PACKAGE) -> list[str]:
+    """``file:line`` of every ``isinstance(x, <a detector class>)`` outside actmap/detectors/."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.is_relative_to(root / "detectors"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "isinstance"
+                and len(node.args) == 2
+            ):
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                names |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                if names & set(DETECTOR_CLASSES):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_the_isinstance_finder_finds_a_check(tmp_path):
+    pkg = tmp_path / "actmap"
+    (pkg / "detectors").mkdir(parents=True)
+    (pkg / "serve.py").write_text("def f(d):\n    return isinstance(d, ActMapPlus | StackedPlus)\n")
+    (pkg / "detectors" / "x.py").write_text("def g(d):\n    return isinstance(d, StackedPlus)\n")
+    assert isinstance_checks_on_detectors(pkg) == ["serve.py:2"]
+
+
+def test_no_isinstance_on_a_detector_class_outside_the_detectors():
+    """Callers ask a detector what it reads (``requires``, ``capture_needs()``) and score it
+    through the one contract; none branches on its class."""
+    assert isinstance_checks_on_detectors() == []

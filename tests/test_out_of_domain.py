@@ -153,7 +153,7 @@ def test_leave_one_task_out_against_direct_scores(two_tasks):
             assert rows[method].prr.estimate == pytest.approx(prr_by_loop(conf, y, 0.5))
             assert rows[method].calibration is None  # not a probability
         est = fit_generalist([other], result.preset)
-        z = est.decision_function(held.inputs(test, "attention" in est.requires))
+        z = est.decision_function(held.inputs(test, est.requires))
         general = rows["generalist"]
         assert general.auroc.estimate == pytest.approx(roc_auc_score(y, z))
         assert general.prr.estimate == pytest.approx(prr_by_loop(z, y, 0.5))
@@ -161,9 +161,7 @@ def test_leave_one_task_out_against_direct_scores(two_tasks):
         assert diff.estimate == pytest.approx(general.auroc.estimate - rows["rauq"].auroc.estimate)
         assert general.vs_auroc is None
         # EM reads no label: its prior is the one the unlabelled scores give
-        z_all = est.decision_function(
-            held.inputs(held.sets["test_all"], "attention" in est.requires)
-        )
+        z_all = est.decision_function(held.inputs(held.sets["test_all"], est.requires))
         em = em_prevalence(sigmoid(z_all), 0.5)
         assert general.calibration.em_prevalence == pytest.approx(em.prevalence)
         assert general.calibration.em.estimate == pytest.approx(
@@ -185,7 +183,7 @@ def test_first_labels_come_from_training_rows_only(on_lengths):
     words, _, est = on_lengths
     train = words.sets["train_all"]
     elsewhere = {i for s in ("validation_all", "test_all") for i in words.sets[s].row_ids()}
-    z_all = est.decision_function(words.inputs(words.sets["test_all"], False))
+    z_all = est.decision_function(words.inputs(words.sets["test_all"], est.requires))
     ks = (0, 5, len(train))
     _, drawn = first_labels_curve(est, words, z_all, ks, draws=3)
     assert [len(d) for d in drawn] == [0, 5, 5, 5, len(train), len(train), len(train)]
@@ -203,9 +201,9 @@ def test_generalist_run_trains_from_the_cli_and_loads_for_serving(two_tasks, tmp
     from typer.testing import CliRunner
 
     from actmap.cli import app
+    from actmap.detectors.stacked import StackedPlus
     from actmap.experiments.generalist import task_weights
     from actmap.serve.loaded_run import load_detector_run
-    from actmap.stacked import StackedPlus
 
     run = tmp_path / "generalist"
     args = ["train", "--detector", "actmap-plus", "--preset", "deployable", "--out", str(run)]
@@ -270,11 +268,11 @@ def test_an_adapted_generalist_recalibrates_refits_and_saves(on_lengths, tmp_pat
     to the same scores; labels of one class only move the prior."""
     from sklearn.linear_model import LogisticRegression
 
+    from actmap.detectors.stacked import StackedPlus
     from actmap.experiments.out_of_domain import adapt_generalist
-    from actmap.stacked import StackedPlus
 
     words, _, est = on_lengths
-    train, test = (words.inputs(words.sets[s], False) for s in ("train_all", "test_all"))
+    train, test = (words.inputs(words.sets[s], est.requires) for s in ("train_all", "test_all"))
     # labels the generalist ranks above chance (Platt's slope positive; a negative one moves
     # the prior only, `test_recalibration_never_reverses_the_ranking`)
     z_train = est.decision_function(train)
@@ -356,8 +354,8 @@ def test_train_adapts_a_generalist_to_a_small_store_by_default(on_lengths, two_t
     loaded = load_detector_run(out).detector
     assert loaded.metadata_["adapted"] == {"step": "recalibrate", "labelled_rows": len(y)}
     assert loaded.metadata_["adapted_run"]["task"] == "words"
-    x = concat_stack_rows([words.inputs(p, False) for p in parts])
-    test = words.inputs(words.sets["test"], False)
+    x = concat_stack_rows([words.inputs(p, est.requires) for p in parts])
+    test = words.inputs(words.sets["test"], est.requires)
     z = est.decision_function(x)
     platt = LogisticRegression(C=1.0).fit(z[:, None], y)
     if platt.coef_[0, 0] > 0:  # Platt's fit on the generalist's logit is the recalibration

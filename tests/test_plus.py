@@ -14,6 +14,7 @@ from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import StratifiedKFold
 
 from actmap.capture.answer_scalars import SCALAR_NAMES, answer_scalars
+from actmap.detectors import DetectorInputs
 from actmap.detectors.plus import ActMapPlus, PlusConfig
 from actmap.scoring.prior import logit
 
@@ -46,7 +47,7 @@ def test_answer_scalars_by_hand():
 def test_logits_match_the_sklearn_pipeline():
     maps, y, scalars = synthetic()
     cfg = PlusConfig(5, use_scalars=True, class_weight="balanced", n_strengths=4, calibrate=False)
-    est = ActMapPlus(cfg).fit(maps, y, scalars)
+    est = ActMapPlus(cfg).fit(DetectorInputs(maps, scalars), y)
     # the same pipeline written with scikit-learn directly
     x = maps.reshape(len(maps), -1).astype(np.float32)
     pca = PCA(5, svd_solver="randomized", random_state=0).fit(x)
@@ -73,8 +74,10 @@ def test_platt_rescaling_is_fit_on_out_of_fold_logits():
     from sklearn.model_selection import cross_val_predict
 
     maps, y, scalars = synthetic()
-    plain = ActMapPlus(PlusConfig(4, n_strengths=3, calibrate=False)).fit(maps, y, scalars)
-    est = ActMapPlus(PlusConfig(4, n_strengths=3)).fit(maps, y, scalars)
+    plain = ActMapPlus(PlusConfig(4, n_strengths=3, calibrate=False)).fit(
+        DetectorInputs(maps, scalars), y
+    )
+    est = ActMapPlus(PlusConfig(4, n_strengths=3)).fit(DetectorInputs(maps, scalars), y)
     # the same two steps written out with scikit-learn
     f = plain._features(maps, scalars)
     folds = StratifiedKFold(5, shuffle=True, random_state=0)
@@ -94,7 +97,9 @@ def test_platt_rescaling_is_fit_on_out_of_fold_logits():
 
 def test_save_and_from_pretrained_predict_identically(tmp_path):
     maps, y, scalars = synthetic()
-    est = ActMapPlus(PlusConfig(n_components=8, n_strengths=3)).fit(maps, y, scalars)
+    est = ActMapPlus(PlusConfig(n_components=8, n_strengths=3)).fit(
+        DetectorInputs(maps, scalars), y
+    )
     est.save(tmp_path / "plus", metadata={"store": "s"})
     assert sorted(p.name for p in (tmp_path / "plus").iterdir()) == [
         "config.json",
@@ -104,7 +109,7 @@ def test_save_and_from_pretrained_predict_identically(tmp_path):
     assert config["detector"] == "actmap-plus"
     assert config["train_prevalence"] == pytest.approx(y.mean())
     assert config["metadata"] == {"store": "s"}
-    loaded = ActMapPlus.from_pretrained(tmp_path / "plus")
+    loaded = ActMapPlus.load(tmp_path / "plus")
     np.testing.assert_allclose(  # same arrays; float32 BLAS may sum in another order
         loaded.predict_proba(maps, scalars, prevalence=0.1),
         est.predict_proba(maps, scalars, prevalence=0.1),
@@ -114,19 +119,21 @@ def test_save_and_from_pretrained_predict_identically(tmp_path):
 
 def test_prevalence_shifts_the_logit_by_the_prior_offset(tmp_path):
     maps, y, scalars = synthetic()
-    est = ActMapPlus(PlusConfig(n_components=4, n_strengths=2)).fit(maps, y, scalars)
+    est = ActMapPlus(PlusConfig(n_components=4, n_strengths=2)).fit(
+        DetectorInputs(maps, scalars), y
+    )
     p = est.predict_proba(maps, scalars)
     q = est.predict_proba(maps, scalars, prevalence=0.07)
     np.testing.assert_allclose(logit(q) - logit(p), logit(0.07) - logit(0.5), atol=1e-8)
     unweighted = ActMapPlus(PlusConfig(n_components=4, n_strengths=2, class_weight=None))
-    unweighted.fit(maps, y, scalars)
+    unweighted.fit(DetectorInputs(maps, scalars), y)
     assert unweighted.calibrated_prevalence_ == pytest.approx(y.mean())
     assert abs(y.mean() - 0.3) < 0.05  # its probabilities hold at about .3, not .5
     # the prior shift starts from there: logit(.6) - logit(.3), about 1.25 (from .5: .41)
     p = unweighted.predict_proba(maps, scalars)
     q = unweighted.predict_proba(maps, scalars, prevalence=0.6)
     np.testing.assert_allclose(logit(q) - logit(p), logit(0.6) - logit(y.mean()), atol=1e-8)
-    loaded = ActMapPlus.from_pretrained(unweighted.save(tmp_path / "unweighted"))
+    loaded = ActMapPlus.load(unweighted.save(tmp_path / "unweighted"))
     assert loaded.calibrated_prevalence_ == unweighted.calibrated_prevalence_
     np.testing.assert_allclose(loaded.predict_proba(maps, scalars, prevalence=0.6), q, rtol=1e-5)
     # calibrated where it was trained: on new rows, mean p(correct) tracks the fraction correct
@@ -137,7 +144,9 @@ def test_prevalence_shifts_the_logit_by_the_prior_offset(tmp_path):
 
 def test_scalars_only_and_map_only():
     maps, y, scalars = synthetic()
-    only_scalars = ActMapPlus(PlusConfig(n_components=0, n_strengths=2)).fit(maps, y, scalars)
+    only_scalars = ActMapPlus(PlusConfig(n_components=0, n_strengths=2)).fit(
+        DetectorInputs(maps, scalars), y
+    )
     assert only_scalars.coef_.shape == (6,)
     only_map = ActMapPlus(PlusConfig(n_components=3, use_scalars=False, n_strengths=2))
     only_map.fit(maps, y)
@@ -148,8 +157,10 @@ def test_clear_errors():
     maps, y, scalars = synthetic()
     with pytest.raises(NotFittedError):
         ActMapPlus().predict_proba(maps, scalars)
-    est = ActMapPlus(PlusConfig(n_components=3, n_strengths=2)).fit(maps, y, scalars)
-    with pytest.raises(ValueError, match="pass scalars="):
+    est = ActMapPlus(PlusConfig(n_components=3, n_strengths=2)).fit(
+        DetectorInputs(maps, scalars), y
+    )
+    with pytest.raises(ValueError, match="pass them in its inputs"):
         est.predict_proba(maps)
     with pytest.raises(ValueError, match=r"scalars must have shape \(240, 6\)"):
         est.predict_proba(maps, scalars[:, :3])
@@ -158,7 +169,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="prevalence must lie strictly between 0 and 1"):
         est.predict_proba(maps, scalars, prevalence=1.0)
     with pytest.raises(ValueError, match="both classes"):
-        ActMapPlus().fit(maps, np.zeros(len(y)), scalars)
+        ActMapPlus().fit(DetectorInputs(maps, scalars), np.zeros(len(y)))
     with pytest.raises(ValueError, match="needs the map"):
         PlusConfig(n_components=0, use_scalars=False)
 
@@ -170,7 +181,9 @@ def test_load_detector_opens_either_kind(tmp_path):
     from actmap.training.recipe import TrainConfig
 
     maps, y, scalars = synthetic(n=64)
-    ActMapPlus(PlusConfig(n_components=3, n_strengths=2)).fit(maps, y, scalars).save(tmp_path / "p")
+    ActMapPlus(PlusConfig(n_components=3, n_strengths=2)).fit(
+        DetectorInputs(maps, scalars), y
+    ).save(tmp_path / "p")
     assert isinstance(load_detector(tmp_path / "p"), ActMapPlus)
     config = replace(TrainConfig(), max_epochs=1, device="cpu")
     paper = CorrectnessDetector("logreg", config=config).fit(maps, y, maps, y)

@@ -152,8 +152,8 @@ def test_states_past_float16s_range_are_saturated_not_infinite(
     import pyarrow as pa
 
     from actmap.capture.forced import capture_answers_batch
+    from actmap.detectors.inputs import read_positions
     from actmap.maps import FLOAT16_MAX, saturated_float16
-    from actmap.stacked import read_positions
     from actmap.store import MapStore
     from actmap.store.encoding import encode_array
 

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from actmap.baselines.rauq import (
+from actmap.capture.records import Generation
+from actmap.signals.rauq import (
     RAUQ,
     default_alpha,
     rauq_layers,
     rauq_recurrence,
     rauq_uncertainty,
 )
-from actmap.capture.records import Generation
 
 
 def make_gen(p, attention, entropies=None, extras=None) -> Generation:

@@ -428,10 +428,11 @@ def test_reproduce_trains_actmap_plus_like_any_registered_detector(tmp_path, tin
     import pandas as pd
     from sklearn.metrics import roc_auc_score
 
-    from actmap.detectors import all_detectors
+    from actmap.detectors import ALIASES, all_detectors
     from actmap.training.run_folder import read_run
 
-    assert {"vit", "mlp", "mlp4x", "logreg", "actmap-plus"} <= set(all_detectors())
+    assert {"vit", "mlp", "mlp4x", "logreg", "actmap-plus:v1"} <= set(all_detectors())
+    assert ALIASES == {"actmap-plus": "actmap-plus:v1"}  # the plain name: one meaning
     config = tiny_config(
         tmp_path, tiny_model_dir, seeds=[1], name="tiny", baselines=[], sections=["in_domain"]
     )
@@ -471,3 +472,25 @@ def test_reproduce_trains_the_stacked_presets_and_reports_them(tmp_path, tiny_mo
     assert "actmap-plus-deployable" in report
     again = CliRunner().invoke(app, ["reproduce", "--config", str(config)])
     assert "train/tiny-stacked/actmap-plus:deployable: skipped (done before)" in again.output
+
+
+def test_reproduce_takes_registry_names_and_refuses_others(tmp_path, tiny_model_dir):
+    """A config's detectors are the registry's names (`actmap.detectors.catalog`) or the alias;
+    a version's run folder spells its colon as a dash; another name is refused, naming them."""
+    from actmap.reproduce import load_config, run_path
+
+    config = tiny_config(
+        tmp_path, tiny_model_dir, seeds=[1], name="tiny", baselines=[], sections=["in_domain"]
+    )
+    text = config.read_text()
+    names = '["actmap-plus", "actmap-plus:v1", "actmap-plus:full", "vit"]'
+    config.write_text(text.replace('detectors = ["logreg"]', f"detectors = {names}"))
+    loaded = load_config(config)
+    assert loaded.detectors == tuple(json.loads(names))
+    spec = loaded.stores[0]
+    assert run_path(loaded, spec, "actmap-plus:full").name == "actmap-plus-full"
+    assert run_path(loaded, spec, "actmap-plus").name == "actmap-plus"
+    config.write_text(text.replace('detectors = ["logreg"]', 'detectors = ["actmap-plus:v2"]'))
+    with pytest.raises(ActmapUserError, match=r"unknown detector\(s\) \['actmap-plus:v2'\]") as err:
+        load_config(config)
+    assert "actmap-plus:deployable" in str(err.value) and "logreg" in str(err.value)

@@ -27,6 +27,7 @@ from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 from actmap.serve.audit import AuditTrail, open_audit_store, read_audit  # noqa: E402
 from actmap.serve.engine import Engine  # noqa: E402
 from actmap.serve.policy import DECISIONS, Policy  # noqa: E402
+from actmap.serve.settings import ActionSettings, ProxySettings  # noqa: E402
 from actmap.store import MapStore  # noqa: E402
 
 QUESTION = "what is the capital of paris"
@@ -47,14 +48,14 @@ def test_action_for_every_decision_and_setting():
                        "abstain": "abstain", "abstain_early": "abstain"},
     }  # fmt: skip
     for (route, abstain), table in expected.items():
-        settings = ServeSettings(
+        settings = ActionSettings(
             route_to="http://127.0.0.1:1/v1" if route else None,
             abstain_message=MESSAGE if abstain else None,
         )
         assert {d: action_for(d, settings) for d in DECISIONS} == table
     # an empty message still acts (the operator chose it); "unscored" never does
-    assert action_for("abstain", ServeSettings(abstain_message="")) == "abstain"
-    assert action_for("unscored", ServeSettings(route_to="x", abstain_message="m")) == "answer"
+    assert action_for("abstain", ActionSettings(abstain_message="")) == "abstain"
+    assert action_for("unscored", ActionSettings(route_to="x", abstain_message="m")) == "answer"
 
 
 # -- servers ----------------------------------------------------------------------------------
@@ -82,7 +83,7 @@ def tiny_engine_plain() -> Engine:
 def small_app(run, audit_root, policy: Policy, **settings):
     options = dict(model="tiny", detector=run, default_max_tokens=5, max_tokens_cap=16,
                    audit=audit_root, audit_text=True)  # fmt: skip
-    options.update(settings)
+    options["actions"] = ActionSettings(**settings)
 
     def factory():  # the tests flush: no races
         return tiny_engine(
@@ -278,12 +279,15 @@ def test_route_and_abstain_refused_with_upstream(run, tmp_path):
 
     for extra in ({"route_to": "http://127.0.0.1:1/v1"}, {"abstain_message": MESSAGE}):
         settings = ServeSettings(
-            model="tiny", detector=run, upstream="http://127.0.0.1:1/v1", **extra
-        )
+            model="tiny", detector=run, proxy=ProxySettings("http://127.0.0.1:1/v1"),
+            actions=ActionSettings(**extra),
+        )  # fmt: skip
         with pytest.raises(ActmapUserError, match="act on answers generated here"):
             build_engine(settings)
     with pytest.raises(ActmapUserError, match="with --route-to"):
-        build_engine(ServeSettings(model="tiny", route_to="http://127.0.0.1:1/v1"))
+        build_engine(
+            ServeSettings(model="tiny", actions=ActionSettings(route_to="http://127.0.0.1:1/v1"))
+        )
 
 
 # -- abstain ----------------------------------------------------------------------------------

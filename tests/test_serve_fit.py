@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from test_cli_serve import imbalanced_store
 
+from actmap.detectors import as_inputs
 from actmap.scoring.intervals import Interval
 from actmap.scoring.metrics import ece, fit_temperature
 from actmap.scoring.prior import logit, shift_to_prevalence, sigmoid
@@ -41,9 +42,11 @@ from actmap.serve.policy import (
 class ChannelDetector:
     """p(correct) from the mean of channel 0 (the synthetic store puts the label there)."""
 
+    requires = ("maps",)
     needs_scalars = False  # reads the map only, like a LoadedDetector of a paper detector
 
     def predict_proba(self, maps, scalars=None):
+        maps = as_inputs(maps).maps  # a store's DetectorInputs, or bare maps
         x = np.asarray(maps, dtype=np.float64)[:, 0].mean(axis=(1, 2))
         return 1 / (1 + np.exp(-40 * (x - 0.15)))
 

@@ -21,6 +21,7 @@ from serve_helpers import (  # noqa: E402
 import actmap.serve.engine as engine_module  # noqa: E402
 from actmap.capture import CaptureConfig  # noqa: E402
 from actmap.capture.answer_scalars import answer_scalars  # noqa: E402
+from actmap.detectors import DetectorInputs
 from actmap.detectors.plus import ActMapPlus  # noqa: E402
 from actmap.errors import ActmapUserError  # noqa: E402
 from actmap.maps import build_map, stored_form  # noqa: E402
@@ -46,7 +47,7 @@ def test_served_p_correct_reads_the_map_and_the_scalars_of_the_same_pass(plus_ru
     assert out["actmap"]["detector"].startswith("actmap-plus:")
     assert out["actmap"]["p_correct_raw"] == pytest.approx(p_raw, rel=1e-6)
     # the scalars matter: the same map with another answer's statistics scores differently
-    plus = ActMapPlus.from_pretrained(engine.detector.path)
+    plus = ActMapPlus.load(engine.detector.path)
     stored = stored_form(build_map(gen.trajectory))[None]
     own = answer_scalars(gen.logprobs, gen.entropies)[None]
     other = answer_scalars(gen.logprobs[:1] - 3.0, gen.entropies[:1])[None]
@@ -144,7 +145,9 @@ def captured(tmp_path_factory, tiny_llama, word_tokenizer):
     )  # fmt: skip
     train = store_rows(store)["train_all"]
     plus = ActMapPlus(PlusConfig(n_components=3, n_strengths=2, cv_folds=2))
-    plus.fit(train.maps, train.labels, train.scalars).save(root.parent / "run" / "seed-0")
+    plus.fit(DetectorInputs(train.maps, train.scalars), train.labels).save(
+        root.parent / "run" / "seed-0"
+    )
     return store, root.parent / "run"
 
 
@@ -161,7 +164,7 @@ def test_policy_fit_and_running_auroc_read_the_stores_scalars(captured):
     store, run = captured
     detector = load_detector_run(run)
     assert detector.requires == ("maps", "scalars")
-    plus = ActMapPlus.from_pretrained(run / "seed-0")
+    plus = ActMapPlus.load(run / "seed-0")
     for scores in (
         natural_scores(store, detector, "test"),
         balanced_scores(store, detector, "test"),

@@ -33,6 +33,7 @@ from actmap.maps import build_map, stored_form  # noqa: E402
 from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 from actmap.serve.audit import AuditTrail, open_audit_store, read_audit  # noqa: E402
 from actmap.serve.engine import Engine  # noqa: E402
+from actmap.serve.settings import ProxySettings  # noqa: E402
 from actmap.store import MapStore  # noqa: E402
 
 QUESTION = "what is the capital of paris"
@@ -50,11 +51,8 @@ def plain_upstream() -> FastAPI:
 
 
 def proxy_app(run, upstream: str, audit_root, timeout_s: float = 30.0, seed: int = 0, **settings):
-    options = dict(
-        model="tiny", detector=run, upstream=upstream + "/v1", upstream_timeout_s=timeout_s,
-        audit=audit_root,
-    )  # fmt: skip
-    options.update(settings)
+    proxy = ProxySettings(upstream + "/v1", timeout_s=timeout_s, **settings)
+    options = dict(model="tiny", detector=run, proxy=proxy, audit=audit_root)
 
     def factory():
         trail = AuditTrail(audit_root, background=False)  # the tests flush: no races

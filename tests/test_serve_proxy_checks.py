@@ -26,6 +26,7 @@ from actmap.capture.forced import capture_answers_batch  # noqa: E402
 from actmap.capture.generate import stop_ids  # noqa: E402
 from actmap.maps import build_map, stored_form  # noqa: E402
 from actmap.serve.app import ServeSettings, create_app  # noqa: E402
+from actmap.serve.settings import ProxySettings  # noqa: E402
 from actmap.serve.upstream import PROBE_MESSAGES, PROBE_TOKENS, probe_weights  # noqa: E402
 
 
@@ -116,7 +117,7 @@ def test_answer_ids_that_do_not_decode_to_the_text_are_flagged_and_the_text_is_r
 
     with ServerThread(vllm_like(model, tokenizer, edit=misreport)) as upstream:
         settings = ServeSettings(
-            model="tiny", detector=tmp_path / "run", upstream=upstream.url + "/v1"
+            model="tiny", detector=tmp_path / "run", proxy=ProxySettings(upstream.url + "/v1")
         )
         with ServerThread(create_app(settings, factory)) as proxy:
             engine = proxy.app.state.actmap.engine

@@ -9,6 +9,7 @@ whole nats."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -30,6 +31,7 @@ from actmap.serve.app import ServeSettings, build_engine, create_app  # noqa: E4
 from actmap.serve.audit import AuditTrail  # noqa: E402
 from actmap.serve.engine import Engine  # noqa: E402
 from actmap.serve.loaded_run import load_detector_run  # noqa: E402
+from actmap.serve.settings import ProxySettings  # noqa: E402
 from actmap.serve.upstream import (  # noqa: E402
     PROBE_TOLERANCE,
     local_reading,
@@ -203,19 +205,29 @@ def test_the_proxy_reads_in_the_dtype_the_detectors_maps_were_captured_in(tiny_m
         config.replace('"metadata": {}', '"metadata": {"inputs": {"store_config": {"model": {"dtype": "bfloat16"}}}}')
     )  # fmt: skip
     assert load_detector_run(bf16_run).dtype == "bfloat16"
-    proxy = dict(model=str(tiny_model_dir), upstream="http://127.0.0.1:9/v1")  # never contacted
+    upstream = ProxySettings("http://127.0.0.1:9/v1")  # never contacted
+    proxy = dict(model=str(tiny_model_dir), proxy=upstream)
     with pytest.raises(ActmapUserError) as refused:
         build_engine(ServeSettings(detector=fp32_run, dtype="bfloat16", **proxy))
     message = str(refused.value)
     assert "fit on maps captured in float32" in message and "--allow-dtype-mismatch" in message
     allowed = build_engine(
-        ServeSettings(detector=fp32_run, dtype="bfloat16", allow_dtype_mismatch=True, **proxy)
+        ServeSettings(
+            model=str(tiny_model_dir),
+            detector=fp32_run,
+            dtype="bfloat16",
+            proxy=replace(upstream, allow_dtype_mismatch=True),
+        )  # fmt: skip
     )
     assert next(allowed.model.parameters()).dtype == torch.bfloat16
     default = build_engine(ServeSettings(detector=bf16_run, **proxy))  # the detector's dtype
     assert next(default.model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ActmapUserError, match="dtype must be one of"):
-        build_engine(ServeSettings(detector=bf16_run, upstream_dtype="int8", **proxy))
+        build_engine(
+            ServeSettings(
+                model=str(tiny_model_dir), detector=bf16_run, proxy=replace(upstream, dtype="int8")
+            )
+        )
     # the CLI: one line, exit code 2, before anything is contacted
     from typer.testing import CliRunner
 
@@ -251,10 +263,7 @@ def test_a_bfloat16_proxy_reads_the_map_bfloat16_generation_gives(upstream_dtype
     dtype = getattr(torch, upstream_dtype)
     save_tiny_detector(tmp_path / "run")
     local = peaked_llama(tokenizer, dtype=torch.bfloat16)
-    settings = ServeSettings(
-        model="tiny", detector=tmp_path / "run", audit=tmp_path / "audit",
-        upstream_dtype=upstream_dtype,
-    )  # fmt: skip
+    settings = ServeSettings(model="tiny", detector=tmp_path / "run", audit=tmp_path / "audit")
 
     def factory():
         trail = AuditTrail(tmp_path / "audit", background=False)
@@ -264,7 +273,8 @@ def test_a_bfloat16_proxy_reads_the_map_bfloat16_generation_gives(upstream_dtype
         ServerThread(vllm_like(peaked_llama(tokenizer, dtype=dtype), tokenizer)) as upstream,
         ServerThread(
             create_app(
-                ServeSettings(**{**vars(settings), "upstream": upstream.url + "/v1"}), factory
+                replace(settings, proxy=ProxySettings(upstream.url + "/v1", dtype=upstream_dtype)),
+                factory,
             )
         ) as proxy,
     ):

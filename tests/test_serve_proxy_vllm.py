@@ -31,6 +31,7 @@ from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 from actmap.serve.audit import AuditTrail  # noqa: E402
 from actmap.serve.engine import Engine  # noqa: E402
 from actmap.serve.loaded_run import load_detector_run  # noqa: E402
+from actmap.serve.settings import ProxySettings  # noqa: E402
 from actmap.store import MapStore  # noqa: E402
 
 pytestmark = pytest.mark.real_model
@@ -104,7 +105,7 @@ def proxy(vllm_server, smollm2, tmp_path_factory):
     save_tiny_detector(root / "run")
     settings = ServeSettings(
         model="smollm2-135m-instruct", detector=root / "run", served_model_name="smollm2",
-        upstream=vllm_server + "/v1", audit=root / "audit",
+        proxy=ProxySettings(vllm_server + "/v1"), audit=root / "audit",
     )  # fmt: skip
 
     def factory():

@@ -78,6 +78,9 @@ def test_openai_client_plain_stream_errors_and_audit(server, smollm2):
         client.chat.completions.create(model=MODEL, messages=messages, temperature=0.8)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10_000)
+    # the one rule of every mode (`actmap.serve.request_path`): a conversation without text
+    with pytest.raises(openai.BadRequestError, match="messages hold no text"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": " "}])
 
     # given answers are read by the transformers engine's teacher-forced pass: a clear 400 here
     scored = httpx.post(

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 
+from actmap.detectors import as_inputs
 from actmap.maps import MapConfig, channel_names
 from actmap.scoring.metrics import ece
 from actmap.scoring.prior import logit, shift_to_prevalence, sigmoid
@@ -37,9 +38,11 @@ class BalancedDetector:
     """Reads z from the map and says p(correct) at a balanced prior, as a detector trained
     on balanced rows does: sigmoid(z - logit(natural accuracy))."""
 
-    needs_scalars = False
+    requires = ("maps",)
+    needs_scalars = False  # reads the map only, like a LoadedDetector of a paper detector
 
     def predict_proba(self, maps, scalars=None):
+        maps = as_inputs(maps).maps  # a store's DetectorInputs, or bare maps
         z = np.asarray(maps, dtype=np.float64)[:, 0, 0, 0]
         return sigmoid(z - logit(natural_accuracy()))
 

@@ -1,4 +1,4 @@
-"""The stacked actmap-plus (`actmap.stacked`): out-of-fold stacking, layer choice, presets,
+"""The stacked actmap-plus (`actmap.detectors.stacked`): out-of-fold stacking, layer choice, presets,
 and the save/load round trip."""
 
 from __future__ import annotations
@@ -8,17 +8,15 @@ import pytest
 import torch
 
 from actmap.capture.records import Generation
-from actmap.scoring.prior import logit
-from actmap.stacked import (
+from actmap.detectors import DetectorInputs, load_detector
+from actmap.detectors.stacked import (
     ATTENTION_BLOCKS,
     FALLBACK,
     StackConfig,
     StackedPlus,
-    StackRows,
-    load_any_detector,
-    load_plus,
     out_of_fold_logits,
 )
+from actmap.scoring.prior import logit
 
 LAYERS, HEADS, KEYS, WIDTH = 3, 2, 3, 16
 INFORMATIVE_LAYER = 1
@@ -42,7 +40,7 @@ def test_out_of_fold_logits_equal_a_hand_written_loop():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
 
 
-def synthetic_rows(n: int, seed: int) -> tuple[StackRows, np.ndarray]:
+def synthetic_rows(n: int, seed: int) -> tuple[DetectorInputs, np.ndarray]:
     """Rows whose label shows in layer 1's last-answer state, weakly in the map and scalars,
     and in the attention to the previous token."""
     rng = np.random.default_rng(seed)
@@ -72,7 +70,7 @@ def synthetic_rows(n: int, seed: int) -> tuple[StackRows, np.ndarray]:
                 attention=torch.tensor(attention, dtype=torch.float32),
             )
         )
-    return StackRows(maps, scalars, positions, gens), y
+    return DetectorInputs(maps, scalars, positions, gens), y
 
 
 @pytest.fixture(scope="module")
@@ -98,18 +96,18 @@ def test_presets_fit_choose_on_validation_and_round_trip(preset, data, tmp_path)
     assert est.validation_["stack"] > est.validation_[FALLBACK]  # the probe carries the label
     assert not est.validation_["fallback"] and FALLBACK not in est.selected_
     est.save(tmp_path)
-    again = load_plus(tmp_path)
+    again = load_detector(tmp_path)
     assert isinstance(again, StackedPlus) and again.selected_ == est.selected_
     np.testing.assert_array_equal(again.decision_function(test), est.decision_function(test))
     np.testing.assert_array_equal(
-        load_any_detector(tmp_path).predict_proba(test, prevalence=0.3),
+        load_detector(tmp_path).predict_proba(test, prevalence=0.3),
         est.predict_proba(test, prevalence=0.3),
     )
 
 
-def take(rows: StackRows, idx) -> StackRows:
+def take(rows: DetectorInputs, idx) -> DetectorInputs:
     gens = None if rows.generations is None else [rows.generations[i] for i in idx]
-    return StackRows(rows.maps[idx], rows.scalars[idx], rows.positions[idx], gens)
+    return DetectorInputs(rows.maps[idx], rows.scalars[idx], rows.positions[idx], gens)
 
 
 def test_without_class_weights_its_probabilities_hold_at_the_training_prior(data, tmp_path):
@@ -126,7 +124,7 @@ def test_without_class_weights_its_probabilities_hold_at_the_training_prior(data
     # the shift from its prior: logit(.6) - logit(.3), about 1.25 (from .5 it would be .41)
     np.testing.assert_allclose(logit(q) - logit(p), logit(0.6) - logit(y[idx].mean()), atol=1e-8)
     est.save(tmp_path)
-    again = load_plus(tmp_path)
+    again = load_detector(tmp_path)
     assert again.calibrated_prevalence_ == est.calibrated_prevalence_
     np.testing.assert_allclose(again.predict_proba(test, prevalence=0.6), q, rtol=1e-6)
 
@@ -137,20 +135,20 @@ def test_full_preset_needs_attention_where_it_uses_it(data):
     est.fit(train, y, val, y_val)
     assert set(est.selected_) & set(ATTENTION_BLOCKS)  # selection "all": every block stacks
     with pytest.raises(ValueError, match="attention"):
-        est.decision_function(StackRows(val.maps, val.scalars, val.positions, None))
+        est.decision_function(DetectorInputs(val.maps, val.scalars, val.positions, None))
 
 
 def test_version_1_still_loads_and_names_version_2(tmp_path, data):
     from actmap.detectors.plus import ActMapPlus, PlusConfig
 
     (train, y) = data["train"]
-    v1 = ActMapPlus(PlusConfig(n_components=4)).fit(train.maps, y, train.scalars)
+    v1 = ActMapPlus(PlusConfig(n_components=4)).fit(DetectorInputs(train.maps, train.scalars), y)
     v1.save(tmp_path / "v1")
-    assert isinstance(load_plus(tmp_path / "v1"), ActMapPlus)
+    assert isinstance(load_detector(tmp_path / "v1"), ActMapPlus)
     v2 = StackedPlus(StackConfig(preset="deployable", map_components=4))
     v2.fit(train, y, *data["val"]).save(tmp_path / "v2")
     with pytest.raises(ValueError, match="stacked"):
-        ActMapPlus.from_pretrained(tmp_path / "v2")
+        ActMapPlus.load(tmp_path / "v2")
     with pytest.raises(ValueError, match="preset"):
         StackConfig(preset="best")
 
@@ -206,7 +204,7 @@ def test_map_and_scalars_replace_the_stack_when_they_rank_validation_better(tmp_
         est.decision_function(val), est.meta_.logits(want[:, None]), atol=1e-3
     )
     est.save(tmp_path)
-    again = load_plus(tmp_path)
+    again = load_detector(tmp_path)
     assert again.selected_ == [FALLBACK]
     np.testing.assert_array_equal(again.decision_function(val), est.decision_function(val))
     off = StackedPlus(StackConfig(preset="deployable", map_components=8, fallback=False))

@@ -41,9 +41,9 @@ def test_train_evaluate_and_serve_a_preset(preset, store_path, tmp_path):
     from typer.testing import CliRunner
 
     from actmap.cli import app
+    from actmap.detectors import live_inputs
+    from actmap.detectors.stacked import StackedPlus
     from actmap.experiments.seeds import frozen_scores
-    from actmap.serve.loaded_run import stacked_rows
-    from actmap.stacked import StackedPlus
 
     run = tmp_path / f"plus-{preset}"
     args = ["train", "--store", str(store_path), "--out", str(run), "--detector", "actmap-plus"]
@@ -80,7 +80,7 @@ def test_train_evaluate_and_serve_a_preset(preset, store_path, tmp_path):
     scalars = answer_scalars(gen.logprobs, gen.entropies)[None] if "scalars" in needs else None
     assert (gen.positions is not None) == ("positions" in needs)
     assert (gen.attention is not None) == ("attention" in needs)
-    want = detector.detector.predict_proba(stacked_rows(maps, scalars, [gen]))[0]
+    want = detector.detector.predict_proba(live_inputs(maps, scalars, [gen]))[0]
     assert out["actmap"]["p_correct_raw"] == pytest.approx(float(want), rel=1e-5)
     assert_vllm_serving_takes(preset, detector)
 
@@ -114,10 +114,10 @@ def test_vllm_serving_refuses_a_full_fit_that_reads_attention(tmp_path):
 
     from test_stacked import KEYS, synthetic_rows
 
+    from actmap.detectors.stacked import StackConfig, StackedPlus
     from actmap.errors import ActmapUserError
     from actmap.serve.loaded_run import LoadedDetector
     from actmap.serve.vllm_serving import build_vllm_engine
-    from actmap.stacked import StackConfig, StackedPlus
 
     (train, y), (val, y_val) = synthetic_rows(120, 0), synthetic_rows(60, 1)
     config = StackConfig(preset="full", map_components=8, tad_previous=KEYS, fallback=False)
@@ -159,29 +159,32 @@ def test_policy_fit_scores_a_stacked_run_from_the_store(preset, store_path, tmp_
     from typer.testing import CliRunner
 
     from actmap.cli import app
+    from actmap.detectors import new_detector, read_inputs
+    from actmap.detectors.stacked import StackedPlus
     from actmap.experiments.compare_product import store_rows
     from actmap.experiments.seeds import frozen_scores
-    from actmap.experiments.stacked import train_stacked_run
+    from actmap.experiments.stacked import train_plus_run
     from actmap.serve.fit import natural_scores, store_p_raw
     from actmap.serve.loaded_run import load_detector_run
-    from actmap.stacked import StackedPlus, stack_inputs
 
     run = tmp_path / f"plus-{preset}"
-    train_stacked_run(store_path, run, preset, fallback=False)
+    train_plus_run(store_path, run, preset, fallback=False)
     detector = load_detector_run(run)
     assert isinstance(detector.detector, StackedPlus)
     assert ("attention" in detector.requires) == (preset == "full")
     store = MapStore.open(store_path)
     scores = natural_scores(store, detector, "validation")
     # reference: compare-stacked's row sets (every labelled validation row, scalars read by
-    # with_scalars) and its input builder (`fit_stacked` reads each row set with stack_inputs,
+    # with_scalars) and its input builder (`fit_stacked` reads each row set with read_inputs,
     # attention for the full preset), scored by the saved estimator itself
     sets = store_rows(store)
     rows = sets["validation_all"]
     assert scores.ids == list(rows.ids)
     np.testing.assert_array_equal(scores.labels, rows.labels)
     assert rows.scalars is not None
-    want = detector.detector.predict_proba(stack_inputs(store, rows, preset == "full"))
+    want = detector.detector.predict_proba(
+        read_inputs(store, rows, new_detector(f"actmap-plus:{preset}").requires)
+    )
     np.testing.assert_allclose(scores.p_raw, want, rtol=1e-6, atol=1e-9)
     assert 0 < scores.p_raw.min() and scores.p_raw.max() < 1 and np.ptp(scores.p_raw) > 0
     # scoring in chunks, in another row order, and from ids alone (frozen_scores) agree row by row
@@ -192,7 +195,7 @@ def test_policy_fit_scores_a_stacked_run_from_the_store(preset, store_path, tmp_
     )
     again = frozen_scores(run, store, list(rows.ids))["0"]
     np.testing.assert_allclose(scores.p_raw, again, rtol=1e-5)
-    # by hand, around stack_rows: position states and scalars decoded from the tables' own
+    # by hand, around read_inputs: position states and scalars decoded from the tables' own
     # Parquet rows (the store's last write per id), the attention weights' generations rebuilt
     np.testing.assert_allclose(
         detector.detector.predict_proba(hand_built_inputs(store, list(rows.ids), preset == "full")),
@@ -223,6 +226,7 @@ def test_policy_fit_of_a_v1_run_on_the_same_store(store_path, tmp_path):
     from typer.testing import CliRunner
 
     from actmap.cli import app
+    from actmap.detectors import DetectorInputs
     from actmap.detectors.plus import ActMapPlus, PlusConfig
     from actmap.experiments.compare_product import store_rows
     from actmap.serve.fit import natural_scores
@@ -234,7 +238,7 @@ def test_policy_fit_of_a_v1_run_on_the_same_store(store_path, tmp_path):
     train, rows = sets["train_all"], sets["validation_all"]
     run = tmp_path / "plus-v1"
     plus = ActMapPlus(PlusConfig(n_components=3, n_strengths=2, cv_folds=2))
-    plus.fit(train.maps, train.labels, train.scalars).save(run / "seed-0")
+    plus.fit(DetectorInputs(train.maps, train.scalars), train.labels).save(run / "seed-0")
     detector = load_detector_run(run)
     assert isinstance(detector.detector, ActMapPlus)
     scores = natural_scores(store, detector, "validation")
@@ -254,10 +258,10 @@ def test_policy_fit_names_missing_position_states(store_path, tmp_path):
     from typer.testing import CliRunner
 
     from actmap.cli import app
-    from actmap.experiments.stacked import train_stacked_run
+    from actmap.experiments.stacked import train_plus_run
 
     run = tmp_path / "plus"
-    train_stacked_run(store_path, run, "deployable", fallback=False)
+    train_plus_run(store_path, run, "deployable", fallback=False)
     root = tmp_path / "store"
     shutil.copytree(store_path, root)
     shard = MapStore.open(root).shards("positions")[0]
@@ -271,14 +275,14 @@ def test_policy_fit_names_missing_position_states(store_path, tmp_path):
 
 
 def hand_built_inputs(store, ids, attention):
-    """`actmap.stacked.StackRows` of ``ids`` read without `stack_rows`: the positions and
+    """`actmap.detectors.DetectorInputs` of ``ids`` read without `read_inputs`: the positions and
     generations tables' Parquet shards read whole, their last row per id decoded by hand."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from actmap.capture.answer_scalars import answer_scalars
     from actmap.capture.from_store import read_generations
-    from actmap.stacked import StackRows
+    from actmap.detectors import DetectorInputs
 
     def last_rows(table):
         whole = pa.concat_tables([pq.read_table(s) for s in store.shards(table)]).to_pylist()
@@ -292,7 +296,7 @@ def hand_built_inputs(store, ids, attention):
     scalars = np.stack([answer_scalars(gens[k]["logprobs"], gens[k]["entropies"]) for k in ids])
     maps, _ = store.load_maps(ids)
     generations = read_generations(store, ids) if attention else None
-    return StackRows(maps, scalars, states, generations)
+    return DetectorInputs(maps, scalars, states, generations)
 
 
 def test_audit_rescore_of_a_stacked_run_is_one_clear_error(store_path, tmp_path):
@@ -317,23 +321,24 @@ def test_audit_rescore_of_a_stacked_run_is_one_clear_error(store_path, tmp_path)
     assert "positions" in str(raised.value)
 
 
-def test_the_default_preset_is_the_richest_the_store_holds(store_path, tmp_path):
-    """`actmap train --detector actmap-plus` without --preset: full on a store with position
+def test_the_auto_preset_is_the_richest_the_store_holds(store_path, tmp_path):
+    """`actmap train --detector actmap-plus --preset auto`: full on a store with position
     states and attention weights; the map+scalars block replaces the stack exactly when it
     ranks validation better, and then maps and scalars alone score it (as the audit trail and
     the server's running scores hold them)."""
     from typer.testing import CliRunner
 
     from actmap.cli import app
+    from actmap.detectors import INPUT_NAMES, DetectorInputs, read_inputs
+    from actmap.detectors.stacked import FALLBACK
     from actmap.experiments.stacked import preset_for_store
     from actmap.serve.loaded_run import load_detector_run
-    from actmap.stacked import FALLBACK, StackRows, stack_inputs
 
     store = MapStore.open(store_path)
     assert preset_for_store(store) == "full"
     run = tmp_path / "plus"
     args = ["train", "--store", str(store_path), "--out", str(run), "--detector", "actmap-plus"]
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(app, [*args, "--preset", "auto"])
     assert result.exit_code == 0, result.output
     assert "preset: full" in result.output
     saved = json.loads((run / "seed-0" / "config.json").read_text())
@@ -345,13 +350,52 @@ def test_the_default_preset_is_the_richest_the_store_holds(store_path, tmp_path)
     from actmap.experiments.compare_product import store_rows
 
     rows = store_rows(store)["test"]
-    want = loaded.detector.predict_proba(stack_inputs(store, rows, True))
+    want = loaded.detector.predict_proba(read_inputs(store, rows, INPUT_NAMES))
     if validation["fallback"]:
         assert not loaded.needs_generations and loaded.requires == ("maps", "scalars")
-        got = loaded.predict_proba(rows.maps, stack_inputs(store, rows, False).scalars)
+        got = loaded.predict_proba(rows.maps, read_inputs(store, rows, ("maps", "scalars")).scalars)
         np.testing.assert_allclose(got, want, rtol=1e-6)
         np.testing.assert_allclose(
-            loaded.detector.predict_proba(StackRows(rows.maps, rows.scalars)), want, rtol=1e-6
+            loaded.detector.predict_proba(DetectorInputs(rows.maps, rows.scalars)), want, rtol=1e-6
         )
     else:
         assert loaded.needs_generations
+
+
+def test_the_baselines_input_provider_hands_a_detector_its_one_bundle(store_path):
+    """`StoreInputs.rows(requires, ids)`, the provider every baseline reads through, hands a
+    detector the bundle it requires: equal to the tables decoded by hand, parts it does not
+    require left out."""
+    from actmap.baselines.inputs import StoreInputs
+    from actmap.baselines.options import BaselineOptions
+
+    store = MapStore.open(store_path)
+    ids = store.metadata()["id"].tolist()[:12]
+    provider = StoreInputs(store, BaselineOptions(device="cpu"), {})
+    want = hand_built_inputs(store, ids, attention=True)
+    full = provider.rows(("maps", "scalars", "positions", "attention"), ids)
+    np.testing.assert_array_equal(full.maps, want.maps)
+    np.testing.assert_allclose(full.scalars, want.scalars, rtol=1e-6)
+    np.testing.assert_array_equal(full.positions, want.positions)
+    assert [g.answer for g in full.generations] == [g.answer for g in want.generations]
+    for a, b in zip(full.generations, want.generations, strict=True):
+        np.testing.assert_array_equal(a.attention.numpy(), b.attention.numpy())
+    maps_only = provider.rows(("maps",), ids)
+    np.testing.assert_array_equal(maps_only.maps, want.maps)
+    assert (maps_only.scalars, maps_only.positions, maps_only.generations) == (None, None, None)
+
+
+def test_plain_actmap_plus_trains_v1_and_a_named_version_refuses_another_preset():
+    """One meaning for plain actmap-plus everywhere (reproduce's and train's): actmap-plus:v1;
+    --preset picks another only beside the plain name."""
+    from actmap.errors import ActmapUserError
+    from actmap.experiments.stacked import plus_preset
+
+    assert plus_preset("actmap-plus") == "v1"
+    assert plus_preset("actmap-plus", "auto") == "auto"
+    assert plus_preset("actmap-plus:full") == "full"
+    assert plus_preset("actmap-plus:deployable", "deployable") == "deployable"
+    with pytest.raises(ActmapUserError, match="trains the full preset; --preset deployable"):
+        plus_preset("actmap-plus:full", "deployable")
+    with pytest.raises(ActmapUserError, match="unknown detector"):
+        plus_preset("actmap-plus:v2")

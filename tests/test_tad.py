@@ -8,7 +8,8 @@ import torch
 from sklearn.linear_model import Ridge
 from sklearn.metrics import roc_auc_score
 
-from actmap.baselines.tad import (
+from actmap.capture.records import Generation
+from actmap.signals.tad import (
     TAD,
     TadSequence,
     aggregate,
@@ -19,7 +20,6 @@ from actmap.baselines.tad import (
     tad_recurrence,
     tad_sequence,
 )
-from actmap.capture.records import Generation
 
 
 def make_gen(p, attention) -> Generation:
@@ -211,7 +211,7 @@ def test_ill_conditioned_solves_are_counted_once_not_printed_per_solve(caplog):
 
     from scipy.linalg import LinAlgWarning
 
-    from actmap.baselines.tad import ALPHA_GRID, ill_conditioned_solves_logged
+    from actmap.signals.tad import ALPHA_GRID, ill_conditioned_solves_logged
 
     rng = np.random.default_rng(0)
     labels = np.array([i % 2 for i in range(60)])

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -41,6 +42,7 @@ from actmap.store.errors import StoreError  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
 MODEL = "tiny"
+ADAPTER = "tiny-lora"  # the LoRA adapter's model name on the plugin server
 MESSAGES = [{"role": "user", "content": "what is the capital city"}]
 MAX_TOKENS = 6
 START_S = 900
@@ -79,26 +81,61 @@ def detector_for(run: Path, generator: Path) -> Path:
 
 
 def start_vllm(
-    folder: Path, run: Path, audit: Path, log: Path, tensor_parallel: int = 1
-) -> tuple[subprocess.Popen, str]:
+    folder: Path, run: Path, audit: Path, log: Path, tensor_parallel: int = 1,
+    api_servers: int = 1, flags: tuple[str, ...] = (), **options,
+) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """vLLM's server with the plugin; ``api_servers > 1``: vLLM's own CLI (``vllm serve``),
+    which starts that many API-server processes (`vllm_serve_cli`)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(actmap.__file__).parents[1])}  # fmt: skip
     if tensor_parallel == 2:  # one core per rank (vLLM's CPU workers need a binding each)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    settings = {"actmap": {"detector": str(run), "audit": str(audit)}}
+    settings = {"actmap": {"detector": str(run), "audit": str(audit), **options}}
+    if api_servers > 1:
+        head = [sys.executable, str(Path(__file__).with_name("vllm_serve_cli.py")), "serve",
+                str(folder), "--api-server-count", str(api_servers)]  # fmt: skip
+    else:
+        head = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-             "--served-model-name", MODEL, "--dtype", "float32", "--port", str(port),
+            [*head, "--served-model-name", MODEL, "--dtype", "float32", "--port", str(port),
              "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8",
              "--worker-extension-cls", "actmap.capture.vllm_worker.ActmapWorker",
              "--middleware", "actmap.serve.vllm_plugin.ActmapMiddleware",
              "--additional-config", json.dumps(settings),
-             "--tensor-parallel-size", str(tensor_parallel)],
+             "--tensor-parallel-size", str(tensor_parallel), *flags],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     return process, f"http://127.0.0.1:{port}"
+
+
+def lora_adapter(base: Path, adapter: Path, merged: Path, rank: int = 4) -> None:
+    """A LoRA adapter of every layer's q_proj and v_proj in PEFT's layout (random A and B, so
+    that it changes the model), and, as the reference, ``base`` with the adapter merged in."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(7)
+    alpha, tensors = 2 * rank, {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for name in ("q_proj", "v_proj"):
+                linear = getattr(layer.self_attn, name)
+                a = torch.randn(rank, linear.in_features, generator=generator) * 0.1
+                b = torch.randn(linear.out_features, rank, generator=generator) * 0.1
+                key = f"base_model.model.model.layers.{i}.self_attn.{name}"
+                tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+                linear.weight += (alpha / rank) * (b @ a)
+    adapter.mkdir(parents=True)
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none",
+              "base_model_name_or_path": str(base)}  # fmt: skip
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    model.save_pretrained(merged)
+    AutoTokenizer.from_pretrained(base).save_pretrained(merged)
 
 
 def wait_up(process: subprocess.Popen, url: str, log: Path, deadline: float) -> str | None:
@@ -116,13 +153,18 @@ def wait_up(process: subprocess.Popen, url: str, log: Path, deadline: float) -> 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Three vLLM servers started side by side: the plugin (TP=1), the plugin at tensor
-    parallel 2 (a 4-head model), and a start the plugin refuses."""
+    """Three vLLM servers started side by side: the plugin (vLLM's CLI with two API-server
+    processes, a LoRA adapter and /v1/actmap/score), the plugin at tensor parallel 2 (a 4-head
+    model, one API-server process), and a start the plugin refuses."""
     root = tmp_path_factory.mktemp("vllm-plugin")
     folder, folder_tp = tiny_folder(root / "tiny"), tiny_folder(root / "tiny-tp", heads=4)
     run, run_tp = detector_for(root / "run", folder), detector_for(root / "run-tp", folder_tp)
     other = detector_for(root / "run-other", root / "another-model")
-    good, url = start_vllm(folder, run, root / "audit", root / "vllm.log")
+    lora_adapter(folder, root / "adapter", root / "tiny-lora-merged")
+    lora = ("--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+            f"{ADAPTER}={root / 'adapter'}")  # fmt: skip
+    good, url = start_vllm(folder, run, root / "audit", root / "vllm.log", api_servers=2,
+                           flags=lora, score_route=True)  # fmt: skip
     tp, url_tp = start_vllm(folder_tp, run_tp, root / "audit-tp", root / "tp.log", 2)
     refused, _ = start_vllm(folder, other, root / "audit-other", root / "refused.log")
     deadline = time.time() + START_S
@@ -133,7 +175,8 @@ def servers(tmp_path_factory):
         stop(good), stop(tp), stop(refused)
         pytest.fail(problem)
     yield {"url": url, "url_tp": url_tp, "root": root, "folder": folder, "run": run,
-           "folder_tp": folder_tp, "run_tp": run_tp, "refused": refused}  # fmt: skip
+           "folder_tp": folder_tp, "run_tp": run_tp, "refused": refused,
+           "merged": root / "tiny-lora-merged"}  # fmt: skip
     stop(good), stop(tp), stop(refused)
 
 
@@ -161,13 +204,13 @@ def expected(reference_model, token_ids: list[int], messages=MESSAGES):
     return float(detector.detector.predict_proba(stored[None], scalars)[0]), stored
 
 
+def logit(p: float) -> float:
+    return float(np.log(p) - np.log1p(-p))
+
+
 def same_score(served: float, reference: float) -> bool:
     """Equal within 1e-3, and in log-odds within 1e-3 (the detector's scores sit near 0 on these
     random answers, where an absolute tolerance alone says little)."""
-
-    def logit(p: float) -> float:
-        return float(np.log(p) - np.log1p(-p))
-
     return abs(served - reference) <= 1e-3 and abs(logit(served) - logit(reference)) <= 1e-3
 
 
@@ -177,17 +220,40 @@ def same_map(served: np.ndarray, reference: np.ndarray) -> bool:
     return bool(diff <= 2e-3 * max(1.0, float(np.abs(reference).max())))
 
 
+def audit_stores(audit: Path) -> list[Path]:
+    """The audit stores of a server: one per API-server process (``AUDIT/api-<rank>``) with
+    several, else ``audit`` itself."""
+    return sorted(audit.glob("api-*")) or [audit]
+
+
+def audit_rows(audit: Path, column: str = "id") -> list[dict]:
+    """Every store's (id, ``column``) rows, store by store (none where none is committed)."""
+    out = []
+    for path in audit_stores(audit):
+        try:
+            store = MapStore.open(path)
+            rows = {}
+            for _, meta in store.iter_maps(columns=tuple(dict.fromkeys(("id", column)))):
+                rows.update(zip(meta.column("id").to_pylist(), meta.column(column).to_pylist(),
+                                strict=True))  # fmt: skip
+        except StoreError:  # not created yet, or no maps committed yet
+            rows = {}
+        out.append(rows)
+    return out
+
+
 def audit_maps(audit: Path, wanted: set[str], timeout_s: float = 60) -> dict:
     """The audit store's maps of ``wanted`` ids (the server's writer commits in the background)."""
     deadline = time.time() + timeout_s
     found: dict = {}
     while time.time() < deadline:
-        try:
-            store = MapStore.open(audit)
-            for batch, meta in store.iter_maps(batch_size=64, columns=("id",)):
-                found.update(zip(meta.column("id").to_pylist(), batch, strict=True))
-        except StoreError:  # not created yet, or no maps committed yet
-            pass
+        for path in audit_stores(audit):
+            try:
+                store = MapStore.open(path)
+                for batch, meta in store.iter_maps(batch_size=64, columns=("id",)):
+                    found.update(zip(meta.column("id").to_pylist(), batch, strict=True))
+            except StoreError:  # not created yet, or no maps committed yet
+                pass
         if wanted <= set(found):
             return found
         time.sleep(1)
@@ -348,16 +414,90 @@ def test_a_detector_of_another_generator_refuses_to_start(servers):
     assert "Application startup failed" in log
 
 
-def test_client_request_id_and_metrics(servers):
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
-    out = httpx.post(servers["url"] + "/v1/chat/completions", json=body,
-                     headers={"X-Request-Id": "client-chose-this"}, timeout=120).json()  # fmt: skip
-    assert out["id"] == "chatcmpl-client-chose-this" and out["actmap"]["map_id"]
-    text = httpx.get(servers["url"] + "/metrics", timeout=60).text
-    answered = [line for line in text.splitlines()
-                if line.startswith('actmap_requests_total{endpoint="chat",status="200"}')]  # fmt: skip
-    assert answered and float(answered[0].split()[-1]) >= 1
+def requests_total(url: str) -> float:
+    """``actmap_requests_total`` of answered chat requests on vLLM's ``/metrics``."""
+    text = httpx.get(url + "/metrics", timeout=60).text
     assert "actmap_p_correct_count" in text and "vllm:" in text  # beside vLLM's own metrics
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("actmap_requests_total{")
+               and 'endpoint="chat"' in line and 'status="200"' in line)  # fmt: skip
+
+
+def test_client_request_id_and_metrics(servers):
+    """On the server with two API-server processes (vLLM's multiprocess metrics) and on the one
+    with one (actmap's registry added to vLLM's)."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    for url in (servers["url"], servers["url_tp"]):
+        out = httpx.post(url + "/v1/chat/completions", json=body,
+                         headers={"X-Request-Id": "client-chose-this"}, timeout=120).json()  # fmt: skip
+        assert out["id"] == "chatcmpl-client-chose-this" and out["actmap"]["map_id"]
+        assert requests_total(url) >= 1
+
+
+def test_two_api_server_processes_lose_and_double_no_row(servers):
+    """``--api-server-count 2``: 16 concurrent requests spread over both processes; each
+    answer gets its own block, each map is written once (in the store of the process that
+    answered it: ``AUDIT/api-<rank>``), and vLLM's ``/metrics`` counts each answer once, from
+    whichever process serves the scrape."""
+    url = servers["url"]
+    before = requests_total(url)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+
+    def one(i: int) -> str:
+        out = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+        assert out.status_code == 200 and "actmap" in out.json(), (
+            out.text + (servers["root"] / "vllm.log").read_text()[-6000:]
+        )
+        return out.json()["actmap"]["map_id"]
+
+    with ThreadPoolExecutor(16) as pool:
+        ids = list(pool.map(one, range(16)))
+    assert len(set(ids)) == 16
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        stores = audit_rows(servers["root"] / "audit")
+        if set(ids) <= {k for rows in stores for k in rows}:
+            break
+        time.sleep(1)
+    assert len(stores) == 2  # AUDIT/api-0 and AUDIT/api-1
+    held = [set(ids) & set(rows) for rows in stores]
+    assert held[0] | held[1] == set(ids) and not held[0] & held[1]
+    assert held[0] and held[1], "one process answered all 16"
+    assert [requests_total(url) - before for _ in range(4)] == [16] * 4
+
+
+def test_a_lora_request_gets_the_block_of_the_adapted_model(servers, reference_model):
+    """``--enable-lora``: a request for the adapter gets its block, read from the adapted
+    model's layers (equal to the transformers reference with the adapter merged in, not to the
+    base model's reading of the same tokens)."""
+    client = client_for(servers)
+    out = client.chat.completions.create(
+        model=ADAPTER, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert out.model == ADAPTER
+    block, tokens = out.model_extra["actmap"], out.choices[0].model_extra["token_ids"]
+    adapted = load_reference(servers["merged"], servers["run"])
+    p_adapted, stored = expected(adapted, tokens)
+    p_base, base_map = expected(reference_model, tokens)
+    assert same_score(block["p_correct_raw"], p_adapted)
+    assert not same_map(base_map, stored) and not same_score(p_base, p_adapted)
+    maps = audit_maps(servers["root"] / "audit", {block["map_id"]})
+    assert same_map(maps[block["map_id"]], stored)
+
+
+def greedy_and_sampled(client, seed: int) -> list[tuple[dict, list[int]]]:
+    """(block, answer token ids) of a greedy answer and of two sampled ones (``n = 2``)."""
+    out = []
+    for options in ({"temperature": 0}, {"temperature": 1.0, "n": 2, "seed": seed}):
+        answer = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
+            extra_body={"return_token_ids": True}, **options,
+        )  # fmt: skip
+        for choice in answer.choices:
+            block = choice.model_extra.get("actmap") or answer.model_extra["actmap"]
+            out.append((block, choice.model_extra["token_ids"]))
+    return out
 
 
 def test_tensor_parallel_2_gives_the_reference_maps(servers):
@@ -367,16 +507,10 @@ def test_tensor_parallel_2_gives_the_reference_maps(servers):
     client = openai.OpenAI(base_url=servers["url_tp"] + "/v1", api_key="none", max_retries=0,
                            timeout=300)  # fmt: skip
     wanted = {}
-    for options in ({"temperature": 0}, {"temperature": 1.0, "n": 2, "seed": 3}):
-        out = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
-            extra_body={"return_token_ids": True}, **options,
-        )  # fmt: skip
-        for choice in out.choices:
-            block = choice.model_extra.get("actmap") or out.model_extra["actmap"]
-            p_raw, stored = expected(reference, choice.model_extra["token_ids"])
-            assert same_score(block["p_correct_raw"], p_raw)
-            wanted[block["map_id"]] = stored
+    for block, token_ids in greedy_and_sampled(client, seed=3):
+        p_raw, stored = expected(reference, token_ids)
+        assert same_score(block["p_correct_raw"], p_raw)
+        wanted[block["map_id"]] = stored
     maps = audit_maps(servers["root"] / "audit-tp", set(wanted))
     assert all(same_map(maps[key], stored) for key, stored in wanted.items())
 
@@ -409,10 +543,126 @@ def test_an_answer_the_client_abandons_writes_no_partial_map(servers):
         lengths: list[int] = []
         while time.time() < deadline and not any(n > 20 for n in lengths):
             time.sleep(1)
-            try:
-                store = MapStore.open(servers["root"] / "audit")
-                lengths = [n for _, meta in store.iter_maps(columns=("id", "n_tokens"))
-                           for n in meta.column("n_tokens").to_pylist()]  # fmt: skip
-            except StoreError:
-                continue
+            lengths = [n for rows in audit_rows(servers["root"] / "audit", "n_tokens")
+                       for n in rows.values()]  # fmt: skip
         assert [n for n in lengths if n > 20] == [240]
+
+
+def streamed(url: str, body: dict) -> list[dict]:
+    """The JSON chunks of a stream (``data: [DONE]`` checked and left out)."""
+    events = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_running_scores_in_streamed_chunks_and_abort_below(servers, reference_model):
+    """``actmap.stream_scores``: each chunk's running p(correct) over the answer's first
+    n_tokens tokens equals the teacher-forced reference of those tokens; ``abort_below`` ends
+    the answer in vLLM, and its block (decision abstain_early) is that of the tokens read."""
+    url = servers["url"]
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    tokens = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
+    tokens = tokens["choices"][0]["token_ids"]
+    chunks = streamed(url, {**body, "stream": True, "actmap": {"stream_scores": True}})
+    running = [c["actmap"] for c in chunks if "actmap" in c and "n_tokens" in c["actmap"]]
+    answer = [t for t in tokens if t != reference_model[1].eos_token_id]
+    counts = [r["n_tokens"] for r in running]  # the workers may be a step ahead of the stream
+    assert counts and counts == sorted(set(counts)) and 1 <= counts[0] <= counts[-1] <= len(answer)
+    for score in running:
+        p_raw, _ = expected(reference_model, answer[: score["n_tokens"]])
+        assert same_score(score["p_correct"], p_raw), score
+    final = chunks[-1]["actmap"]  # the whole answer's block, as without stream_scores
+    assert same_score(final["p_correct_raw"], expected(reference_model, tokens)[0])
+
+    # abort_below 1: the first running score ends a 240-token answer
+    long = {**body, "max_tokens": 240, "ignore_eos": True, "stream": True,
+            "actmap": {"stream_scores": True, "abort_below": 1.0}}  # fmt: skip
+    chunks = streamed(url, long)
+    scores = [c["actmap"] for c in chunks if "n_tokens" in c.get("actmap", {})]
+    assert len(scores) == 1 and scores[0]["p_correct"] < 1.0
+    cut = scores[0]["n_tokens"]
+    last = chunks[-1]
+    assert last["choices"] == [{"index": 0, "delta": {}, "finish_reason": "stop"}]
+    block = last["actmap"]
+    assert block["decision"] == "abstain_early" and block["map_id"]
+    assert block["p_correct_raw"] == pytest.approx(scores[0]["p_correct"], abs=1e-6)
+    prefix = httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": cut,
+                        "ignore_eos": True}, timeout=300).json()["choices"][0]["token_ids"]  # fmt: skip
+    assert reference_model[1].eos_token_id not in prefix
+    p_raw, stored = expected(reference_model, prefix)
+    assert same_score(block["p_correct_raw"], p_raw)
+    maps = audit_maps(servers["root"] / "audit", {block["map_id"]})
+    assert same_map(maps[block["map_id"]], stored)
+    n_tokens = {k: n for rows in audit_rows(servers["root"] / "audit", "n_tokens")
+                for k, n in rows.items()}  # fmt: skip
+    assert n_tokens[block["map_id"]] == cut
+
+
+def test_actmap_options_are_checked_by_name(servers):
+    url = servers["url"] + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    for options, stream, param in (
+        ({"abort_below": 0.5}, False, "actmap.abort_below"),  # needs a stream
+        ({"abort_below": 2}, True, "actmap.abort_below"),  # outside 0..1
+        ({"bogus": True}, True, "actmap.bogus"),
+    ):
+        out = httpx.post(url, json={**body, "stream": stream, "actmap": options}, timeout=60)
+        assert out.status_code == 400 and out.json()["error"]["param"] == param, out.text
+
+
+def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_model):
+    """``/v1/actmap/score`` on vLLM's server (``score_route``: a teacher-forced transformers pass
+    in the API server) gives each answer vLLM generated the score of its block, within 1e-3."""
+    url, eos = servers["url"], reference_model[1].eos_token_id
+    client = client_for(servers)
+    answers = []
+    for block, token_ids in greedy_and_sampled(client, seed=5):
+        tokens = [t for t in token_ids if t != eos]
+        answers.append((block, {"messages": MESSAGES, "answer_token_ids": tokens}))
+    completion = client.completions.create(
+        model=MODEL, prompt="what is the capital city", max_tokens=4, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    tokens = [t for t in completion.choices[0].model_extra["token_ids"] if t != eos]
+    answers.append((completion.model_extra["actmap"],
+                    {"prompt": "what is the capital city", "answer_token_ids": tokens}))  # fmt: skip
+    items = [{"id": str(i), **item} for i, (_, item) in enumerate(answers)]
+    scored = httpx.post(url + "/v1/actmap/score", json={"model": MODEL, "items": items},
+                        timeout=300)  # fmt: skip
+    assert scored.status_code == 200, scored.text
+    out = scored.json()
+    assert out["detector"] == answers[0][0]["detector"]
+    for (block, item), result in zip(answers, out["results"], strict=True):
+        assert result["n_tokens"] == len(item["answer_token_ids"])
+        assert abs(result["p_correct"] - block["p_correct"]) <= 1e-3, (result, block)
+        assert same_score(result["p_correct_raw"], block["p_correct_raw"])
+        assert result["decision"] == block["decision"] and result["map_id"] != block["map_id"]
+    pairs = [(r["p_correct_raw"], b["p_correct_raw"])
+             for (b, _), r in zip(answers, out["results"], strict=True)]  # fmt: skip
+    print(
+        f"block vs /v1/actmap/score over {len(pairs)} answers: max |dp| "
+        f"{max(abs(a - b) for a, b in pairs):.2e}, in log-odds "
+        f"{max(abs(logit(a) - logit(b)) for a, b in pairs):.2e}, p in "
+        f"[{min(min(pair) for pair in pairs):.3g}, {max(max(pair) for pair in pairs):.3g}]"
+    )
+    wanted = {r["map_id"]: b["map_id"] for (b, _), r in zip(answers, out["results"], strict=True)}
+    maps = audit_maps(servers["root"] / "audit", set(wanted) | set(wanted.values()))
+    assert all(same_map(maps[scored_id], maps[block_id]) for scored_id, block_id in wanted.items())
+
+    # actmap serve's checks and errors, unchanged
+    bad = httpx.post(url + "/v1/actmap/score", json={"items": [{"messages": MESSAGES}]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "items[0]", bad.text
+    other = httpx.post(url + "/v1/actmap/score", json={"model": "gpt-4o", "items": items[:1]},
+                       timeout=60)  # fmt: skip
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    empty = httpx.post(url + "/v1/actmap/score", json={"items": []}, timeout=60)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "items"
+    # a server started without score_route says how to turn it on
+    off = httpx.post(servers["url_tp"] + "/v1/actmap/score", json={"items": items[:1]}, timeout=60)
+    assert off.status_code == 400 and "score_route" in off.json()["error"]["message"]

@@ -14,6 +14,7 @@ import torch
 from actmap.capture.records import CaptureConfig
 from actmap.capture.vllm_engine import _record, _Request
 from actmap.capture.vllm_rows import child_index, generation_from_payload, payload
+from actmap.serve.settings import ServeSettings
 from actmap.serve.vllm_plugin import ActmapMiddleware
 
 BASE = "actmap-0123abcd"
@@ -61,10 +62,13 @@ def test_rows_round_trip_to_the_in_process_engines_generation(word_tokenizer):
 class Blocks:
     """Scores by choice index (what `VllmPlugin.blocks` returns); records what it was asked."""
 
+    settings = ServeSettings(model="tiny")
+    gives_running_scores = True
+
     def __init__(self) -> None:
         self.asked = []
 
-    async def blocks(self, base, body, endpoint, arrived):
+    async def blocks(self, base, body, endpoint, arrived, tokens=None):
         self.asked.append((base, endpoint))
         return {i: {"p_correct": 0.25 + i / 10} for i in range(body.get("n", 1))}
 
@@ -150,3 +154,145 @@ def test_a_stream_that_reported_an_error_gets_no_block():
     app, _ = vllm_like(200, [stream], b"text/event-stream")
     _, out, plugin = call(app, b'{"stream": true}')
     assert out == stream and plugin.asked == []
+
+
+class Running(Blocks):
+    """A plugin whose running score falls by 0.2 a token (tokens so far: one per chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = 0
+        self.cut = None
+
+    async def running(self, request, choices, since):
+        self.tokens += 1
+        return {0: (1.0 - 0.2 * self.tokens, self.tokens)}
+
+    async def blocks(self, base, body, endpoint, arrived, tokens=None):
+        self.cut = tokens
+        return {0: {"decision": "abstain_early" if tokens else "accept"}}
+
+
+def streaming_vllm(n_chunks: int):
+    """An ASGI app streaming ``n_chunks`` token chunks as Starlette's StreamingResponse does:
+    it stops when ``receive`` says the client left (vLLM then aborts the request)."""
+    seen = {"sent": 0}
+
+    async def app(scope, receive, send):
+        seen["body"] = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+
+        async def stream():
+            for k in range(n_chunks):
+                chunk = {"id": "c1", "choices": [{"index": 0, "delta": {"content": f"w{k}"}}]}
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"data: " + json.dumps(chunk).encode() + b"\n\n"})  # fmt: skip
+                seen["sent"] += 1
+                await asyncio.sleep(0.01)
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+        async def listen():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        tasks = {asyncio.ensure_future(stream()), listen_task := asyncio.ensure_future(listen())}
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        seen["disconnected"] = listen_task in done
+
+    return app, seen
+
+
+def stream_through(app, plugin, body: dict) -> list[dict]:
+    middleware = ActmapMiddleware(app)
+    middleware.plugin = plugin
+    sent = []
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():  # the client stays connected
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(middleware(scope, receive, send), 10))
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert not bodies[-1].get("more_body", False) and all(m.get("more_body") for m in bodies[:-1])
+    events = b"".join(m["body"] for m in bodies).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    return [json.loads(e[len("data: ") :]) for e in events[:-2]]
+
+
+def test_running_scores_and_abort_below_end_the_stream_in_vllm():
+    app, seen = streaming_vllm(20)
+    plugin = Running()
+    body = {"stream": True, "messages": [], "actmap": {"stream_scores": True, "abort_below": 0.5}}
+    chunks = stream_through(app, plugin, body)
+    assert "actmap" not in json.loads(seen["body"])  # actmap's options never reach vLLM
+    # 0.8, 0.6 pass; 0.4 < 0.5 ends the answer after its third token
+    running = [c["actmap"] for c in chunks[:-1]]
+    assert running == [
+        {"p_correct": pytest.approx(1.0 - 0.2 * k), "n_tokens": k} for k in (1, 2, 3)
+    ]
+    assert seen["disconnected"] and seen["sent"] < 20  # vLLM heard a client that left
+    final = chunks[-1]
+    assert final["choices"] == [{"index": 0, "delta": {}, "finish_reason": "stop"}]
+    assert final["actmap"] == {"decision": "abstain_early"} and plugin.cut == 3
+
+
+def test_running_scores_without_abort_leave_the_stream_whole():
+    app, seen = streaming_vllm(4)
+    plugin = Running()
+    chunks = stream_through(app, plugin, {"stream": True, "actmap": {"stream_scores": True}})
+    assert [c["actmap"]["n_tokens"] for c in chunks[:-1]] == [1, 2, 3, 4]
+    assert chunks[-1]["actmap"] == {"decision": "accept"} and plugin.cut is None
+    assert not seen["disconnected"] and seen["sent"] == 4
+
+
+def test_one_client_id_sent_twice_at_once_names_two_requests():
+    """The rows are taken by the id vLLM names a request after: a second request with a client's
+    id still in flight gets a suffix (else the first would take both answers' rows)."""
+    ids, both = [], asyncio.Event()
+
+    async def app(scope, receive, send):
+        ids.append(dict(scope["headers"])[b"x-request-id"].decode())
+        await receive()
+        if len(ids) == 2:
+            both.set()
+        await both.wait()  # both in flight together
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b'{"choices": []}'})
+
+    middleware = ActmapMiddleware(app)
+    middleware.plugin = Blocks()
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"x-request-id", b"mine")]}  # fmt: skip
+
+    async def one():
+        sent = []
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive():
+            return messages.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        await middleware(dict(scope), receive, send)
+        return json.loads(sent[-1]["body"])
+
+    async def main():
+        first = await asyncio.wait_for(asyncio.gather(one(), one()), 10)
+        again = await asyncio.wait_for(one(), 10)  # no longer in flight: the client's id
+        return first, again
+
+    (a, b), _ = asyncio.run(main())
+    assert ids[0] == "mine" and ids[1].startswith("mine-") and ids[2] == "mine"
+    assert sorted(base for base, _ in middleware.plugin.asked) == sorted(ids)  # each by its id
+    assert a["actmap"] == b["actmap"] == {"p_correct": 0.25}

@@ -32,10 +32,10 @@ from actmap.artifacts import read_json, write_json
 from actmap.baselines.options import BaselineOptions
 from actmap.baselines.runner import run_baselines
 from actmap.capture.job import CaptureJob, CaptureProgress, capture_store
-from actmap.detectors import all_detectors
+from actmap.detectors import ALIASES, all_detectors, detector_name
 from actmap.errors import ActmapUserError
-from actmap.experiments.seeds import recipe_config, train_on_store, train_plus_run
-from actmap.experiments.stacked import train_stacked_run
+from actmap.experiments.seeds import recipe_config, train_on_store
+from actmap.experiments.stacked import train_plus_run
 from actmap.report.assemble import build_report
 from actmap.report.inputs import find_runs, read_judge_checks, store_refs
 from actmap.report.registry import select_sections
@@ -56,8 +56,6 @@ Progress = Callable[[int, int, str], None]
 
 DETECTORS = ("vit", "mlp", "logreg")
 SINGLE_PASS = ("perplexity", "mean_token_entropy", "answer_length", "rauq", "tad")
-# the stacked actmap-plus's presets, trained once (seed-0) each (`actmap.experiments.stacked`)
-PLUS_PRESETS = ("actmap-plus:deployable", "actmap-plus:full")
 
 
 @dataclass(frozen=True)
@@ -136,8 +134,8 @@ def config_from_dict(raw: dict[str, Any], base: Path) -> ReproduceConfig:
     sections = report.pop("sections", None)
     detectors = _tuple(raw.get("detectors", list(DETECTORS)), "detectors")
 
-    known = all_detectors()
-    bad = [d for d in detectors if d not in known and d not in PLUS_PRESETS]
+    known = (*all_detectors(), *ALIASES)  # `actmap.detectors.catalog`: one name each
+    bad = [d for d in detectors if d not in known]
     if bad:
         raise ActmapUserError(
             f"reproduce config: unknown detector(s) {bad}; known: {', '.join(known)}"
@@ -303,7 +301,8 @@ def copy_path(config: ReproduceConfig, spec: StoreSpec) -> Path:
 
 
 def run_path(config: ReproduceConfig, spec: StoreSpec, detector: str) -> Path:
-    return config.out / "runs" / spec.name / detector
+    """A detector's run folder: its name, a version's colon as a dash (actmap-plus-full)."""
+    return config.out / "runs" / spec.name / detector.replace(":", "-")
 
 
 def plan(config: ReproduceConfig, report: bool = True) -> list[Stage]:
@@ -437,9 +436,10 @@ TRAIN_KEY = "stage-key.json"  # in a train stage's run folder: what its finished
 def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: Path) -> Stage:
     out = run_path(config, spec, detector)
 
-    if detector in PLUS_PRESETS:
+    name = detector_name(detector)
+    if name.startswith("actmap-plus:") and name != "actmap-plus:v1":  # a stacked preset
         return plus_stage(config, spec, detector, state)
-    plus = detector == "actmap-plus"  # one fit, settings chosen on validation: no seeds, no recipe
+    plus = name == "actmap-plus:v1"  # one fit, settings chosen on validation: no seeds, no recipe
 
     def seeds() -> tuple[int, ...]:
 
@@ -449,7 +449,7 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
 
         if plus:
             key = {"settings": settings(), "source": source_content(spec.path)}
-            prepare_run_folder(out, detector, None, overwrite=True)
+            prepare_run_folder(out, "actmap-plus", None, overwrite=True)  # what it saves
             progress(0, 1, "fitting actmap-plus")
             train_plus_run(copy_path(config, spec), out)
             write_json(out / TRAIN_KEY, key)
@@ -516,13 +516,13 @@ def train_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: 
 
 def plus_stage(config: ReproduceConfig, spec: StoreSpec, detector: str, state: Path) -> Stage:
     """One stacked actmap-plus preset on a store's copy: no epochs, no seeds (seed-0)."""
-    out = run_path(config, spec, detector.replace(":", "-"))
+    out = run_path(config, spec, detector)
 
     def work(progress: Progress) -> None:
 
         prepare_run_folder(out, "actmap-plus", None, overwrite=True)
         progress(0, 1, detector)
-        train_stacked_run(copy_path(config, spec), out, detector.split(":", 1)[1])
+        train_plus_run(copy_path(config, spec), out, detector.split(":", 1)[1])
         write_json(out / TRAIN_KEY, {"source": source_content(spec.path)})
         progress(1, 1, "")
 

@@ -27,6 +27,7 @@ from actmap.baselines.registry import baseline_class
 from actmap.baselines.samples_table import draw_samples, read_samples, sampling_request
 from actmap.capture.from_store import read_generations
 from actmap.data.splits import SPLITS
+from actmap.detectors.inputs import INPUT_NAMES, read_inputs
 from actmap.llm.models import load_model, stored_dtype
 from actmap.scoring.contract import row_input
 from actmap.store import MapStore, decode_rows
@@ -71,8 +72,11 @@ class StoreInputs:
         return build(self) if build is not None else cls()
 
     def rows(self, requires: Sequence[str], ids: Sequence[str], method: str = ""):
-        """The rows a scorer reads for ``ids``, by its most specific row input."""
+        """The rows a scorer reads for ``ids``, by its most specific row input; a detector
+        (it requires "maps") gets the one bundle every detector reads (`read_inputs`)."""
         kind = row_input(requires)
+        if kind == "maps":
+            return read_inputs(self.store, list(ids), [r for r in requires if r in INPUT_NAMES])
         if kind == "attention":
             self.require_table("attention", method)
         return ROW_PROVIDERS[kind](self, ids, method)
@@ -243,11 +247,6 @@ class StoreInputs:
         # (8, 100, D) each
         return torch.stack([actvit_tensor(torch.from_numpy(arrays[k].copy())) for k in ids])
 
-    def maps(self, ids: Sequence[str], method: str = ""):
-        """(n, C, H, W) activation maps, for detectors scored like baselines."""
-        maps, _ = self.store.load_maps(list(ids))
-        return maps
-
 
 JUDGE_CACHE = "judge-cache.json"
 ROW_PROVIDERS: dict[str, Callable[[StoreInputs, Sequence[str], str], Any]] = {
@@ -256,5 +255,4 @@ ROW_PROVIDERS: dict[str, Callable[[StoreInputs, Sequence[str], str], Any]] = {
     "verification": StoreInputs.verification,
     "samples": StoreInputs.samples,
     "dense": StoreInputs.dense,
-    "maps": StoreInputs.maps,
 }

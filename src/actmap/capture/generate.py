@@ -15,7 +15,7 @@ from actmap.capture.layers import find_decoder_layers
 from actmap.capture.lookback import lookback_attention, supports_lookback
 from actmap.capture.positions import position_states
 from actmap.capture.records import CaptureConfig, Generation
-from actmap.capture.stopping import end_answer, stop_criteria
+from actmap.capture.stopping import cut_row, end_token_ids, stop_criteria, stop_step_extras
 from actmap.llm.prefix_cache import cache_keyword, cache_of
 
 log = logging.getLogger(__name__)
@@ -23,14 +23,7 @@ log = logging.getLogger(__name__)
 
 def stop_ids(model: nn.Module, tokenizer) -> set[int]:
     """End-of-sequence ids of the model's generation config and of the tokenizer."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif value is not None:
-            ids.update(int(v) for v in value)
-    return ids
+    return end_token_ids(getattr(model, "generation_config", None), tokenizer)
 
 
 def check_prompts(prompts: Sequence[str]) -> None:
@@ -283,13 +276,6 @@ def _split_rows(
     """Cut each row at its first stop token or stop string; padding and post-stop steps never
     leave the batch."""
     steps = generated.shape[1]
-    is_stop = torch.zeros_like(generated, dtype=torch.bool)
-    for stop in stop_ids:
-        is_stop |= generated == stop
-    # (B,) index of the first stop token, or `steps` when the row never stopped
-    first_stop = torch.where(
-        is_stop.any(1), is_stop.int().argmax(1), torch.full_like(generated[:, 0], steps)
-    )
     prompt_tokens = encoded["attention_mask"].sum(1)
     greybox = recorder.logprobs is not None
     host = {  # one copy to the host per batch
@@ -302,18 +288,15 @@ def _split_rows(
     }
     records = []
     for row, prompt in enumerate(prompts):
-        n = int(first_stop[row])
-        # n < steps: row n is the end-of-sequence token's step
-        token_ids, answer, stopped, has_stop_step = end_answer(
-            generated[row, :n].tolist(), n < steps, tokenizer, stop_strings
+        token_ids, answer, stopped, has_stop_step = cut_row(
+            generated[row].tolist(), stop_ids, tokenizer, stop_strings
         )
         n = len(token_ids)
         extras = {}
-        if has_stop_step and greybox:
-            extras = {
-                "eos_logprob": float(host["logprobs"][row, n]),
-                "eos_entropy": float(host["entropies"][row, n]),
-            }
+        if greybox:
+            extras = stop_step_extras(
+                host["logprobs"][row], host["entropies"][row], n, has_stop_step
+            )
         records.append(
             Generation(
                 prompt=prompt,

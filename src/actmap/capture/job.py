@@ -300,21 +300,22 @@ def capture_store(job: CaptureJob, progress: CaptureProgress | None = None) -> C
     examples = [e for split in job.splits for e in task.load(split, job.limit)]
     if not examples:
         raise ActmapUserError(f"task '{task.name}' has no examples in splits {list(job.splits)}")
-    needs = capture_settings(job.methods, job.greybox, job.attention_keys, job.keep_dense)
+    needs = capture_settings(
+        job.methods, job.greybox, job.attention_keys, job.keep_dense,
+        job.keep_positions, job.lookback_attention,
+    )  # fmt: skip
     config = CaptureConfig(
         max_new_tokens=job.max_new_tokens or task.max_new_tokens,
         batch_size=job.batch_size,
         stop_strings=stop_strings(task, job.stop, job.no_stop),
         share_prefix=resolve_share_prefix(job.out, job.share_prefix),
-        keep_positions=job.keep_positions,
-        lookback_attention=job.lookback_attention,
         **needs,
     )
     keep = {
         "trajectories": job.keep_trajectories,
         "attention_keys": needs["attention_keys"],
         "dense": needs["keep_dense"],
-        **({"positions": True} if job.keep_positions else {}),
+        **({"positions": True} if needs["keep_positions"] else {}),
     }
     # a missing path, an unreachable hub id or an absent device: refused before any write
     check_dtype(job.dtype)

@@ -62,6 +62,40 @@ def cut_at_stop(
     return kept, text[:cut], True
 
 
+def end_token_ids(*sources) -> set[int]:
+    """End-of-sequence ids named by ``sources`` (a generation config, a tokenizer; None is
+    skipped): each one's ``eos_token_id``, an int or a list. The one rule of both engines
+    (`actmap.capture.generate.stop_ids`, `actmap.capture.vllm_engine.end_ids`)."""
+    ids: set[int] = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def cut_row(
+    generated: Sequence[int], ends: set[int], tokenizer, stop_strings: Sequence[str] | None
+) -> tuple[list[int], str, bool, bool]:
+    """Where one generated row's answer ends (the per-row cut of both engines): the row up to
+    its first end token, then `end_answer`'s stop-string rule. Returns (answer tokens, answer
+    text, stopped, has_stop_step); ``generated[len(answer tokens)]`` is the stop step when
+    ``has_stop_step``."""
+    generated = list(generated)
+    n = next((k for k, token in enumerate(generated) if token in ends), len(generated))
+    return end_answer(generated[:n], n < len(generated), tokenizer, stop_strings)
+
+
+def stop_step_extras(logprobs, entropies, n: int, has_stop_step: bool) -> dict:
+    """The stop step's grey-box statistics (``Generation.extras``): the log-prob and entropy
+    of step ``n`` when a step produced the stop and the row is grey-box, else nothing."""
+    if not has_stop_step or logprobs is None:
+        return {}
+    return {"eos_logprob": float(logprobs[n]), "eos_entropy": float(entropies[n])}
+
+
 def end_answer(
     token_ids: Sequence[int], ended: bool, tokenizer, stop_strings: Sequence[str] | None
 ) -> tuple[list[int], str, bool, bool]:

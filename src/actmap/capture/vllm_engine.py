@@ -72,7 +72,7 @@ from actmap.capture.generate import check_prompts, tokenize_prompts
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.positions import position_states
 from actmap.capture.records import CaptureConfig, Generation
-from actmap.capture.stopping import end_answer, stop_position
+from actmap.capture.stopping import cut_row, end_token_ids, stop_position, stop_step_extras
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, cache_dir, check_dtype, check_model, load_model
 from actmap.maps import pool_hidden, saturated_float16
@@ -636,7 +636,7 @@ class VllmCapture:
         if not hasattr(torch_model, "_actmap_hooks"):
             raise RuntimeError("vLLM loaded its model without actmap's record points")
         self.n_layers = len(torch_model._actmap_hooks)
-        self.ends = _end_ids(folder, self.tokenizer)
+        self.ends = end_ids(folder, self.tokenizer)
         self.recorder = _Recorder(
             runner, torch_model, self.n_layers, pooled_dim, options.max_num_seqs, greybox
         )
@@ -705,6 +705,11 @@ class VllmCapture:
         request = self._requests[key]
         self.engine.abort_request([key])
         return self._finish(request)
+
+    def in_flight(self, key: str) -> _Request | None:
+        """The request ``key`` while it generates (its tokens, rows and statistics so far), or
+        None once it finished or was aborted: what a server reads for running scores."""
+        return self._requests.get(key)
 
     @property
     def busy(self) -> bool:
@@ -796,23 +801,18 @@ def _model_runner(worker):
     return worker.model_runner
 
 
-def _end_ids(folder: str, tokenizer) -> set[int]:
-    """End-of-sequence ids of the model's generation config and its tokenizer (as
-    `actmap.capture.generate.stop_ids`)."""
+def end_ids(folder: str, tokenizer) -> set[int]:
+    """End-of-sequence ids of the model folder's generation config and its tokenizer (the rule
+    of `actmap.capture.generate.stop_ids`: `actmap.capture.stopping.end_token_ids`)."""
     from transformers import GenerationConfig
 
-    ids: set[int] = set()
     try:
         generation = GenerationConfig.from_pretrained(folder)
     except OSError:
         generation = None
-    for source in (generation, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif value is not None:
-            ids.update(int(v) for v in value)
-    return ids
+    return end_token_ids(generation, tokenizer)
+
+
 
 
 def _chosen_logprobs(logprobs, token_ids: list[int]) -> list[float]:
@@ -824,11 +824,9 @@ def _chosen_logprobs(logprobs, token_ids: list[int]) -> list[float]:
 def _record(request: _Request, tokenizer, ends: set[int]) -> Generation:
     """One finished request -> its `Generation`, cut as `actmap.capture.generate._split_rows`
     cuts a row (end token and stop string excluded, the stop step's statistics kept)."""
-    generated = request.token_ids
-    steps = len(generated)
-    n = next((k for k, tok in enumerate(generated) if tok in ends), steps)
-    token_ids, answer, stopped, has_stop_step = end_answer(
-        generated[:n], n < steps, tokenizer, request.config.stop_strings
+    steps = len(request.token_ids)
+    token_ids, answer, stopped, has_stop_step = cut_row(
+        request.token_ids, ends, tokenizer, request.config.stop_strings
     )
     n = len(token_ids)
     if request.recorded < min(n + has_stop_step, steps):
@@ -837,9 +835,7 @@ def _record(request: _Request, tokenizer, ends: set[int]) -> Generation:
         )
     greybox = request.entropies is not None
     logprobs = torch.tensor(request.logprobs, dtype=torch.float32) if greybox else None
-    extras = {}
-    if has_stop_step and greybox:
-        extras = {"eos_logprob": float(logprobs[n]), "eos_entropy": float(request.entropies[n])}
+    extras = stop_step_extras(logprobs, request.entropies, n, has_stop_step)
     positions = None
     if request.full_rows is not None and n > 0:
         positions = position_states(torch.stack(request.full_rows, dim=1), n)

@@ -52,11 +52,8 @@ def payload(request: _Request, index: int) -> dict:
     return out
 
 
-def generation_from_payload(
-    item: dict, tokenizer, ends: set[int], stop_strings: tuple[str, ...] = ()
-) -> Generation:
-    """A `payload` back as the `Generation` the in-process engine gives for the same rows
-    (`actmap.capture.vllm_engine._record`: end token and stop string cut by actmap's rule)."""
+def payload_arrays(item: dict) -> tuple[torch.Tensor, torch.Tensor | None, list | None]:
+    """A `payload`'s (states ``(L, rows, D')`` float32, entropies or None, full rows or None)."""
     n_layers, rows, dim = item["states_shape"]
     states = torch.from_numpy(np.frombuffer(item["states"], np.float32).copy())
     states = states.view(n_layers, rows, dim)
@@ -67,7 +64,27 @@ def generation_from_payload(
     if item["full"] is not None:
         full = np.frombuffer(item["full"], np.float16).reshape(item["full_shape"])
         full_rows = list(torch.from_numpy(full.copy()))
-    token_ids = list(item["token_ids"])
+    return states, entropies, full_rows
+
+
+def generation_from_payload(
+    item: dict,
+    tokenizer,
+    ends: set[int],
+    stop_strings: tuple[str, ...] = (),
+    tokens: int | None = None,
+) -> Generation:
+    """A `payload` back as the `Generation` the in-process engine gives for the same rows
+    (`actmap.capture.vllm_engine._record`: end token and stop string cut by actmap's rule);
+    ``tokens``: only the answer's first ``tokens`` tokens (an answer ended early)."""
+    states, entropies, full_rows = payload_arrays(item)
+    token_ids = list(item["token_ids"])[:tokens]
+    logprobs = list(item["logprobs"] or [])
+    recorded = int(item["recorded"])
+    if tokens is not None:
+        logprobs = logprobs[:tokens]
+        recorded = min(recorded, tokens)
+        full_rows = None if full_rows is None else full_rows[:tokens]
     config = CaptureConfig(
         max_new_tokens=max(1, len(token_ids)),
         stop_strings=tuple(stop_strings),
@@ -77,7 +94,8 @@ def generation_from_payload(
     prompt_ids = list(item["prompt_ids"])
     request = _Request(
         item["req_id"], tokenizer.decode(prompt_ids), prompt_ids, config, states, entropies,
-        full_rows=full_rows, token_ids=token_ids, logprobs=list(item["logprobs"] or []),
-        recorded=int(item["recorded"]), internal_id=item["req_id"],
+        full_rows=full_rows, token_ids=token_ids,
+        logprobs=logprobs, recorded=recorded,
+        internal_id=item["req_id"],
     )  # fmt: skip
     return _record(request, tokenizer, ends)

@@ -121,16 +121,28 @@ class ActmapWorker:
     def actmap_take(self, bases: list[str]) -> list[dict]:
         """The captured rows of every request whose id holds one of ``bases`` (each taken
         once; a worker that does not record returns nothing)."""
+        return self._actmap_rows(bases, take=True)
+
+    def actmap_peek(self, bases: list[str]) -> list[dict]:
+        """The rows recorded so far of every request whose id holds one of ``bases``, left in
+        place (the running score of a streamed answer)."""
+        return self._actmap_rows(bases, take=False)
+
+    @torch.inference_mode()
+    def _actmap_rows(self, bases: list[str], take: bool) -> list[dict]:
+        """(In inference mode: the host rows were made inside vLLM's forward, in inference
+        mode, and the last step's rows are scattered into them in place; an RPC that arrives
+        before the next step does that scatter.)"""
         recorder = getattr(self, "_actmap_recorder", None)
         if recorder is None:
             return []
         recorder.scatter()
         found = []
         for base in bases:
-            for rid in [r for r in recorder.requests if child_index(r, base) is not None]:
-                found.append((base, recorder.requests.pop(rid)))
-            for rid in [r for r in self._actmap_done if child_index(r, base) is not None]:
-                found.append((base, self._actmap_done.pop(rid)[1]))
+            for held, unpack in ((recorder.requests, None), (self._actmap_done, 1)):
+                for rid in [r for r in held if child_index(r, base) is not None]:
+                    request = held.pop(rid) if take else held[rid]
+                    found.append((base, request if unpack is None else request[unpack]))
         out = []
         for base, request in found:
             item = payload(request, child_index(request.key, base))

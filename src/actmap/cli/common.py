@@ -34,11 +34,12 @@ JUDGE_DTYPE_HELP = (
 
 
 def make_console() -> Console:
-    """Messages, tables and progress on stderr; wide when piped or captured, so paths,
-    option names and numbers stay on one line."""
+    """Messages, tables and progress on stderr; when piped or captured, messages are never
+    folded and tables are wide, so paths, option names and numbers stay on one line."""
     console = Console(stderr=True)
     if not console.is_terminal:
-        console.width = PIPED_WIDTH
+        console.width = PIPED_WIDTH  # tables
+        console.soft_wrap = True  # a message (a path of any length) is never folded
     return console
 
 

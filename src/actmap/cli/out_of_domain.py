@@ -37,7 +37,7 @@ def adapt_generalist_run(stores: list[Path], generalist: Path, out: Path, detect
     from actmap.errors import ActmapUserError
     from actmap.experiments.new_task import OWN_RUN_MIN, adapt_run
 
-    if detector not in (None, "actmap-plus"):
+    if detector is not None and not detector.startswith("actmap-plus"):
         raise ActmapUserError(
             f"--generalist adapts a stacked actmap-plus; --detector {detector!r} cannot be adapted"
         )

@@ -24,7 +24,7 @@ def compare_product_command(
 ) -> None:
     """actmap-plus vs the strongest single-pass baseline vs the paper's ViT, with intervals."""
     with user_errors():
-        from actmap.detectors.base import CorrectnessDetector
+        from actmap.detectors import load_detector
         from actmap.experiments.compare_product import compare_product
         from actmap.store import MapStore
         from actmap.training.run_folder import seed_folders
@@ -34,7 +34,7 @@ def compare_product_command(
             folders = list(seed_folders(vit_run).values())
             if not folders:
                 raise ValueError(f"{vit_run} has no seed-*/ folders; is it an `actmap train` run?")
-            vits = [CorrectnessDetector.load(f, device=device) for f in folders]
+            vits = [load_detector(f, device=device) for f in folders]
         result = compare_product(
             MapStore.open(store),
             vit_epochs=vit_epochs,

@@ -177,9 +177,20 @@ def serve(
     with user_errors():
         import uvicorn  # noqa: F401  (the serve extra: a clear error now, not after loading)
 
-        from actmap.serve.app import ServeSettings, build_engine, create_app
+        from actmap.serve.app import build_engine, create_app
         from actmap.serve.lifecycle import run_server
+        from actmap.serve.settings import ActionSettings, ProxySettings, ServeSettings, VllmSettings
 
+        if engine not in ("local", "vllm"):
+            raise ActmapUserError(f"--engine must be 'local' or 'vllm', got {engine!r}")
+        proxy = None
+        if upstream is not None:
+            proxy = ProxySettings(
+                upstream=upstream, model=upstream_model, timeout_s=upstream_timeout,
+                api_key=upstream_api_key, dtype=upstream_dtype,
+                allow_weights_mismatch=allow_weights_mismatch,
+                allow_dtype_mismatch=allow_dtype_mismatch,
+            )  # fmt: skip
         settings = ServeSettings(
             model=model, detector=detector, seed=seed, policy=policy, audit=audit,
             audit_text=audit_text, audit_max_rows=audit_max_rows,
@@ -190,13 +201,13 @@ def serve(
             max_body_bytes=max_body_bytes, max_context=max_context, max_batch=batch_size,
             batch_window_ms=batch_window_ms, max_queue=queue_size, timeout_s=timeout,
             stream_scores=stream_scores, score_every=score_every, device=device, dtype=dtype,
-            monitor=monitor, monitor_window=monitor_window, engine=engine,
-            max_score_items=max_score_items, vllm_compile=vllm_compile,
-            upstream=upstream, upstream_model=upstream_model, upstream_timeout_s=upstream_timeout,
-            upstream_api_key=upstream_api_key, allow_weights_mismatch=allow_weights_mismatch,
-            upstream_dtype=upstream_dtype, allow_dtype_mismatch=allow_dtype_mismatch,
-            route_to=route_to, route_model=route_model, route_api_key=route_api_key,
-            route_timeout_s=route_timeout, abstain_message=abstain_message,
+            monitor=monitor, monitor_window=monitor_window, max_score_items=max_score_items,
+            vllm=VllmSettings(compile=vllm_compile) if engine == "vllm" else None,
+            proxy=proxy,
+            actions=ActionSettings(
+                route_to=route_to, route_model=route_model, route_api_key=route_api_key,
+                route_timeout_s=route_timeout, abstain_message=abstain_message,
+            ),
         )  # fmt: skip
         if fallback_run is not None and (detector is None or monitor is None):
             raise ActmapUserError("--fallback-run needs --detector and --monitor (its alarm)")
@@ -217,7 +228,8 @@ def serve(
 
             from actmap.serve.actions import route_model_name
 
-            settings = replace(settings, route_model=route_model_name(settings))
+            actions = replace(settings.actions, route_model=route_model_name(settings.actions))
+            settings = replace(settings, actions=actions)
         probe = None
         if upstream is not None:  # a weights mismatch fails here, as one line
             from actmap.serve.proxy import probe_upstream
@@ -227,7 +239,7 @@ def serve(
     console.print(
         f"serving '{settings.model_name}' {scored} on http://{host}:{port}"
         + (f", answers from {upstream} ({probe.upstream_model})" if probe else "")
-        + (f", 'route' answered by {route_to} ({settings.route_model})" if route_to else "")
+        + (f", 'route' answered by {route_to} ({settings.actions.route_model})" if route_to else "")
     )
     served = create_app(settings, lambda: engine)
     served.state.upstream_probe = probe

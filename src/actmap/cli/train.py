@@ -75,9 +75,10 @@ def train(
     out: Path = typer.Option(..., "--out", "-o", help="Run folder: one seed-<s>/ per seed."),
     detector: str = typer.Option(
         None,
-        help="vit | mlp | mlp4x | logreg (the paper's), or actmap-plus (the one to deploy: "
-        "a stacked detector, see --preset; choices on validation; ignores seeds/epochs). "
-        "Default: vit; actmap-plus with --generalist.",
+        help="vit | mlp | mlp4x | logreg (the paper's), or actmap-plus:v1 | "
+        "actmap-plus:deployable | actmap-plus:full (the one to deploy; choices on validation; "
+        "ignores seeds/epochs), or plain actmap-plus with --preset. Default: vit; with "
+        "--generalist, the generalist's own.",
         show_default=False,
     ),
     generalist: Path = typer.Option(
@@ -93,12 +94,13 @@ def train(
         "labelled rows, else recalibrate: the cheapest step that paid in docs/out_of_domain.md).",
     ),
     preset: str = typer.Option(
-        "auto",
-        help="actmap-plus only: v1 (map PCA + six scalars) | full (the stacked version: map, "
-        "scalars, position probes, lookback attention, RAUQ, TAD; what the store holds) | "
-        "deployable (stacked, no attention weights: what vLLM gives) | auto (the richest the "
-        "store can train: full with position states and attention weights, deployable with "
-        "position states, else v1).",
+        None,
+        help="With plain actmap-plus (alone it means actmap-plus:v1): v1 (map PCA + six "
+        "scalars) | full (the stacked version: map, scalars, position probes, lookback "
+        "attention, RAUQ, TAD; what the store holds) | deployable (stacked, no attention "
+        "weights: what vLLM gives) | auto (the richest the store can train: full with position "
+        "states and attention weights, deployable with position states, else v1). A "
+        "generalist (several --store) takes auto when none is given.",
     ),
     fallback: bool = typer.Option(
         True,
@@ -139,14 +141,15 @@ def train(
             from actmap.cli.out_of_domain import train_generalist
 
             prepare_run_folder(out, detector, None, overwrite)
-            print_summary(train_generalist(store, out, detector, preset, fallback))
+            print_summary(train_generalist(store, out, detector, preset or "auto", fallback))
             console.print(f"run written to {out}")
             return
         store = store[0]
-        if detector == "actmap-plus":
-            from actmap.experiments.stacked import train_plus_preset
+        if detector.startswith("actmap-plus"):
+            from actmap.experiments.stacked import plus_preset, train_plus_preset
 
-            prepare_run_folder(out, detector, None, overwrite)
+            preset = plus_preset(detector, preset)
+            prepare_run_folder(out, "actmap-plus", None, overwrite)
             chosen, summary, details = train_plus_preset(store, out, preset, fallback)
             if preset == "auto":
                 console.print(f"actmap-plus preset: {chosen} (what {store} holds)")

@@ -19,6 +19,8 @@ from sklearn.exceptions import NotFittedError
 
 from actmap.artifacts import package_version, write_json
 from actmap.atomic import atomic_path
+from actmap.capture.needs import needs_of
+from actmap.detectors.inputs import as_inputs
 from actmap.detectors.registry import create_detector
 from actmap.device import resolve_device
 from actmap.errors import ActmapUserError
@@ -132,6 +134,15 @@ class CorrectnessDetector:
         self.precision = precision
         self.compile = compile
 
+    @property
+    def kind(self) -> str:
+        """The name its artifact and served answers record (``detector`` in config.json)."""
+        return self.detector
+
+    def capture_needs(self) -> dict:
+        """`CaptureConfig` fields a capture pass needs for it: the map only."""
+        return needs_of(self.requires)
+
     # --- fitting -------------------------------------------------------------
 
     def _resolve_kwargs(self, map_shape: tuple[int, int, int]) -> dict[str, Any]:
@@ -144,22 +155,23 @@ class CorrectnessDetector:
 
     def fit(
         self,
-        maps: Any,
-        labels: Any,
-        val_maps: Any,
-        val_labels: Any,
+        inputs: Any,
+        y: Any,
+        val_inputs: Any,
+        y_val: Any,
         progress: ProgressCallback | None = None,
         checkpoint: str | Path | None = None,
     ) -> CorrectnessDetector:
-        """Train on (maps, labels), select the epoch on validation AUROC; returns self.
+        """Train on (inputs, y), select the epoch on validation AUROC; returns self. ``inputs``
+        and ``val_inputs``: `DetectorInputs` or bare maps (only the maps are read).
 
         ``checkpoint``: a file where training saves its state as it goes and from which a
         killed fit of the same seed and data resumes (`actmap.training.recipe.train_detector`).
         """
-        x = as_maps(maps)
-        y = as_labels(labels, len(x))
-        vx = as_maps(val_maps, "val_maps")
-        vy = as_labels(val_labels, len(vx), "val_labels")
+        x = as_maps(as_inputs(inputs).maps)
+        y = as_labels(y, len(x))
+        vx = as_maps(as_inputs(val_inputs).maps, "val_maps")
+        vy = as_labels(y_val, len(vx), "val_labels")
         if vx.shape[1:] != x.shape[1:]:
             raise ValueError(
                 f"val_maps have map shape {tuple(vx.shape[1:])}, maps {tuple(x.shape[1:])}"
@@ -188,11 +200,12 @@ class CorrectnessDetector:
         if not hasattr(self, "model_"):
             raise NotFittedError("this CorrectnessDetector is not fitted; call fit() or load()")
 
-    def decision_function(self, maps: Any, scalars: Any = None) -> np.ndarray:
-        """(N,) float32 logits; higher = more likely correct. ``scalars`` is not read (the
-        detector requires only maps); it is accepted so every detector scores alike."""
+    def decision_function(self, inputs: Any, scalars: Any = None) -> np.ndarray:
+        """(N,) float32 logits; higher = more likely correct. ``inputs``: a `DetectorInputs`
+        or bare maps; only the maps are read (``scalars`` is accepted so every detector scores
+        alike)."""
         self._check_fitted()
-        x = as_maps(maps)
+        x = as_maps(as_inputs(inputs, scalars).maps)
         expected = tuple(self.detector_kwargs_[k] for k in SHAPE_KWARGS)
         if tuple(x.shape[1:]) != expected:
             raise ValueError(f"maps have shape {tuple(x.shape[1:])}, detector expects {expected}")
@@ -201,15 +214,15 @@ class CorrectnessDetector:
             self.model_, x, batch, self.device_, self.precision, self.compile
         ).numpy()
 
-    def predict_proba(self, maps: Any, scalars: Any = None) -> np.ndarray:
-        """(N,) float32 p(correct) in [0, 1] (``scalars`` is not read)."""
-        return torch.sigmoid(torch.from_numpy(self.decision_function(maps))).numpy()
+    def predict_proba(self, inputs: Any, scalars: Any = None) -> np.ndarray:
+        """(N,) float32 p(correct) in [0, 1] (only the maps are read)."""
+        return torch.sigmoid(torch.from_numpy(self.decision_function(inputs, scalars))).numpy()
 
     # --- persistence ---------------------------------------------------------
 
-    def score(self, maps: Any) -> ScoreResult:
+    def score(self, inputs: Any) -> ScoreResult:
         """The scorer contract (`actmap.scoring.contract`): confidence = p(correct), raw = the logit."""
-        logits = self.decision_function(maps).astype(np.float64)
+        logits = self.decision_function(inputs).astype(np.float64)
         return ScoreResult(
             confidence=1.0 / (1.0 + np.exp(-logits)),
             raw=logits,

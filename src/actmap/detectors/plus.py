@@ -34,7 +34,10 @@ from sklearn.exceptions import NotFittedError
 
 from actmap.atomic import atomic_path
 from actmap.capture.answer_scalars import SCALAR_NAMES
+from actmap.capture.needs import needs_of
+from actmap.detectors.inputs import as_inputs
 from actmap.errors import ActmapUserError
+from actmap.scoring.contract import ScoreResult
 from actmap.scoring.prior import shift_to_prevalence, sigmoid
 
 NAME = "actmap-plus"
@@ -108,7 +111,58 @@ def platt_on_out_of_fold(features, y, C, class_weight, folds) -> tuple[float, fl
     return float(outer.coef_[0, 0]), float(outer.intercept_[0])
 
 
-class ActMapPlus:
+class PriorShifted:
+    """``predict_proba`` of a logistic detector whose probabilities hold at its
+    ``calibrated_prevalence_`` (actmap-plus v1 and the stacked presets)."""
+
+    def predict_proba(
+        self, inputs: Any, scalars: Any = None, prevalence: float | None = None
+    ) -> np.ndarray:
+        """(N,) p(correct); with ``prevalence``, prior-corrected to that deployment accuracy."""
+        p = sigmoid(self.decision_function(inputs, scalars))
+        if prevalence is None:
+            return p
+        return shift_to_prevalence(p, prevalence, self.calibrated_prevalence_)
+
+    def score(self, inputs: Any) -> ScoreResult:
+        """The scorer contract every baseline honours (`actmap.scoring.contract`): confidence =
+        p(correct) at ``calibrated_prevalence_``, raw = the logit."""
+        logits = np.asarray(self.decision_function(inputs), dtype=np.float64)
+        return ScoreResult(sigmoid(logits), logits, "logit", {"detector": self.kind})
+
+    def _write(
+        self, directory: str | Path, arrays: dict, schema: int, fields: dict, metadata
+    ) -> Path:
+        """``arrays`` -> model.safetensors and config.json (``schema``, ``fields``, the training
+        rows and the prior, ``metadata`` added) in ``directory``; returns it."""
+        from actmap.artifacts import package_version, write_json
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        with atomic_path(out / "model.safetensors") as tmp:
+            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
+        write_json(
+            out / "config.json",
+            {
+                "schema_version": schema,
+                "actmap_version": package_version(),
+                "detector": NAME,
+                **fields,
+                "n_train": self.n_train_,
+                "train_prevalence": self.train_prevalence_,
+                "calibrated_prevalence": self.calibrated_prevalence_,
+                "metadata": {**self.metadata_, **(metadata or {})},
+            },
+        )
+        return out
+
+    def _restore_fit_record(self, cfg: dict[str, Any]) -> None:
+        self.n_train_, self.train_prevalence_ = cfg["n_train"], cfg["train_prevalence"]
+        self.calibrated_prevalence_ = cfg["calibrated_prevalence"]
+        self.metadata_ = cfg.get("metadata", {})
+
+
+class ActMapPlus(PriorShifted):
     """p(correct) from the map's principal components and the pass's scalars.
 
     Learned state: ``map_shape_``, ``map_mean_`` (F,), ``components_`` (k, F),
@@ -129,6 +183,15 @@ class ActMapPlus:
         config = getattr(self, "config_", None) or self.config or PlusConfig()
         return ("maps", "scalars") if config.use_scalars else ("maps",)
 
+    @property
+    def kind(self) -> str:
+        """The name its artifact and served answers record (``detector`` in config.json)."""
+        return NAME
+
+    def capture_needs(self) -> dict:
+        """`CaptureConfig` fields a capture pass needs for it (`actmap.capture.needs.needs_of`)."""
+        return needs_of(self.requires)
+
     # --- fitting -------------------------------------------------------------
 
     def _features(self, maps: Any, scalars: Any) -> np.ndarray:
@@ -147,21 +210,28 @@ class ActMapPlus:
         if self.config_.use_scalars:
             if scalars is None:
                 raise ValueError(
-                    "this actmap-plus reads the per-answer scalars; pass scalars= "
-                    "(actmap.capture.answer_scalars.scalars_of_generations)"
+                    "this actmap-plus reads the per-answer scalars; pass them in its inputs "
+                    "(DetectorInputs(maps, scalars); actmap.detectors.inputs.read_inputs reads "
+                    "them from a store)"
                 )
             parts.append(check_scalars(scalars, len(x)))
         return np.hstack(parts).astype(np.float64)
 
-    def fit(self, maps: Any, labels: Any, scalars: Any = None) -> ActMapPlus:
-        """Fit PCA, the standardisation and the logistic regression; returns self."""
+    def fit(self, inputs: Any, y: Any, val_inputs: Any = None, y_val: Any = None) -> ActMapPlus:
+        """Fit PCA, the standardisation and the logistic regression on ``inputs`` (a
+        `DetectorInputs`, or bare maps when ``use_scalars`` is off); returns self. The
+        strength and calibration are chosen by folds of the training rows: validation rows are
+        not read (`actmap.experiments.compare_product.select_plus` chooses among settings on
+        them)."""
         from sklearn.decomposition import PCA
         from sklearn.linear_model import LogisticRegression, LogisticRegressionCV
         from sklearn.model_selection import StratifiedKFold
 
         cfg = self.config or PlusConfig()
+        rows = as_inputs(inputs)
+        maps, scalars = rows.maps, rows.scalars
         x = flatten_maps(maps)
-        y = np.asarray(labels)
+        y = np.asarray(y)
         if y.shape != (len(x),) or not np.isin(y, (0, 1)).all() or len(np.unique(y)) < 2:
             raise ValueError(f"labels must be {len(x)} values of 0/1 holding both classes")
         y = y.astype(np.int64)
@@ -218,31 +288,20 @@ class ActMapPlus:
 
     def _check_fitted(self) -> None:
         if not hasattr(self, "coef_"):
-            raise NotFittedError("this ActMapPlus is not fitted; call fit() or from_pretrained()")
+            raise NotFittedError("this ActMapPlus is not fitted; call fit() or load()")
 
-    def decision_function(self, maps: Any, scalars: Any = None) -> np.ndarray:
-        """(N,) logits of p(correct) at ``calibrated_prevalence_``; higher = more likely correct."""
+    def decision_function(self, inputs: Any, scalars: Any = None) -> np.ndarray:
+        """(N,) logits of p(correct) at ``calibrated_prevalence_``; higher = more likely correct.
+        ``inputs``: a `DetectorInputs`, or bare maps with ``scalars``."""
         self._check_fitted()
-        return self._features(maps, scalars) @ self.coef_ + self.intercept_
-
-    def predict_proba(
-        self, maps: Any, scalars: Any = None, prevalence: float | None = None
-    ) -> np.ndarray:
-        """(N,) p(correct); with ``prevalence``, prior-corrected to that deployment accuracy."""
-        p = sigmoid(self.decision_function(maps, scalars))
-        if prevalence is None:
-            return p
-        return shift_to_prevalence(p, prevalence, self.calibrated_prevalence_)
+        rows = as_inputs(inputs, scalars)
+        return self._features(rows.maps, rows.scalars) @ self.coef_ + self.intercept_
 
     # --- persistence ---------------------------------------------------------
 
     def save(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path:
         """Write model.safetensors (every fitted array) and config.json into ``directory``."""
-        from actmap.artifacts import package_version, write_json
-
         self._check_fitted()
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
         arrays = {
             "map_shape": self.map_shape_,
             "map_mean": self.map_mean_,
@@ -252,29 +311,18 @@ class ActMapPlus:
             "coef": self.coef_,
             "intercept": np.array([self.intercept_]),
         }
-        with atomic_path(out / "model.safetensors") as tmp:
-            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
-        write_json(
-            out / "config.json",
-            {
-                "schema_version": SCHEMA_VERSION,
-                "actmap_version": package_version(),
-                "detector": NAME,
-                "plus_config": asdict(self.config_),
-                "scalar_names": list(SCALAR_NAMES) if self.config_.use_scalars else [],
-                "C": self.C_,
-                "platt": list(self.platt_),
-                "n_train": self.n_train_,
-                "train_prevalence": self.train_prevalence_,
-                "calibrated_prevalence": self.calibrated_prevalence_,
-                "metadata": {**self.metadata_, **(metadata or {})},
-            },
-        )
-        return out
+        fields = {
+            "plus_config": asdict(self.config_),
+            "scalar_names": list(SCALAR_NAMES) if self.config_.use_scalars else [],
+            "C": self.C_,
+            "platt": list(self.platt_),
+        }
+        return self._write(directory, arrays, SCHEMA_VERSION, fields, metadata)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> ActMapPlus:
-        """Restore a saved actmap-plus; it predicts exactly as the one saved."""
+    def load(cls, directory: str | Path, device: str | None = None) -> ActMapPlus:
+        """Restore a saved actmap-plus; it predicts exactly as the one saved (numpy: ``device``
+        is not read)."""
         src = Path(directory)
         for name in ("config.json", "model.safetensors"):
             if not (src / name).is_file():
@@ -283,7 +331,7 @@ class ActMapPlus:
         if cfg.get("detector") == NAME and cfg.get("schema_version") == 2:
             raise ValueError(
                 f"{src} holds a stacked {NAME} (schema 2): load it with "
-                "actmap.stacked.load_plus (serving and `actmap evaluate` do)"
+                "actmap.detectors.load_detector (every caller in actmap does)"
             )
         if cfg.get("detector") != NAME or cfg.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(
@@ -297,10 +345,6 @@ class ActMapPlus:
         est.map_mean_, est.components_ = arrays["map_mean"], arrays["components"]
         est.feature_mean_, est.feature_scale_ = arrays["feature_mean"], arrays["feature_scale"]
         est.coef_, est.intercept_ = arrays["coef"], float(arrays["intercept"][0])
-        est.C_, est.n_train_, est.platt_ = cfg["C"], cfg["n_train"], tuple(cfg["platt"])
-        est.train_prevalence_ = cfg["train_prevalence"]
-        est.calibrated_prevalence_ = cfg["calibrated_prevalence"]
-        est.metadata_ = cfg.get("metadata", {})
+        est.C_, est.platt_ = cfg["C"], tuple(cfg["platt"])
+        est._restore_fit_record(cfg)
         return est
-
-    load = from_pretrained

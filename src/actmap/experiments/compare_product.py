@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from actmap.capture.answer_scalars import with_scalars
+from actmap.detectors import DetectorInputs
 from actmap.detectors.plus import ActMapPlus, PlusConfig
 from actmap.scoring import metrics
 from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
@@ -77,7 +78,7 @@ def select_plus(
     """Fit every setting on ``train``; keep the best balanced-validation AUROC (ties: the first)."""
     best, best_auc, table = None, -np.inf, {}
     for cfg in grid:
-        est = ActMapPlus(cfg).fit(train.maps, train.labels, train.scalars)
+        est = ActMapPlus(cfg).fit(DetectorInputs(train.maps, train.scalars), train.labels)
         logits = est.decision_function(validation.maps, validation.scalars)
         auc = metrics.auroc(logits, validation.labels)
         table[plus_label(cfg)] = auc
@@ -105,7 +106,8 @@ class PlusScorer:
     def fit(self, train: Rows, y_train, val: Rows | None = None, y_val=None) -> PlusScorer:
         train = replace(train, labels=np.asarray(y_train))
         if len(self.grid) == 1:
-            self.model_ = ActMapPlus(self.grid[0]).fit(train.maps, train.labels, train.scalars)
+            inputs = DetectorInputs(train.maps, train.scalars)
+            self.model_ = ActMapPlus(self.grid[0]).fit(inputs, train.labels)
         else:
             if val is None or y_val is None:
                 raise ValueError("actmap-plus selects on validation rows: pass val and y_val")
@@ -361,6 +363,58 @@ def score_test_once(methods: Sequence[Scored], sets: dict[str, Rows]) -> None:
         m.test_all = np.asarray(m.score_test(sets["test_all"]), dtype=np.float64)
 
 
+def single_pass_scored(
+    store, sets: dict[str, Rows], baselines: Sequence[str]
+) -> tuple[Scored, list[Scored]]:
+    """(the strongest, every other) of the single-pass ``baselines`` that run on ``store``: the
+    strongest has the best balanced-validation AUROC."""
+    others = []
+    gens = GenerationReader(store)
+    for method in baselines:
+        try:
+            others.append(baseline_scored(store, sets, method, gens))
+        except Exception as err:  # e.g. a store without attention: the others still compare
+            log.warning("%s cannot run on %s: %s", method, store.root, err)
+    if not others:
+        raise ValueError(f"{store.root}: none of the baselines {', '.join(baselines)} could run")
+    strongest = max(others, key=lambda m: m.validation_auroc)
+    return strongest, [m for m in others if m is not strongest]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One method's test figures in a comparison (`measure`)."""
+
+    scored: Scored
+    test_auroc: Interval  # balanced test rows
+    vs: dict[str, Interval]  # lead's name -> lead minus this method, paired, balanced test rows
+    natural: tuple  # (AUROC, ECE raw, ECE prior-corrected) on every labelled test row
+
+
+def measure(
+    methods: Sequence[Scored], leads: Sequence[Scored], sets: dict[str, Rows], n_resamples: int
+) -> list[Measured]:
+    """Score the test rows once (every choice was made on validation rows), then each method's
+    bootstrap interval, each lead's paired difference to it, and its natural-prevalence
+    metrics (prior correction to the training split's accuracy)."""
+    score_test_once(methods, sets)
+    y, y_all = sets["test"].labels, sets["test_all"].labels
+    deploy = sets["train_all"].prevalence
+    return [
+        Measured(
+            m,
+            bootstrap(m.test, y, n_resamples=n_resamples),
+            {
+                lead.name: paired_bootstrap(lead.test, m.test, y, n_resamples=n_resamples)
+                for lead in leads
+                if lead is not m
+            },
+            natural_metrics(m, y_all, deploy),
+        )
+        for m in methods
+    ]
+
+
 def compare_product(
     store,
     baselines: Sequence[str] = SINGLE_PASS_BASELINES,
@@ -379,40 +433,27 @@ def compare_product(
     """
     sets = store_rows(store)
     plus = plus_scored(sets, plus_grid)
-    others = []
-    gens = GenerationReader(store)
-    for method in baselines:
-        try:
-            others.append(baseline_scored(store, sets, method, gens))
-        except Exception as err:  # e.g. a store without attention: the others still compare
-            log.warning("%s cannot run on %s: %s", method, store.root, err)
-    if not others:
-        raise ValueError(f"{store.root}: none of the baselines {', '.join(baselines)} could run")
-    strongest = max(others, key=lambda m: m.validation_auroc)
+    strongest, others = single_pass_scored(store, sets, baselines)
     if vit_detectors is not None:
         vit = vit_from_detectors(vit_detectors, sets["validation"], None)
     else:
         vit = vit_scored(sets, vit_epochs, vit_seeds, device)
-    methods = [plus, strongest, vit] + [m for m in others if m is not strongest]
-    score_test_once(methods, sets)  # every choice above saw validation rows only
+    methods = [plus, strongest, vit] + others
+    role = {plus.name: "product", strongest.name: "strongest baseline", "vit": "paper ViT"}
+    rows = [
+        MethodRow(
+            m.scored.name,
+            role.get(m.scored.name, "baseline"),
+            m.scored.validation_auroc,
+            m.test_auroc,
+            m.vs.get(plus.name),
+            *m.natural,
+            dict(m.scored.details),
+        )
+        for m in measure(methods, [plus], sets, n_resamples)
+    ]
     y, y_all = sets["test"].labels, sets["test_all"].labels
     deploy = sets["train_all"].prevalence
-    rows = []
-    for m in methods:
-        role = {plus.name: "product", strongest.name: "strongest baseline", "vit": "paper ViT"}
-        rows.append(
-            MethodRow(
-                m.name,
-                role.get(m.name, "baseline"),
-                m.validation_auroc,
-                bootstrap(m.test, y, n_resamples=n_resamples),
-                None
-                if m is plus
-                else paired_bootstrap(plus.test, m.test, y, n_resamples=n_resamples),
-                *natural_metrics(m, y_all, deploy),
-                {k: v for k, v in m.details.items()},
-            )
-        )
     controls = {
         m.name: [m.control(seed) for seed in range(n_permutations)]
         for m in methods

@@ -32,11 +32,12 @@ from typing import Any
 import numpy as np
 
 from actmap.artifacts import write_json
+from actmap.detectors import DetectorInputs, read_inputs
+from actmap.detectors.stacked import PRESETS, StackConfig, StackedPlus
 from actmap.errors import ActmapUserError
 from actmap.experiments.stacked import preset_for_store, with_positions_only
 from actmap.scoring import metrics
 from actmap.scoring.prior import sigmoid
-from actmap.stacked import PRESETS, StackConfig, StackedPlus, StackRows, stack_inputs
 from actmap.store import MapStore
 from actmap.store.rows import Rows
 
@@ -52,13 +53,13 @@ class TaskRows:
     name: str
     store: Any  # MapStore
     sets: dict[str, Rows]
-    _cache: dict[tuple, StackRows] = field(default_factory=dict, repr=False)
+    _cache: dict[tuple, DetectorInputs] = field(default_factory=dict, repr=False)
 
-    def inputs(self, rows: Rows, attention: bool) -> StackRows:
-        """The stacked detector's inputs of ``rows`` of this store (read once per row set)."""
-        key = (tuple(rows.row_ids()), attention)
+    def inputs(self, rows: Rows, requires: Sequence[str]) -> DetectorInputs:
+        """What ``requires`` names of ``rows`` of this store (read once per row set)."""
+        key = (tuple(rows.row_ids()), tuple(requires))
         if key not in self._cache:
-            self._cache[key] = stack_inputs(self.store, rows, attention)
+            self._cache[key] = read_inputs(self.store, rows, requires)
         return self._cache[key]
 
 
@@ -176,7 +177,12 @@ def common_preset(tasks: Sequence[TaskRows], preset: str = "auto") -> str:
     return preset
 
 
-def concat_stack_rows(parts: Sequence[StackRows]) -> StackRows:
+def preset_requires(preset: str) -> tuple[str, ...]:
+    """What a stacked fit of ``preset`` reads (every block of the preset)."""
+    return StackedPlus(StackConfig(preset=preset)).requires
+
+
+def concat_stack_rows(parts: Sequence[DetectorInputs]) -> DetectorInputs:
     """Row sets of several stores as one (a side input any part lacks is left out)."""
 
     def joined(name: str):
@@ -184,7 +190,7 @@ def concat_stack_rows(parts: Sequence[StackRows]) -> StackRows:
         return None if any(v is None for v in values) else np.concatenate(values)
 
     gens = [p.generations for p in parts]
-    return StackRows(
+    return DetectorInputs(
         np.concatenate([p.maps for p in parts]),
         joined("scalars"),
         joined("positions"),
@@ -198,10 +204,12 @@ def task_weights(sizes: Sequence[int]) -> np.ndarray:
     return np.concatenate([np.full(n, total / (len(sizes) * n)) for n in sizes])
 
 
-def pooled(tasks: Sequence[TaskRows], split: str, attention: bool) -> tuple[StackRows, np.ndarray]:
+def pooled(
+    tasks: Sequence[TaskRows], split: str, requires: Sequence[str]
+) -> tuple[DetectorInputs, np.ndarray]:
     """The tasks' ``split`` rows (e.g. "train": balanced) as one input set, and their labels."""
     rows = [t.sets[split] for t in tasks]
-    x = concat_stack_rows([t.inputs(r, attention) for t, r in zip(tasks, rows, strict=True)])
+    x = concat_stack_rows([t.inputs(r, requires) for t, r in zip(tasks, rows, strict=True)])
     return x, np.concatenate([np.asarray(r.labels) for r in rows])
 
 
@@ -212,12 +220,11 @@ def fit_generalist(
     same; every choice on the tasks' balanced validation rows pooled (module doc)."""
     for t in tasks:
         require_sets(t, ("train", "validation"), "a generalist trains on its balanced rows")
-    attention = preset == "full"
-    train, y = pooled(tasks, "train", attention)
-    val, y_val = pooled(tasks, "validation", attention)
+    est = StackedPlus(StackConfig(preset=preset, fallback=fallback, seed=seed))
+    train, y = pooled(tasks, "train", preset_requires(preset))
+    val, y_val = pooled(tasks, "validation", preset_requires(preset))
     weights = task_weights([len(t.sets["train"]) for t in tasks])
-    config = StackConfig(preset=preset, fallback=fallback, seed=seed)
-    est = StackedPlus(config).fit(train, y, val, y_val, sample_weight=weights)
+    est.fit(train, y, val, y_val, sample_weight=weights)
     log.info(
         "generalist %s over %s: %s (validation AUROC %.4f)",
         preset, ", ".join(t.name for t in tasks), est.selected_, est.validation_["stack"],
@@ -245,8 +252,8 @@ def train_generalist_run(
     est = fit_generalist(tasks, preset, fallback)
     out = Path(out)
     folder = out / "seed-0"
-    attention = preset == "full"  # the inputs the fit read (cached per row set)
-    val, y_val = pooled(tasks, "validation", attention)
+    requires = preset_requires(preset)  # the inputs the fit read (cached per row set)
+    val, y_val = pooled(tasks, "validation", requires)
     details = {
         "generalist": True,
         "stores": [str(p) for p in paths],
@@ -265,7 +272,7 @@ def train_generalist_run(
             log.warning("%s has no balanced test rows: not scored", t.name)
             continue
         test = t.sets["test"]
-        z = est.decision_function(t.inputs(test, attention))
+        z = est.decision_function(t.inputs(test, requires))
         y = np.asarray(test.labels)
         ids += test.row_ids()
         labels.append(y)

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from actmap.artifacts import write_json
+from actmap.detectors import load_detector
+from actmap.detectors.stacked import StackedPlus
 from actmap.errors import ActmapUserError
 from actmap.experiments.generalist import (
     TaskRows,
@@ -40,7 +42,6 @@ from actmap.experiments.generalist import (
     task_sets,
 )
 from actmap.experiments.out_of_domain import adapt_generalist
-from actmap.stacked import StackedPlus, load_any_detector
 from actmap.store import MapStore
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,8 @@ def load_generalist(run: str | Path) -> tuple[StackedPlus, Path]:
                 "seed-*/ folder, no config.json)"
             )
         folder = seeds[min(seeds)]
-    est = load_any_detector(folder)
-    if not isinstance(est, StackedPlus):
+    est = load_detector(folder)
+    if not all(hasattr(est, a) for a in ("selected_", "blocks_", "meta_")):  # what adapting reads
         raise ActmapUserError(
             f"--generalist {run} holds a {type(est).__name__}, not a stacked actmap-plus: train "
             "the generalist with `actmap train --detector actmap-plus --store A --store B ...`"
@@ -123,8 +124,7 @@ def adapt_run(
             "a new task's labelled answers (label them first: `actmap labels`, or the review "
             "queue of an audit store)"
         )
-    attention = "attention" in est.requires
-    rows = concat_stack_rows([task.inputs(task.sets[s], attention) for s in have])
+    rows = concat_stack_rows([task.inputs(task.sets[s], est.requires) for s in have])
     y = np.concatenate([np.asarray(task.sets[s].labels) for s in have]).astype(np.int64)
     chosen = choose_step(y) if step == "auto" else step
     adapted = adapt_generalist(est, rows, y, chosen)
@@ -145,7 +145,7 @@ def adapt_run(
     summary: dict[str, Any] = {"detector": "actmap-plus", **details}
     if "test" in task.sets:
         test = task.sets["test"]
-        x = task.inputs(test, attention)
+        x = task.inputs(test, est.requires)
         z = adapted.decision_function(x)
         scores = RowScores(list(test.ids), test.labels, z.astype(np.float32),
                            adapted.predict_proba(x).astype(np.float32))  # fmt: skip

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from actmap.detectors.stacked import LinearBlock, StackedPlus
 from actmap.errors import ActmapUserError
 from actmap.experiments.generalist import (
     TaskRows,
@@ -47,11 +48,11 @@ from actmap.experiments.generalist import (
     fit_generalist,
     generator_of,
     open_tasks,
+    preset_requires,
 )
 from actmap.scoring import metrics
 from actmap.scoring.intervals import N_RESAMPLES, Interval, bootstrap, paired_bootstrap
 from actmap.scoring.prior import em_prevalence, logit, shift_to_prevalence, sigmoid
-from actmap.stacked import LinearBlock, StackedPlus
 from actmap.store.rows import Rows
 
 log = logging.getLogger(__name__)
@@ -269,8 +270,8 @@ def label_free_scores(held: TaskRows, methods: Sequence[str]) -> list[Scores]:
 
 def tad_scores(sources: Sequence[TaskRows], held: TaskRows) -> Scores:
     """TAD fit on the sources' pooled balanced training rows, chosen on their validation rows."""
-    from actmap.baselines.tad import TAD
     from actmap.capture.from_store import read_generations
+    from actmap.signals.tad import TAD
 
     def gens(split: str) -> tuple[list, np.ndarray]:
         parts = [read_generations(t.store, t.sets[split].row_ids()) for t in sources]
@@ -308,7 +309,7 @@ def mlp_scores(sources: Sequence[TaskRows], held: TaskRows, epochs, seed: int) -
 def stack_scores(
     name: str, role: str, est: StackedPlus, held: TaskRows
 ) -> tuple[Scores, np.ndarray]:
-    rows = held.inputs(held.sets["test_all"], "attention" in est.requires)
+    rows = held.inputs(held.sets["test_all"], preset_requires(est.config.preset))
     z = est.decision_function(rows)
     return Scores(name, role, sigmoid(z), est.calibrated_prevalence_), z
 
@@ -316,11 +317,11 @@ def stack_scores(
 def in_domain_fit(held: TaskRows, preset: str) -> StackedPlus:
     """The held-out task's own stacked detector: every labelled training row (class-weighted),
     chosen on its balanced validation rows (as `actmap compare-stacked` fits it)."""
-    attention = preset == "full"
+    requires = preset_requires(preset)
     train, val = held.sets["train_all"], held.sets["validation"]
     est = StackedPlus(replace(StackedPlus().config, preset=preset))
-    return est.fit(held.inputs(train, attention), train.labels,
-                   held.inputs(val, attention), val.labels)  # fmt: skip
+    return est.fit(held.inputs(train, requires), train.labels,
+                   held.inputs(val, requires), val.labels)  # fmt: skip
 
 
 # --- the first labels ----------------------------------------------------------------------------
@@ -368,15 +369,14 @@ def adapt_generalist(
     est: StackedPlus, rows, labels, step: str = "recalibrate", prior0: float | None = None
 ) -> StackedPlus:
     """The generalist adapted to a new task's first labelled answers (``rows``: their
-    `StackRows`, ``labels``: 1 = correct, drawn as they come, i.e. at the task's prevalence):
+    `DetectorInputs`, ``labels``: 1 = correct, drawn as they come, i.e. at the task's prevalence):
     "recalibrate" (prior and temperature of its logit) or "head refit" (the stack's head on
     its block logits; with one class it recalibrates instead). The copy scores, saves and
     serves like any fitted `StackedPlus`; its p(correct) holds at the labelled rows'
     prevalence (``calibrated_prevalence_``). ``prior0``: the label-free prior the labels
     update when they hold one class (default: EM on these rows' own scores).
 
-    What `actmap policy fit` / `actmap train` can call on a small store of the new task with
-    a generalist run (not wired into either yet)."""
+    `actmap train --store SMALL --generalist RUN` calls it (`actmap.experiments.new_task`)."""
     import copy
 
     y = np.asarray(labels).astype(np.int64)
@@ -407,7 +407,7 @@ def refit_blocks(est: StackedPlus, train: BlockLogits, y: np.ndarray, seed: int)
     on their out-of-fold logits: a scorer of `BlockLogits`; None when a class has < 2 rows."""
     from sklearn.model_selection import StratifiedKFold
 
-    from actmap.stacked import out_of_fold_logits
+    from actmap.detectors.stacked import out_of_fold_logits
 
     folds = _fold_count(y)
     if folds < 2:
@@ -438,14 +438,14 @@ def first_labels_curve(
 ) -> tuple[list[CurvePoint], list[list[str]]]:
     """The learning curve of the module doc; returns its points and, per draw, the ids drawn
     (always among the held-out task's training rows)."""
-    attention = "attention" in est.requires
+    requires = preset_requires(est.config.preset)
     train_all, test_all, test = (held.sets[s] for s in ("train_all", "test_all", "test"))
     y_train = np.asarray(train_all.labels).astype(np.int64)
     y_all = np.asarray(test_all.labels).astype(np.int64)
     balanced = balanced_index(test_all, test)
     y_bal = y_all[balanced]
-    on_train = BlockLogits(est, held.inputs(train_all, attention))
-    on_test = BlockLogits(est, held.inputs(test_all, attention))
+    on_train = BlockLogits(est, held.inputs(train_all, requires))
+    on_test = BlockLogits(est, held.inputs(test_all, requires))
     held_at = est.calibrated_prevalence_
     prior0 = em_prevalence(sigmoid(z_all), held_at).prevalence  # label-free
     points, drawn = [], []

@@ -3,6 +3,7 @@ each selected checkpoint once on test, and write a run folder.
 
     run_seeds(train, val, test, out_dir)        -> SeedRuns (+ seed-<s>/ folders, manifest, summary)
     train_on_store(store, detector, seeds, out) -> the same on a store's balanced rows
+    frozen_scores(run, store, ids)              -> a run's saved detectors on any store's rows
     evaluate_run(run, store=None)               -> per-seed metrics of a run folder
 """
 
@@ -15,22 +16,18 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
 from actmap.artifacts import package_version, write_json
-from actmap.capture.answer_scalars import scalars_from_store
-from actmap.detectors.base import CorrectnessDetector
-from actmap.experiments.compare_product import plus_scored, store_rows
+from actmap.detectors import INPUT_NAMES, CorrectnessDetector, load_detector, read_inputs
 from actmap.scoring import metrics
-from actmap.stacked import StackedPlus, load_any_detector, stack_rows
 from actmap.store import MapStore
 from actmap.store.rows import Rows, balanced_rows, rows_to_score, with_empty_answers
 from actmap.training.recipe import ProgressCallback, TrainConfig
-from actmap.training.run_folder import ONE_FIT_SEED, checkpoint_path, read_run, seed_folder
+from actmap.training.run_folder import checkpoint_path, read_run, seed_folder
 
 log = logging.getLogger(__name__)
 
@@ -240,42 +237,6 @@ def train_on_store(
     return runs, splits
 
 
-def train_plus_run(store_path: str | Path, out: str | Path) -> tuple[dict[str, Any], dict]:
-    """Fit actmap-plus on a store (settings chosen on validation rows), save it, score the
-    balanced test rows once. Returns (the run summary, the fit's details).
-
-    Writes ``<out>/seed-0/{model.safetensors, config.json, test_scores.parquet,
-    metrics.json}`` and ``<out>/summary.json``: the layout of an `actmap train` run folder,
-    which `evaluate`, `compare`, the report and the server read.
-    """
-
-    out = Path(out)
-    store = MapStore.open(store_path)
-    sets = store_rows(store)
-    plus = plus_scored(sets)
-    est, test = plus.estimator, sets["test"]
-    folder = seed_folder(out, ONE_FIT_SEED)
-    inputs = {"store_config": store.manifest.get("config")}  # the map settings serving reads
-    est.save(folder, metadata={"store": str(store_path), "inputs": inputs, **plus.details})
-    logits = est.decision_function(test.maps, test.scalars)
-    scores = RowScores(
-        list(test.ids),
-        test.labels,
-        logits.astype(np.float32),
-        est.predict_proba(test.maps, test.scalars).astype(np.float32),
-    )
-    scores.write_parquet(folder / "test_scores.parquet")
-    test_metrics = scoring_metrics(scores)
-    write_json(folder / "metrics.json", test_metrics)
-    summary = summarize_runs([SimpleNamespace(seed=ONE_FIT_SEED, test_metrics=test_metrics)])
-    write_json(out / "summary.json", {"detector": "actmap-plus", **summary, **plus.details})
-    log.info(
-        "actmap-plus: %s on %s rows (validation AUROC %.3f)",
-        plus.details["selected"], plus.details["train_rows"], plus.validation_auroc,
-    )  # fmt: skip
-    return summary, {**plus.details, "validation_auroc": plus.validation_auroc}
-
-
 FROZEN_CHUNK = 2048  # maps read and scored at once (about 200 MB of float16 maps)
 
 
@@ -288,21 +249,15 @@ def frozen_scores(
     each row's score does not depend on the others)."""
 
     checked = read_run(Path(run))
-    detectors = {str(seed): load_any_detector(folder) for seed, folder in checked.seed_dirs.items()}
+    detectors = {str(seed): load_detector(folder) for seed, folder in checked.seed_dirs.items()}
+    # what any of them reads, read once per chunk (each reads its own part of it)
+    need = [n for n in INPUT_NAMES if any(n in d.requires for d in detectors.values())]
     ids, step = list(ids), chunk or FROZEN_CHUNK
     parts: dict[str, list[np.ndarray]] = {seed: [] for seed in detectors}
     for start in range(0, len(ids), step):
-        part = ids[start : start + step]
-        maps, _ = store.load_maps(part)
-        scalars = None
+        inputs = read_inputs(store, ids[start : start + step], need)
         for seed, detector in detectors.items():
-            if "scalars" in detector.requires and scalars is None:
-                scalars = scalars_from_store(store, part)  # read once per chunk, when needed
-            if isinstance(detector, StackedPlus):  # positions and attention from the store
-                rows = stack_rows(store, part, "attention" in detector.requires, maps, scalars)
-                parts[seed].append(detector.predict_proba(rows))
-            else:
-                parts[seed].append(detector.predict_proba(maps, scalars))
+            parts[seed].append(detector.predict_proba(inputs))
     return {
         seed: np.concatenate(p) if p else np.zeros(0, dtype=np.float32) for seed, p in parts.items()
     }

@@ -1,7 +1,8 @@
-"""The stacked actmap-plus on a store: train a run, and compare both presets with every
-single-pass baseline.
+"""actmap-plus on a store: train a run of any version, and compare the stacked presets with
+every single-pass baseline.
 
-    train_stacked_run(store, out, preset)    ->  the run folder `actmap train` writes
+    train_plus_run(store, out, preset)       ->  the run folder `actmap train` writes (v1 or a
+                                                 stacked preset)
     compare_stacked(store)                   ->  StackedComparison (to_json, to_markdown)
 
 The stacked detector trains on every labelled training row (class-weighted), makes every choice
@@ -25,21 +26,20 @@ from typing import Any
 import numpy as np
 
 from actmap.artifacts import write_json
+from actmap.detectors import new_detector, read_inputs
+from actmap.detectors.stacked import PRESETS, StackedPlus
 from actmap.errors import ActmapUserError
 from actmap.experiments.compare_product import (
     SINGLE_PASS_BASELINES,
-    GenerationReader,
     Scored,
-    baseline_scored,
-    natural_metrics,
+    measure,
     plus_scored,
-    score_test_once,
+    single_pass_scored,
     store_rows,
 )
-from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs, train_plus_run
+from actmap.experiments.seeds import RowScores, scoring_metrics, summarize_runs
 from actmap.scoring import metrics
-from actmap.scoring.intervals import Interval, bootstrap, paired_bootstrap
-from actmap.stacked import PRESETS, StackConfig, StackedPlus, stack_inputs
+from actmap.scoring.intervals import Interval
 from actmap.store import MapStore
 from actmap.store.rows import Rows
 from actmap.training.run_folder import ONE_FIT_SEED, seed_folder
@@ -55,17 +55,17 @@ def fit_stacked(
     """(fitted detector, row-set -> StackRows) on a store's row sets (`comparison.store_rows`);
     ``fallback``: `StackConfig.fallback`."""
     cache: dict[tuple[str, ...], Any] = {}
+    est = new_detector(f"actmap-plus:{preset}", fallback=fallback)
+    requires = est.requires  # the preset's every block: read once, for every fit of these rows
 
     def inputs(rows: Rows):
         key = tuple(rows.ids)
         if key not in cache:
-            cache[key] = stack_inputs(store, rows, preset == "full")
+            cache[key] = read_inputs(store, rows, requires)
         return cache[key]
 
     train, val = sets[TRAIN_ROWS], sets["validation"]
-    est = StackedPlus(StackConfig(preset=preset, fallback=fallback)).fit(
-        inputs(train), train.labels, inputs(val), val.labels
-    )
+    est.fit(inputs(train), train.labels, inputs(val), val.labels)
     log.info(
         "stacked %s: %s (validation AUROC %.4f)", preset, est.selected_, est.validation_["stack"]
     )
@@ -119,58 +119,83 @@ def preset_for_store(store) -> str:
 PLUS_PRESETS = ("auto", "v1", *PRESETS)  # what `train_plus_preset` takes
 
 
+def plus_preset(detector: str, preset: str | None = None) -> str:
+    """The preset an actmap-plus name trains: ``actmap-plus:<preset>`` names its own; plain
+    ``actmap-plus`` means ``actmap-plus:v1`` unless ``preset`` (one of `PLUS_PRESETS`, "auto"
+    included) says otherwise. A named version with another ``preset`` is refused."""
+    from actmap.detectors import detector_name
+
+    named = detector_name(detector).split(":", 1)[1]  # plain actmap-plus: v1
+    if ":" not in detector:
+        return preset or named
+    if preset is not None and preset != named:
+        raise ActmapUserError(
+            f"--detector {detector} trains the {named} preset; --preset {preset} says otherwise "
+            "(give plain actmap-plus with --preset, or the name alone)"
+        )
+    return named
+
+
 def train_plus_preset(
     store_path: str | Path, out: str | Path, preset: str = "auto", fallback: bool = True
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """Train actmap-plus on a store into the run folder ``out`` with ``preset``: "v1"
-    (`train_plus_run`), a stacked preset (`train_stacked_run`), or "auto", the richest the
-    store can train (`preset_for_store`). Returns (the preset trained, the run summary, the
-    fit's details: v1's chosen settings, or the stacked blocks selected)."""
+    """Train actmap-plus on a store into the run folder ``out`` with ``preset``: "v1", a
+    stacked preset, or "auto", the richest the store can train (`preset_for_store`). Returns
+    (the preset trained, the run summary, the fit's details: `train_plus_run`'s)."""
     if preset not in PLUS_PRESETS:
         raise ActmapUserError(f"--preset must be one of {', '.join(PLUS_PRESETS)}, got {preset!r}")
     if preset == "auto":
         preset = preset_for_store(MapStore.open(store_path))
-    if preset == "v1":
-        summary, details = train_plus_run(store_path, out)
-        return preset, summary, details
-    summary = train_stacked_run(store_path, out, preset, fallback)
-    return preset, summary, {"selected": summary["selected"]}
+    return preset, *train_plus_run(store_path, out, preset, fallback)
 
 
-def train_stacked_run(
-    store_path: str | Path, out: str | Path, preset: str, fallback: bool = True
-) -> dict[str, Any]:
-    """Fit the stacked actmap-plus on a store, save it, score the balanced test rows once
-    (``fallback``: `StackConfig.fallback`).
+def train_plus_run(
+    store_path: str | Path, out: str | Path, preset: str = "v1", fallback: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fit actmap-plus ``preset`` ("v1": `plus_scored`'s settings chosen on validation; a
+    stacked preset: `stacked_scored`, ``fallback``: `StackConfig.fallback`) on a store, save it,
+    score the balanced test rows once. Returns (the run summary, the fit's details: the
+    setting or blocks ``selected``, the validation AUROC, ...).
 
     Writes ``<out>/seed-0/{model.safetensors, config.json, test_scores.parquet, metrics.json}``
-    and ``<out>/summary.json``, the layout `actmap train` writes."""
-
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    and ``<out>/summary.json``: the layout of an `actmap train` run folder, which `evaluate`,
+    `compare`, the report and the server read."""
+    if preset != "v1" and preset not in PRESETS:
+        raise ValueError(f"preset must be v1 or one of {', '.join(PRESETS)}, got {preset!r}")
     store = MapStore.open(store_path)
     sets = store_rows(store)
-    scored = stacked_scored(store, sets, preset, fallback)
+    scored = plus_scored(sets) if preset == "v1" else stacked_scored(store, sets, preset, fallback)
     est, test, out = scored.estimator, sets["test"], Path(out)
     folder = seed_folder(out, ONE_FIT_SEED)
     inputs = {"store_config": store.manifest.get("config")}  # the map settings serving reads
-    details = {"store": str(store_path), "inputs": inputs, "preset": preset, **scored.details}
-    details["validation_auroc"] = scored.validation_auroc
-    est.save(folder, metadata=details)
-    rows = stack_inputs(store, test, "attention" in est.requires)
-    logits = est.decision_function(rows)
+    details = {**scored.details, "validation_auroc": scored.validation_auroc, "preset": preset}
+    est.save(folder, metadata={"store": str(store_path), "inputs": inputs, **details})
+    rows = read_inputs(store, test, est.requires)
     scores = RowScores(
         list(test.ids),
         test.labels,
-        logits.astype(np.float32),
+        est.decision_function(rows).astype(np.float32),
         est.predict_proba(rows).astype(np.float32),
     )
     scores.write_parquet(folder / "test_scores.parquet")
     result = scoring_metrics(scores)
     write_json(folder / "metrics.json", result)
     summary = summarize_runs([SimpleNamespace(seed=ONE_FIT_SEED, test_metrics=result)])
-    write_json(out / "summary.json", {"detector": "actmap-plus", **summary, **details})
-    return {**summary, "detector": f"actmap-plus ({preset})", "selected": est.selected_}
+    write_json(
+        out / "summary.json",
+        {
+            "detector": "actmap-plus",
+            **summary,
+            "store": str(store_path),
+            "inputs": inputs,
+            **details,
+        },
+    )
+    log.info(
+        "actmap-plus %s: %s (validation AUROC %.3f)",
+        preset, details["selected"], scored.validation_auroc,
+    )  # fmt: skip
+    return {**summary, "detector": f"actmap-plus ({preset})"}, details
 
 
 # --- the comparison -----------------------------------------------------------------------------
@@ -271,16 +296,7 @@ def compare_stacked(
     (logged), so no method sees a row another does not."""
     sets = with_positions_only(store, store_rows(store))
     stacked = presets_scored(store, sets, presets)
-    gens = GenerationReader(store)
-    others = []
-    for method in baselines:
-        try:
-            others.append(baseline_scored(store, sets, method, gens))
-        except Exception as err:  # e.g. no attention stored: the others still compare
-            log.warning("%s cannot run on %s: %s", method, store.root, err)
-    if not others:
-        raise ValueError(f"{store.root}: none of the baselines {', '.join(baselines)} could run")
-    strongest = max(others, key=lambda m: m.validation_auroc)
+    strongest, others = single_pass_scored(store, sets, baselines)
     v1 = []
     if with_v1:
         try:
@@ -289,32 +305,27 @@ def compare_stacked(
             log.warning("actmap-plus v1 cannot run on %s: %s", store.root, err)
     for m in v1:
         m.name = "actmap-plus v1"
-    methods = stacked + [strongest] + [m for m in others if m is not strongest] + v1
-    score_test_once(methods, sets)  # every choice above saw validation rows only
+    methods = stacked + [strongest] + others + v1
+
+    def role(m: Scored) -> str:
+        if any(m is s for s in stacked):
+            return "preset"
+        if m is strongest:
+            return "strongest baseline"
+        return "actmap-plus v1" if any(m is s for s in v1) else "baseline"
+
+    rows = [
+        StackedRow(
+            m.scored.name,
+            role(m.scored),
+            m.scored.validation_auroc,
+            m.test_auroc,
+            m.vs,
+            *m.natural,
+            {k: v for k, v in m.scored.details.items() if k != "grid"},
+        )
+        for m in measure(methods, stacked, sets, n_resamples)
+    ]
     y, y_all = sets["test"].labels, sets["test_all"].labels
     deploy = sets["train_all"].prevalence
-    rows = []
-    for m in methods:
-        role = (
-            "preset" if any(m is s for s in stacked)
-            else "strongest baseline" if m is strongest
-            else "actmap-plus v1" if any(m is s for s in v1)
-            else "baseline"
-        )  # fmt: skip
-        vs = {
-            s.name: paired_bootstrap(s.test, m.test, y, n_resamples=n_resamples)
-            for s in stacked
-            if s is not m
-        }
-        rows.append(
-            StackedRow(
-                m.name,
-                role,
-                m.validation_auroc,
-                bootstrap(m.test, y, n_resamples=n_resamples),
-                vs,
-                *natural_metrics(m, y_all, deploy),
-                {k: v for k, v in m.details.items() if k != "grid"},
-            )
-        )
     return StackedComparison(str(store.root), len(y), len(y_all), float(y_all.mean()), deploy, rows)

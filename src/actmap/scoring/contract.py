@@ -21,10 +21,14 @@ import numpy as np
 # What a scorer can read. Row inputs (one per scored answer), most specific first, then the
 # resources a scorer is built with.
 ROW_INPUTS = ("maps", "dense", "samples", "verification", "attention", "generations")
+# read beside the map by the detectors (`actmap.detectors.inputs.DetectorInputs`)
+MAP_PARTS = ("scalars", "positions")
 RESOURCE_INPUTS = ("model", "judge")
-INPUTS = ROW_INPUTS + RESOURCE_INPUTS
+INPUTS = ROW_INPUTS + MAP_PARTS + RESOURCE_INPUTS
 INPUT_DOCS = {
     "maps": "the activation maps (C, H, W) per answer",
+    "scalars": "the six per-answer scalars (length, log-likelihood, entropy, first token)",
+    "positions": "the full-width states at four named positions per answer",
     "generations": "captured Generation records (tokens, log-probs, entropies)",
     "attention": "the same records with the captured attention entries (RAUQ, TAD)",
     "verification": "(question, answer) pairs to verify",

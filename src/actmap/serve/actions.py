@@ -62,17 +62,12 @@ ABSTAIN_DECISIONS = ("abstain", "abstain_early")
 
 def action_for(decision: str, settings) -> str:
     """What the server does with an answer decided ``decision`` (``settings``: anything with
-    ``route_to`` and ``abstain_message``, e.g. `ServeSettings`)."""
+    ``route_to`` and ``abstain_message``, e.g. `actmap.serve.settings.ActionSettings`)."""
     if decision == "route" and settings.route_to is not None:
         return "route"
     if decision in ABSTAIN_DECISIONS and settings.abstain_message is not None:
         return "abstain"
     return "answer"
-
-
-def acts(settings) -> bool:
-    """Whether any decision can change an answer (then streams are held until the decision)."""
-    return settings.route_to is not None or settings.abstain_message is not None
 
 
 class ActionInfo(ActmapInfo):
@@ -92,7 +87,7 @@ def _final_finish(value) -> str:
 class Actions:
     """The running server's actions: the route target's client and the counter."""
 
-    settings: object  # ServeSettings
+    settings: object  # ActionSettings
     route: Upstream | None
     route_model: str | None
     counter: Counter
@@ -161,9 +156,9 @@ def route_model_name(settings) -> str:
 async def start_actions(state) -> None:
     """``state.actions``: None when no decision acts; else the route target's client (its
     model asked from ``GET /models`` when ``--route-model`` is not given)."""
-    settings = state.settings
+    settings = state.settings.actions
     state.actions = None
-    if not acts(settings):
+    if not settings.acting:
         return
     route = model = None
     if settings.route_to is not None:
@@ -195,15 +190,15 @@ async def act(state, body, job, answer, response):
     """The response the client gets for ``answer``: ``response`` (the small model's, built
     by the server) unless the decision's action replaces or flags it."""
     actions: Actions | None = state.actions
-    kind = "answer" if actions is None else action_for(answer.decision, state.settings)
+    kind = "answer" if actions is None else action_for(answer.decision, state.settings.actions)
     if kind == "answer":
         return response
     choice = response.choices[0]
     if kind == "abstain":
         if hasattr(choice, "message"):
-            choice.message.content = state.settings.abstain_message
+            choice.message.content = state.settings.actions.abstain_message
         else:
-            choice.text = state.settings.abstain_message
+            choice.text = state.settings.actions.abstain_message
         choice.finish_reason = ABSTAIN_FINISH_REASON
         return _dumped(response, actions.abstained(state, answer))
     try:
@@ -261,7 +256,7 @@ async def held(state, stream: AsyncIterator[str], future, chunks, body, job) -> 
     answer = None
     if future.done() and not future.cancelled() and future.exception() is None:
         answer = future.result()
-    kind = "answer" if answer is None else action_for(answer.decision, state.settings)
+    kind = "answer" if answer is None else action_for(answer.decision, state.settings.actions)
     if kind == "answer" or not events or events[-1] != "data: [DONE]\n\n":
         for event in events:  # as generated (or an error / timeout the stream ended with)
             yield event
@@ -272,7 +267,7 @@ async def held(state, stream: AsyncIterator[str], future, chunks, body, job) -> 
         usage = usage_of(answer)
     if kind == "abstain":
         block = actions.abstained(state, answer)
-        message = state.settings.abstain_message
+        message = state.settings.actions.abstain_message
         for event in _replaced(chunks, message, ABSTAIN_FINISH_REASON, block, usage):
             yield event
         return

@@ -2,13 +2,13 @@
 
 `create_app(settings)` builds a FastAPI app whose lifespan loads the generator,
 the detector, the policy and the audit trail once (`build_engine`). Requests are
-validated here (clear 4xx JSON errors in OpenAI's shape), rendered to prompts,
-and handed to the micro-batcher (`actmap.serve.batcher`), which runs
+checked and rendered to prompts by `actmap.serve.request_path` (the checks, message
+flattening and OpenAI-shaped errors of every server mode: plain, vLLM, proxy), and handed to the micro-batcher (`actmap.serve.batcher`), which runs
 `actmap.serve.engine.Engine.run` off the event loop. Endpoints:
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
 ``GET /v1/models``, ``GET /health``, ``GET /ready`` (readiness, `actmap.serve.lifecycle`),
 ``GET /metrics``, and ``POST /v1/actmap/score`` (existing answers,
-`actmap.serve.score_endpoint`). With ``upstream`` set, the two
+`actmap.serve.score_endpoint`). With ``settings.proxy`` set (``--upstream``), the two
 completion endpoints forward to that server instead (`actmap.serve.proxy`).
 """
 
@@ -21,7 +21,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -31,9 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actmap.errors import ActmapUserError
-from actmap.serve.actions import act, acts, held, start_actions, stop_actions
+from actmap.serve.actions import act, held, start_actions, stop_actions
 from actmap.serve.answers import PrefixCache, chat_prefix, score_answers
-from actmap.serve.api_errors import APIError, retry_headers, server_busy
 from actmap.serve.batcher import MicroBatcher, QueueFull
 from actmap.serve.engine import Answer, BatchTimings, Engine, Job
 from actmap.serve.feedback import install_feedback_route
@@ -53,8 +51,6 @@ from actmap.serve.protocol import (
     CompletionResponse,
     CompletionStreamChoice,
     DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     RunningScore,
@@ -64,70 +60,24 @@ from actmap.serve.protocol import (
     usage_of,
 )
 from actmap.serve.proxy import install_proxy_routes, start_proxy, stop_proxy
-from actmap.serve.reload import install_reload_route
+from actmap.serve.reload import install_reload_route, load_pair
+from actmap.serve.request_path import (
+    APIError,
+    check_generation,
+    check_length,
+    check_request,
+    request_prompt,
+    retry_headers,
+    server_busy,
+    validation_error,
+)
 from actmap.serve.review import REVIEW_PAGE, install_review_routes
 from actmap.serve.score_endpoint import install_score_route
+from actmap.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "ACTMAP_API_KEY"
-MAX_STOP_STRINGS = 4  # as OpenAI
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """Everything `actmap serve` is started with."""
-
-    model: str = "smollm2-135m-instruct"
-    detector: Path | None = None  # run folder from `actmap train` (or one seed-<s>/ folder)
-    seed: int | None = None  # which seed of the run; None = best validation AUROC
-    policy: Path | None = None  # policy TOML; None = accept at p >= 0.5, else abstain
-    audit: Path | None = None  # audit store folder; None = no audit trail
-    audit_text: bool = False  # keep prompt and answer text in the audit store (off: hash only)
-    audit_max_rows: int | None = None
-    audit_max_age_days: float | None = None
-    audit_sync: bool = False  # an answer is sent once its audit row is committed (SIGKILL-safe)
-    review_sample: float = 0.0  # share of all answers queued for review at random (the audit)
-    served_model_name: str | None = None  # the name clients send as "model"; default: model
-    api_key: str | None = None  # bearer token; None = no auth
-    default_max_tokens: int = 64
-    max_tokens_cap: int = 512
-    max_body_bytes: int = 1 << 20
-    max_context: int | None = None  # prompt + answer tokens; None = the model's own limit
-    max_batch: int = 16
-    batch_window_ms: float = 10.0
-    max_queue: int = 256
-    timeout_s: float = 120.0
-    stream_scores: bool = False  # running p(correct) in every streamed chunk by default
-    score_every: int = 1  # tokens between running scores
-    device: str = "cpu"
-    dtype: str | None = None  # the generator's; None = the dtype the detector's maps came from
-    monitor: Path | None = None  # shift monitor folder (or a run folder holding monitor/)
-    monitor_window: int = 50  # answers per window test
-    # local: transformers + the micro-batcher; vllm: vLLM's scheduler in this process
-    # (`actmap.serve.vllm_serving`; max_batch = requests in flight)
-    engine: str = "local"
-    vllm_compile: bool | None = None  # --engine vllm: compiled model (None: on a GPU only)
-    max_score_items: int = 64  # answers per POST /v1/actmap/score request
-    # proxy mode (`actmap.serve.proxy`): answers come from this OpenAI-compatible server
-    upstream: str | None = None  # its base URL, e.g. http://host:port/v1; None = generate here
-    upstream_model: str | None = None  # the model name the upstream serves; None = ask it
-    upstream_timeout_s: float = 60.0  # per upstream request; past it: 504
-    upstream_api_key: str | None = None  # bearer token the upstream wants
-    allow_weights_mismatch: bool = False  # serve although the start-up probe differs
-    upstream_dtype: str | None = None  # the dtype the upstream computes in; None = ours
-    allow_dtype_mismatch: bool = False  # proxy: read in another dtype than the detector's maps
-    # decisions that act (`actmap.serve.actions`): "route" answered by this OpenAI-compatible
-    # server, "abstain" / "abstain_early" replaced by abstain_message (None: handed out as is)
-    route_to: str | None = None
-    route_model: str | None = None  # the model the route target serves; None = ask it
-    route_api_key: str | None = None
-    route_timeout_s: float = 60.0  # per routed request; past it the small model's answer, flagged
-    abstain_message: str | None = None
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
 
 
 def build_engine(settings: ServeSettings) -> Engine:
@@ -135,11 +85,11 @@ def build_engine(settings: ServeSettings) -> Engine:
     from actmap.llm.models import load_model
 
     if settings.detector is None:  # a plain generator: nothing to score, decide or audit
-        needs = [
-            n
-            for n in ("policy", "audit", "monitor", "upstream", "route_to")
-            if getattr(settings, n)
-        ]
+        given = {
+            "policy": settings.policy, "audit": settings.audit, "monitor": settings.monitor,
+            "upstream": settings.proxy, "route_to": settings.actions.route_to,
+        }  # fmt: skip
+        needs = [n for n, value in given.items() if value]
         if needs:
             raise ActmapUserError(
                 "a detector run folder is required (--detector RUN) with --"
@@ -147,13 +97,14 @@ def build_engine(settings: ServeSettings) -> Engine:
             )
     detector, policy, monitor = load_scoring(settings)
     dtype = settings.dtype or (detector.dtype if detector is not None else "float32")
-    if detector is not None and settings.upstream is not None:  # refused unless allowed
+    proxy = settings.proxy
+    if detector is not None and proxy is not None:  # refused unless allowed
         from actmap.llm.models import check_dtype
         from actmap.serve.proxy import check_read_dtype
 
-        check_read_dtype(settings, detector.dtype, check_dtype(dtype))
-        if settings.upstream_dtype is not None:
-            check_dtype(settings.upstream_dtype)
+        check_read_dtype(proxy, detector.dtype, check_dtype(dtype))
+        if proxy.dtype is not None:
+            check_dtype(proxy.dtype)
     elif detector is not None and dtype != detector.dtype:
         log.warning(
             "serving %s in %s, but detector %s was fit on maps captured in %s: scores may shift",
@@ -162,18 +113,16 @@ def build_engine(settings: ServeSettings) -> Engine:
             detector.id,
             detector.dtype,
         )
-    if settings.engine not in ("local", "vllm"):
-        raise ActmapUserError(f"--engine must be 'local' or 'vllm', got {settings.engine!r}")
-    if acts(settings) and settings.upstream is not None:
+    if settings.actions.acting and proxy is not None:
         raise ActmapUserError(
             "--route-to and --abstain-message act on answers generated here, not --upstream's"
         )
-    if settings.engine == "vllm" and settings.upstream is not None:
+    if settings.vllm is not None and proxy is not None:
         raise ActmapUserError(
             "--upstream reads the upstream's answers with the transformers engine: "
             "leave --engine at local"
         )
-    if settings.engine == "vllm":
+    if settings.vllm is not None:
         from actmap.serve.vllm_serving import build_vllm_engine
 
         return build_vllm_engine(
@@ -200,13 +149,7 @@ def build_engine(settings: ServeSettings) -> Engine:
 def load_scoring(settings: ServeSettings):
     """(detector or None, policy, shift monitor or None) of ``settings``: what scores answers
     (`build_engine`, and the vLLM plugin's middleware)."""
-    from actmap.serve.loaded_run import load_detector_run
-    from actmap.serve.policy import Policy, load_policy
-
-    policy = load_policy(settings.policy) if settings.policy else Policy()
-    detector = None
-    if settings.detector is not None:
-        detector = load_detector_run(settings.detector, settings.seed, settings.device)
+    detector, policy = load_pair(settings.detector, settings.seed, settings.policy, settings.device)
     monitor = load_streaming_monitor(settings.monitor, settings.monitor_window)
     return detector, policy, monitor
 
@@ -241,97 +184,16 @@ def load_streaming_monitor(path: Path | None, window: int):
     return StreamingMonitor(ShiftMonitor.load(folder), window)
 
 
-# -- request checks ---------------------------------------------------------------------------
+# -- requests (`actmap.serve.request_path`: the checks every mode shares) ---------------------
 
 
-def _check_common(request, settings: ServeSettings, max_tokens: int | None) -> int:
-    if request.model != settings.model_name:
-        raise APIError(
-            404,
-            f"The model '{request.model}' does not exist; this server serves '{settings.model_name}'",
-            param="model",
-            code="model_not_found",
-        )
-    if request.n not in (None, 1):
-        raise APIError(400, f"n must be 1, got {request.n}", param="n")
-    if request.temperature not in (None, 0, 0.0):
-        raise APIError(
-            400,
-            f"temperature must be 0 or omitted, got {request.temperature}: actmap serves greedy "
-            "answers, the decoding its detectors are trained on",
-            param="temperature",
-        )
-    if request.top_p not in (None, 1, 1.0):
-        raise APIError(400, f"top_p must be 1 or omitted, got {request.top_p}", param="top_p")
-    if max_tokens is None:
-        max_tokens = min(settings.default_max_tokens, settings.max_tokens_cap)
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if max_tokens > settings.max_tokens_cap:
-        raise APIError(
-            400,
-            f"max_tokens={max_tokens} exceeds this server's cap of {settings.max_tokens_cap}",
-            param="max_tokens",
-        )
-    stops = request.stop_strings()
-    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise APIError(
-            400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop"
-        )
-    return max_tokens
-
-
-def _check_length(engine: Engine, prompt: str, max_tokens: int, param: str) -> int:
-    n = engine.count_tokens(prompt)
-    if n + max_tokens > engine.max_context:
-        raise APIError(
-            400,
-            f"the prompt has {n} tokens; with max_tokens={max_tokens} that exceeds this "
-            f"model's context of {engine.max_context} tokens",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return n
-
-
-def _chat_job(request: ChatCompletionRequest, state: ServerState) -> Job:
-    max_tokens = _check_common(
-        request, state.settings, request.max_completion_tokens or request.max_tokens
-    )
-    if not request.messages:
-        raise APIError(400, "messages must not be empty", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-    if not any(m["content"].strip() for m in messages):
-        raise APIError(400, "messages hold no text", param="messages")
-    try:
-        prompt = state.engine.render_chat(messages)
-    except ValueError as error:
-        raise APIError(400, str(error), param="messages") from None
-    except Exception as error:  # a template that rejects the conversation (roles, order)
-        raise APIError(
-            400, f"the chat template rejected the messages: {error}", param="messages"
-        ) from None
-    n = _check_length(state.engine, prompt, max_tokens, "messages")
-    audit_text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-    return _job(request, state, prompt, n, max_tokens, "chat", audit_text)
-
-
-def _completion_job(request: CompletionRequest, state: ServerState) -> Job:
-    max_tokens = _check_common(request, state.settings, request.max_tokens)
-    prompt = request.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise APIError(400, f"one prompt per request, got {len(prompt)}", param="prompt")
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    if request.echo:
-        raise APIError(400, "echo is not supported", param="echo")
-    n = _check_length(state.engine, prompt, max_tokens, "prompt")
-    return _job(request, state, prompt, n, max_tokens, "completion", prompt)
-
-
-def _job(request, state, prompt, n, max_tokens, endpoint, audit_text) -> Job:
+def _job(request, state: ServerState, endpoint: str) -> Job:
+    """The generation job of a checked request."""
+    settings = state.settings
+    check_request(request, settings.model_name)
+    max_tokens = check_generation(request, settings.default_max_tokens, settings.max_tokens_cap)
+    prompt, audit_text = request_prompt(request, state.engine, endpoint)
+    n = check_length(state.engine, prompt, max_tokens, endpoint)
     options = request.actmap
     stream_scores = state.settings.stream_scores
     if options is not None and options.stream_scores is not None:
@@ -494,7 +356,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = engine_factory() if engine_factory else build_engine(settings)
         state = ServerState(settings, engine)
-        if settings.upstream is not None:  # probe first: a mismatch stops here, nothing started
+        if settings.proxy is not None:  # probe first: a mismatch stops here, nothing started
             state.upstream_probe = getattr(app.state, "upstream_probe", None)  # the CLI's
             await start_proxy(state)
         await start_actions(state)  # route target's client, when decisions act
@@ -505,7 +367,7 @@ def create_app(
         try:
             yield
         finally:
-            if settings.upstream is not None:
+            if settings.proxy is not None:
                 await stop_proxy(state)
             await stop_actions(state)
             await state.batcher.stop()
@@ -522,14 +384,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = (
-            f"invalid request: {where}: {first.get('msg', 'invalid value')}"
-            if where
-            else (f"invalid request: {first.get('msg', 'invalid body')}")
-        )
-        return APIError(400, message, param=where or None).response()
+        return validation_error(error.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -542,12 +397,13 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> dict:
         state: ServerState = request.app.state.actmap
+        proxy = state.settings.proxy  # proxy mode's engine
         return {
             "status": "ok",
             "model": state.settings.model_name,
             "detector": _detector_id(state),
             "queue": state.batcher.depth,
-            "upstream": state.settings.upstream,  # proxy mode's engine (None: generates here)
+            "upstream": None if proxy is None else proxy.upstream,  # None: generates here
         }
 
     @app.get("/metrics")
@@ -576,7 +432,7 @@ def create_app(
     install_feedback_route(app)
     install_review_routes(app)
     install_reload_route(app)
-    if settings.upstream is not None:
+    if settings.proxy is not None:
         install_proxy_routes(app)  # answers come from the upstream, read by teacher forcing
         app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
         return app
@@ -584,12 +440,12 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state: ServerState = request.app.state.actmap
-        return await _serve(state, body, _chat_job(body, state), "chat", request)
+        return await _serve(state, body, _job(body, state, "chat"), "chat", request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state: ServerState = request.app.state.actmap
-        return await _serve(state, body, _completion_job(body, state), "completion", request)
+        return await _serve(state, body, _job(body, state, "completion"), "completion", request)
 
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     return app
@@ -720,8 +576,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                     job.cancelled = True
                     state.metrics.requests.labels(endpoint, "504").inc()
                     message = f"request timed out after {state.settings.timeout_s:g} s"
-                    error = ErrorResponse(error=ErrorInfo(message=message, type="timeout"))
-                    yield f"data: {error.model_dump_json()}\n\n"
+                    yield APIError(504, message, type="timeout").event()
                     return
                 if event is None:
                     break
@@ -732,10 +587,7 @@ async def _stream(state: ServerState, body, job: Job, endpoint: str, started: fl
                 yield sse_event(chunks.make(event["text"], actmap=running))
             error = future.exception()
             if error is not None:
-                message = ErrorResponse(
-                    error=ErrorInfo(message=f"generation failed: {error}", type="server_error")
-                )
-                yield f"data: {message.model_dump_json()}\n\n"
+                yield APIError(500, f"generation failed: {error}", type="server_error").event()
                 return
             answer: Answer = future.result()
             await state.audit_committed([answer])

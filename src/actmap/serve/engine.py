@@ -31,7 +31,7 @@ from actmap.capture.generate import generate_batch, stop_ids
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import stop_position
 from actmap.llm.models import ModelSource
-from actmap.maps import MapConfig, build_maps, stored_form
+from actmap.maps import MapConfig, build_maps, build_maps_from_list, stored_form
 from actmap.monitor.stream import MapShift, StreamingMonitor
 from actmap.scoring.prior import em_prevalence
 from actmap.serve.loaded_run import LoadedDetector, answer_maps
@@ -89,6 +89,10 @@ class Job(Droppable):
     def watched(self) -> bool:
         return self.sink is not None or self.stream_scores or self.abort_below is not None
 
+    def ends_below(self, p: float | None) -> bool:
+        """Whether running score ``p`` ends this request (``abort_below``; abstain_early)."""
+        return p is not None and self.abort_below is not None and p < self.abort_below
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -140,6 +144,33 @@ class PrevalenceTracker:
             return self.prevalence
 
 
+class StreamEmitter:
+    """The text deltas of one streamed answer, as both engines send them (the transformers
+    step watch here, `actmap.serve.vllm_serving.StepLoop`): the tokens so far are decoded, cut
+    at a stop string, and what may be the start of a stop string or of a multi-byte character
+    is held back; each call sends the new text (and the running score, with
+    ``stream_scores``) to the job's sink."""
+
+    def __init__(self, tokenizer, job: Job) -> None:
+        self.tokenizer, self.job = tokenizer, job
+        self.sent = ""
+        self.holdback = max((len(s) for s in job.stop), default=1) - 1
+
+    def emit(self, tokens: list[int], p: float | None, t: int) -> None:
+        job = self.job
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cut = stop_position(text, job.stop, skip_leading_whitespace=True) if job.stop else None
+        if cut is not None:
+            visible = text[:cut]
+        else:  # hold back what may be the start of a stop string or of a multi-byte character
+            visible = text[: len(text) - self.holdback] if self.holdback else text
+            visible = visible.rstrip("\ufffd")
+        delta = visible[len(self.sent) :] if visible.startswith(self.sent) else ""
+        self.sent += delta
+        if delta or (p is not None and job.stream_scores):
+            job.sink({"text": delta, "n_tokens": t, "p_correct": p if job.stream_scores else None})
+
+
 class _StepWatch:
     """The ``on_step`` callback of one batch: streams deltas and running scores, ends rows."""
 
@@ -148,8 +179,7 @@ class _StepWatch:
         self.ends = stop_ids(engine.model, engine.tokenizer)
         self.length: list[int | None] = [None] * len(jobs)  # answer tokens when a row ended
         self.aborted = [False] * len(jobs)
-        self.sent = [""] * len(jobs)
-        self.holdback = max((len(s) for s in jobs[0].stop), default=1) - 1
+        self.emitters = [StreamEmitter(engine.tokenizer, job) for job in jobs]
         self.scalars = engine.detector is not None and engine.detector.needs_scalars
 
     def __call__(self, recorder, generated: torch.Tensor) -> torch.Tensor:
@@ -167,48 +197,20 @@ class _StepWatch:
                 end[i] = True
             else:
                 live.append(i)
-        scored = [  # a detector of whole answers (positions, attention) gives no running score
-            i
-            for i in live
-            if self.engine.detector is not None
-            and not self.engine.detector.needs_generations
-            and (self.jobs[i].stream_scores or self.jobs[i].abort_below is not None)
-            and (t % self.engine.score_every == 0 or t == self.jobs[i].max_tokens)
-        ]
+        scored = [i for i in live if self.engine.wants_running_score(self.jobs[i], t)]
         running = {}
         if scored:
-            maps = stored_form(
-                build_maps(
-                    recorder.pooled[scored, :, :t], [t] * len(scored), self.engine.map_config
-                )
-            )
+            maps = build_maps(recorder.pooled[scored, :, :t], [t] * len(scored), self.engine.map_config)  # fmt: skip
             scalars = prefix_scalars(recorder, generated, scored) if self.scalars else None
-            raw = self.engine.detector.predict_proba(maps, scalars)
-            p = correct_prior(raw, self.engine.policy.prior, self.engine.prevalence.prevalence)
-            running = dict(zip(scored, p.tolist(), strict=True))
+            running = dict(zip(scored, self.engine.running_scores(maps, scalars), strict=True))
         for i in live:
-            job = self.jobs[i]
             p = running.get(i)
-            if p is not None and job.abort_below is not None and p < job.abort_below:
+            if self.jobs[i].ends_below(p):
                 self.length[i], self.aborted[i] = t, True
                 end[i] = True
-            if job.sink is not None:
-                self._emit(i, generated[i], p, t)
+            if self.jobs[i].sink is not None:
+                self.emitters[i].emit(generated[i].tolist(), p, t)
         return end
-
-    def _emit(self, i: int, tokens: torch.Tensor, p: float | None, t: int) -> None:
-        job = self.jobs[i]
-        text = self.engine.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
-        cut = stop_position(text, job.stop, skip_leading_whitespace=True) if job.stop else None
-        if cut is not None:
-            visible = text[:cut]
-        else:  # hold back what may be the start of a stop string or of a multi-byte character
-            visible = text[: len(text) - self.holdback] if self.holdback else text
-            visible = visible.rstrip("\ufffd")
-        delta = visible[len(self.sent[i]) :] if visible.startswith(self.sent[i]) else ""
-        self.sent[i] += delta
-        if delta or (p is not None and job.stream_scores):
-            job.sink({"text": delta, "n_tokens": t, "p_correct": p if job.stream_scores else None})
 
     def trim(self, i: int, generation: Generation) -> Generation:
         """An aborted or cancelled row ends where it was stopped (later steps are padding)."""
@@ -330,6 +332,37 @@ class Engine:
             self.policy_version = policy_version(policy)
             self.prevalence = PrevalenceTracker(policy.prior)
 
+    # -- running scores (both engines' step loops) ----------------------------------------
+    def wants_running_score(self, job: Job, t: int) -> bool:
+        """Whether ``job`` gets a running score after its ``t``-th token: it streams scores or
+        may end early, and ``t`` is a multiple of ``score_every`` (or its last token). A
+        detector of whole answers (positions, attention) gives none."""
+        return (
+            self.detector is not None
+            and not self.detector.needs_generations
+            and (job.stream_scores or job.abort_below is not None)
+            and (t % self.score_every == 0 or t == job.max_tokens)
+        )
+
+    def running_scores(self, maps: np.ndarray, scalars: np.ndarray | None) -> list[float]:
+        """Prior-corrected p(correct) of answers so far: their maps (rounded to the stored form
+        here) and, when the detector reads them, their scalars so far."""
+        raw = self.detector.predict_proba(stored_form(maps), scalars)
+        return correct_prior(raw, self.policy.prior, self.prevalence.prevalence).tolist()
+
+    def prefix_scores(self, prefixes: Sequence[tuple[torch.Tensor, Sequence, torch.Tensor]]):
+        """`running_scores` of answers so far, each given as (its layer states up to token t,
+        the log-probs and entropies of those t tokens): the running scorer of both vLLM step
+        loops (`actmap serve --engine vllm` and the plugin), whose rows arrive one by one."""
+        with self.swap_lock:
+            maps = build_maps_from_list([states for states, _, _ in prefixes], self.map_config)
+            scalars = None
+            if self.detector.needs_scalars:
+                scalars = np.stack(
+                    [answer_scalars(lp, h.double().numpy()) for _, lp, h in prefixes]
+                )
+            return self.running_scores(maps, scalars)
+
     # -- one batch -------------------------------------------------------------------------
     def run(self, jobs: list[Job]) -> tuple[list[Answer], BatchTimings]:
         with self.swap_lock:
@@ -362,16 +395,23 @@ class Engine:
         if watch is not None:
             generations = [watch.trim(i, g) for i, g in enumerate(generations)]
         generated = time.perf_counter()
-        answers = self._score(jobs, generations, watch, started)
+        answers = self._score(jobs, generations, started, None if watch is None else watch.aborted)
         timings = BatchTimings(len(jobs), generated - started, time.perf_counter() - generated)
         return answers, timings
 
-    def score(self, jobs, generations: list[Generation], started: float) -> list[Answer]:
-        """Answers of captured ``generations`` (one per job): detector, prior, policy, audit."""
+    def score(
+        self,
+        jobs,
+        generations: list[Generation],
+        started: float,
+        aborted: list[bool] | None = None,
+    ) -> list[Answer]:
+        """Answers of captured ``generations`` (one per job): detector, prior, policy, audit;
+        ``aborted[i]``: row i was ended by its running score (decision abstain_early)."""
         with self.swap_lock:
-            return self._score(jobs, generations, None, started)
+            return self._score(jobs, generations, started, aborted)
 
-    def _score(self, jobs, generations, watch, started) -> list[Answer]:
+    def _score(self, jobs, generations, started, aborted=None) -> list[Answer]:
         if self.detector is None:  # a plain generator (e.g. the upstream of a proxy)
             return [_unscored(job, g, started) for job, g in zip(jobs, generations, strict=True)]
         scored = [i for i, g in enumerate(generations) if g.n_tokens > 0]
@@ -391,12 +431,12 @@ class Engine:
         answers, records = [], []
         map_index = {row: k for k, row in enumerate(scored)}
         for i, (job, g) in enumerate(zip(jobs, generations, strict=True)):
-            aborted = watch is not None and watch.aborted[i]
+            ended_early = aborted is not None and aborted[i]
             has_map = i in map_index
             dropped = job.cancelled  # nobody reads this answer (client gone, timed out)
             if dropped:
                 job.drop("generating")
-            if aborted:
+            if ended_early:
                 decision = "abstain_early"
             elif has_map:
                 decision = decide(float(corrected[i]), self.policy)

@@ -17,9 +17,9 @@ import asyncio
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict, Field, field_validator
 
-from actmap.serve.api_errors import APIError
 from actmap.serve.audit import UnknownMapId
 from actmap.serve.protocol import OpenAIBaseModel
+from actmap.serve.request_path import APIError
 
 MAX_ANSWER_CHARS = 20_000
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import minimize_scalar
 
-from actmap.capture.answer_scalars import with_scalars
+from actmap.detectors import check_stored_inputs, read_inputs
 from actmap.errors import ActmapUserError
 from actmap.scoring.intervals import N_RESAMPLES, Interval, resample_indices
 from actmap.scoring.metrics import ece
@@ -47,7 +47,6 @@ from actmap.serve.policy import (
     fit_policy,
     policy_intervals,
 )
-from actmap.stacked import StackedPlus, stack_inputs
 from actmap.store import MapStore
 from actmap.store.rows import Rows, balanced_rows, natural_rows
 from actmap.store.served import current_sampling, is_served
@@ -59,9 +58,10 @@ log = logging.getLogger(__name__)
 MIN_POLICY_ROWS = 100
 # log T ~ N(0, sigma^2) a priori (T within [0.37, 2.7] at 95%): a few rows cannot move T far
 TEMPERATURE_PRIOR_SIGMA = 0.5
-_LOG_T_BOUND = 7.0
-# rows a stacked actmap-plus scores at once (their position states: ~0.3 MB a row at 1.5B)
-STACKED_CHUNK = 512  # search log T in [-7, 7], as `actmap.scoring.metrics.fit_temperature`
+_LOG_T_BOUND = 7.0  # search log T in [-7, 7], as `actmap.scoring.metrics.fit_temperature`
+# rows scored at once (a stacked actmap-plus's position states: ~0.3 MB a row at 1.5B; a
+# multiple of the recipe's eval batch, so a torch detector scores the same batches)
+STORE_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -98,53 +98,25 @@ def scored(store: MapStore, detector, rows: Rows, split: str) -> NaturalScores:
     return NaturalScores(rows.row_ids(), rows.labels, p_raw, split)
 
 
-def store_p_raw(store: MapStore, detector, rows: Rows, chunk: int = STACKED_CHUNK) -> np.ndarray:
-    """(N,) raw p(correct) of ``rows`` of ``store`` by ``detector`` (a `LoadedDetector`),
-    from what it reads: the maps, and the per-answer scalars (the store's ``generations``
-    table) when it reads them. A stacked actmap-plus (`actmap.stacked`) also reads position
-    states and, with attention blocks, the generations' attention weights: read from the
-    store's side tables by `actmap.stacked.stack_inputs` (as training and compare-stacked read
-    them), ``chunk`` rows at a time."""
-    inner = getattr(detector, "detector", None)
-    if isinstance(inner, StackedPlus):
-        attention = "attention" in inner.requires
-        _check_stacked_inputs(store, inner.requires, rows.row_ids(), detector)
-        parts = [
-            inner.predict_proba(stack_inputs(store, _row_slice(rows, start, chunk), attention))
-            for start in range(0, len(rows), chunk)
-        ]
-        return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
-    if detector.needs_scalars:
-        rows = with_scalars(store, rows)
-    return np.asarray(detector.predict_proba(rows.maps, rows.scalars))
+def store_p_raw(store: MapStore, detector, rows: Rows, chunk: int = STORE_CHUNK) -> np.ndarray:
+    """(N,) raw p(correct) of ``rows`` of ``store`` by ``detector`` (a `LoadedDetector`), from
+    what it ``requires``, read by `actmap.detectors.read_inputs` (as training and
+    compare-stacked read them): the maps, the per-answer scalars, the position states and the
+    attention-carrying generations, ``chunk`` rows at a time."""
+    check_stored_inputs(store, rows.row_ids(), detector.requires, getattr(detector, "id", None))
+    parts = [
+        detector.predict_proba(
+            read_inputs(store, _row_slice(rows, start, chunk), detector.requires)
+        )
+        for start in range(0, len(rows), chunk)
+    ]
+    return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
 
 
 def _row_slice(rows: Rows, start: int, size: int) -> Rows:
     part = slice(start, start + size)
     scalars = None if rows.scalars is None else rows.scalars[part]
     return Rows(rows.row_ids()[part], rows.labels[part], rows.maps[part], scalars)
-
-
-def _check_stacked_inputs(store: MapStore, requires, ids: list, detector) -> None:
-    """A clear error when the store lacks what a stacked actmap-plus reads for ``ids``."""
-    name = getattr(detector, "id", "the stacked actmap-plus")
-    for need, table, how in (
-        ("positions", "positions", "capture with --keep-positions or run scripts/add_positions.py"),
-        ("attention", "attention", "capture with --attention-keys and --lookback-attention"),
-    ):
-        if need not in requires:
-            continue
-        if not store.has_table(table):
-            raise ActmapUserError(
-                f"{name} reads {need}, but {store.root} has no '{table}' table ({how})"
-            )
-        have = store.ids(table)
-        missing = [k for k in ids if k not in have]
-        if missing:
-            raise ActmapUserError(
-                f"{name} reads {need}, but {len(missing)} of the {len(ids)} rows to score have "
-                f"none in {store.root}'s '{table}' table, e.g. {missing[:3]} ({how})"
-            )
 
 
 def detector_train_prevalence(detector) -> float:

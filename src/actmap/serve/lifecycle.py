@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from actmap.defaults import DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
-from actmap.serve.api_errors import RETRY_AFTER_S
+from actmap.serve.request_path import RETRY_AFTER_S
 
 
 def install_readiness(app: FastAPI) -> None:

@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actmap.detectors.plus import ActMapPlus
+from actmap.detectors import DetectorInputs, live_inputs, load_detector
+from actmap.detectors.inputs import SIDE_TABLES
+from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, file_digest
 from actmap.maps import MapConfig, build_maps, build_maps_from_list, stored_form
-from actmap.stacked import StackedPlus, StackRows
 from actmap.training.run_folder import seed_folders
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 class LoadedDetector:
     """A trained detector, the id answers record it under, and the map settings it reads."""
 
-    detector: object  # a fitted CorrectnessDetector or ActMapPlus
+    detector: object  # a fitted detector (`actmap.detectors.Detector`)
     id: str  # "<name>:<run>/seed-<s>:<weights sha256 prefix>"
     map_config: MapConfig
     path: Path
@@ -46,7 +47,7 @@ class LoadedDetector:
     @property
     def requires(self) -> tuple[str, ...]:
         """What the detector reads per answer: "maps", and "scalars", "positions", "attention"
-        (the stacked actmap-plus, `actmap.stacked`)."""
+        (`actmap.detectors.inputs.INPUT_NAMES`)."""
         return tuple(self.detector.requires)
 
     @property
@@ -57,44 +58,33 @@ class LoadedDetector:
     def needs_generations(self) -> bool:
         """True when scoring reads more than maps and scalars (positions, attention): the
         whole answer's `Generation` records; no running scores over answer prefixes then."""
-        return bool({"positions", "attention"} & set(self.requires))
+        return bool(set(SIDE_TABLES) & set(self.requires))  # the parts a store keeps aside
 
     def capture_settings(self) -> dict:
-        """`CaptureConfig` fields the generation pass needs for this detector."""
-        need = set(self.requires)
-        settings = {"greybox": bool({"scalars", "attention"} & need)}
-        if "positions" in need:
-            settings["keep_positions"] = True
-        if "attention" in need:
-            keys = self.detector.config.tad_previous
-            settings.update(attention_keys=keys, lookback_attention=True)
-        return settings
+        """`CaptureConfig` fields the generation pass needs for this detector: what the
+        detector itself declares (``capture_needs()``, `actmap.capture.needs.needs_of`)."""
+        return self.detector.capture_needs()
 
     def predict_proba(
-        self, maps: np.ndarray, scalars: np.ndarray | None = None, generations=None
+        self, maps: np.ndarray | DetectorInputs, scalars: np.ndarray | None = None, generations=None
     ) -> np.ndarray:
         """(N, C, H, W) float16 maps (+ (N, 6) scalars when required, + the `Generation`
-        records for a stacked actmap-plus) -> (N,) raw p(correct)."""
-        if isinstance(self.detector, StackedPlus):
-            if generations is None and not self.needs_generations:  # its map+scalars block
-                return self.detector.predict_proba(StackRows(maps, scalars)).astype(np.float64)
-            if generations is None:
-                raise ValueError(
-                    f"{self.id} (stacked actmap-plus) reads {', '.join(self.requires)}: score "
-                    "it from the generations of a capture pass (the server does) or from a store "
-                    "(actmap.serve.fit.store_p_raw), not maps alone"
-                )
-            rows = stacked_rows(maps, scalars, generations)
-            return self.detector.predict_proba(rows).astype(np.float64)
-        return self.detector.predict_proba(maps, scalars).astype(np.float64)
-
-
-def stacked_rows(maps: np.ndarray, scalars: np.ndarray | None, generations) -> StackRows:
-    """The stacked detector's inputs of captured answers (positions and attention when kept)."""
-    positions = None
-    if all(g.positions is not None for g in generations):
-        positions = np.stack([g.positions.numpy() for g in generations])
-    return StackRows(maps, scalars, positions, list(generations))
+        records when it reads positions or attention) -> (N,) raw p(correct). A
+        `DetectorInputs` bundle (`actmap.detectors.read_inputs` of a store) is scored as it is."""
+        if isinstance(maps, DetectorInputs):
+            return self.detector.predict_proba(maps).astype(np.float64)
+        if generations is None and self.needs_generations:
+            raise ValueError(
+                f"{self.id} reads {', '.join(self.requires)}: score it from the generations "
+                "of a capture pass (the server does) or from a store "
+                "(actmap.serve.fit.store_p_raw), not maps alone"
+            )
+        inputs = (
+            live_inputs(maps, scalars, generations)
+            if self.needs_generations
+            else DetectorInputs(maps, scalars)
+        )
+        return self.detector.predict_proba(inputs).astype(np.float64)
 
 
 def _seed_folder(run: Path, seed: int | None) -> Path:
@@ -127,14 +117,13 @@ def load_detector_run(
 ) -> LoadedDetector:
     """The detector of a run folder: ``seed`` when given, else the best validation AUROC."""
     from actmap.llm.models import stored_dtype
-    from actmap.stacked import load_any_detector as load_detector
 
     run = Path(run)
     if not run.exists():
         raise FileNotFoundError(f"detector run {run} does not exist")
     folder = _seed_folder(run, seed)
     detector = load_detector(folder, device=device)
-    kind = detector.name if isinstance(detector, ActMapPlus | StackedPlus) else detector.detector
+    kind = detector.kind
     store_config = detector.metadata_.get("inputs", {}).get("store_config") or {}
     map_config = MapConfig(**store_config.get("map", {}))
     dtype = stored_dtype(store_config)
@@ -142,6 +131,17 @@ def load_detector_run(
     ident = f"{kind}:{name}:{file_digest(folder / 'model.safetensors')[:12]}"
     log.info("detector %s from %s", ident, folder)
     return LoadedDetector(detector, ident, map_config, folder, dtype, store_config.get("model"))
+
+
+def refuse_what_vllm_cannot_read(detector: LoadedDetector, instead: str) -> None:
+    """vLLM's capture (the in-process engine and the plugin) gives maps, scalars and position
+    states, not attention weights: a run that reads them is refused by name before any model
+    loads. ``instead``: what the user can do in that mode."""
+    if "attention" in detector.requires:
+        raise ActmapUserError(
+            f"{detector.id} reads attention weights (actmap-plus:full), which vLLM's capture "
+            f"does not give: {instead}"
+        )
 
 
 def generator_problem(detector: LoadedDetector, served: ModelSource) -> str | None:

@@ -18,8 +18,12 @@ one extra chunk (``choices: []`` plus ``actmap``) before ``[DONE]``. No running
 score: re-reading the answer at every token costs a teacher-forced pass per
 token (see ``benchmarks/bench_proxy.py``).
 
+A request is validated and checked as in every mode (`actmap.serve.request_path`: the same
+models, model name, ``n``, message flattening and errors); what only a generating server
+checks (greedy decoding, ``max_tokens``, stop strings) is left to the upstream.
+
 Failures (upstream unreachable, timed out, 5xx, malformed) answer 502/504 in
-OpenAI's error shape and count in ``actmap_upstream_failures_total``; nothing of
+OpenAI's error shape (`APIError`) and count in ``actmap_upstream_failures_total``; nothing of
 a failed request reaches the audit trail. An upstream 4xx goes back unchanged.
 """
 
@@ -39,7 +43,13 @@ from prometheus_client import Counter, Histogram
 from actmap.errors import ActmapUserError
 from actmap.serve.answers import ScoreJob, answer_ids, strip_end_tokens
 from actmap.serve.prometheus import LATENCY_BUCKETS
-from actmap.serve.protocol import ActmapInfo, ErrorInfo, ErrorResponse, OpenAIBaseModel
+from actmap.serve.protocol import (
+    ActmapInfo,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIBaseModel,
+)
+from actmap.serve.request_path import APIError, check_request, request_prompt
 from actmap.serve.score_endpoint import submit_scoring
 from actmap.serve.upstream import (
     ProbeResult,
@@ -81,12 +91,12 @@ class ProxyState:
 def probe_upstream(engine, settings) -> ProbeResult:
     """Which model the upstream serves and whether it is ours (`ActmapUserError`, one line, when
     it is not and ``allow_weights_mismatch`` is off, or when the upstream cannot be reached)."""
-    timeout = settings.upstream_timeout_s
+    proxy = settings.proxy
     try:
         name = upstream_model_name(
-            settings.upstream, settings.upstream_model, settings.model_name, timeout
+            proxy.upstream, proxy.model, settings.model_name, proxy.timeout_s
         )
-        probe = probe_weights(engine, settings.upstream, name, timeout, settings.upstream_dtype)
+        probe = probe_weights(engine, proxy.upstream, name, proxy.timeout_s, proxy.dtype)
     except UpstreamFailure as failure:
         raise ActmapUserError(failure.message) from None
     check_probe(probe, settings)
@@ -95,13 +105,13 @@ def probe_upstream(engine, settings) -> ProbeResult:
 
 async def start_proxy(state) -> None:
     """Open the upstream client; probe the weights unless the CLI already did (``state.probe``)."""
-    settings = state.settings
     probe = getattr(state, "upstream_probe", None)
     if probe is None:
-        probe = await asyncio.to_thread(probe_upstream, state.engine, settings)
+        probe = await asyncio.to_thread(probe_upstream, state.engine, state.settings)
     registry = state.metrics.registry
+    settings = state.settings.proxy
     state.proxy = ProxyState(
-        upstream=Upstream(settings.upstream, settings.upstream_timeout_s, settings.upstream_api_key),
+        upstream=Upstream(settings.upstream, settings.timeout_s, settings.api_key),
         upstream_model=probe.upstream_model,
         probe=probe,
         token_ids=probe.token_ids,
@@ -126,18 +136,18 @@ def check_probe(probe: ProbeResult, settings) -> None:
         )  # fmt: skip
         return
     line = (
-        f"the upstream {settings.upstream} ({probe.upstream_model}) does not serve the weights of "
-        f"{settings.model}: {probe.problem}"
+        f"the upstream {settings.proxy.upstream} ({probe.upstream_model}) does not serve the "
+        f"weights of {settings.model}: {probe.problem}"
     )
-    if not settings.allow_weights_mismatch:
+    if not settings.proxy.allow_weights_mismatch:
         raise ActmapUserError(line + " (--allow-weights-mismatch serves anyway)")
     log.warning("%s; serving anyway (--allow-weights-mismatch)", line)
 
 
-def check_read_dtype(settings, detector_dtype: str, dtype: str) -> None:
+def check_read_dtype(proxy, detector_dtype: str, dtype: str) -> None:
     """The proxy reads answers in the dtype the detector's training maps were captured in:
     another one is refused (one line) unless ``allow_dtype_mismatch``. The upstream may
-    generate in any dtype; the probe's tolerance follows it (``upstream_dtype``)."""
+    generate in any dtype; the probe's tolerance follows it (``ProxySettings.dtype``)."""
     if dtype == detector_dtype:
         return
     line = (
@@ -145,7 +155,7 @@ def check_read_dtype(settings, detector_dtype: str, dtype: str) -> None:
         f"proxy reads answers in the detector's dtype; fit one on a {dtype} store (`actmap "
         f"capture --dtype {dtype}`) or leave --dtype out"
     )
-    if not settings.allow_dtype_mismatch:
+    if not proxy.allow_dtype_mismatch:
         raise ActmapUserError(line + " (--allow-dtype-mismatch reads anyway)")
     log.warning("%s; reading in %s anyway (--allow-dtype-mismatch)", line, dtype)
 
@@ -159,68 +169,14 @@ async def stop_proxy(state) -> None:
 # -- requests -------------------------------------------------------------------------------
 
 
-def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-def _counted_failure(state, endpoint: str, failure: UpstreamFailure) -> ErrorResponse:
+def _counted_failure(state, endpoint: str, failure: UpstreamFailure) -> APIError:
     """An upstream failure logged and counted (by kind and by status), as the error the client
-    gets: a plain answer's body or a stream's last event."""
+    gets: a plain answer's body (`APIError.response`) or a stream's last event (`.event`)."""
     log.warning("%s: upstream failure (%s, %d): %s", endpoint, failure.kind, failure.status, failure.message)  # fmt: skip
     state.proxy.failures.labels(failure.kind).inc()
     state.metrics.requests.labels(endpoint, str(failure.status)).inc()
     kind = "timeout" if failure.status == 504 else "upstream_error"
-    return ErrorResponse(error=ErrorInfo(message=failure.message, type=kind, code=failure.kind))
-
-
-def _failed(state, endpoint: str, failure: UpstreamFailure) -> JSONResponse:
-    body = _counted_failure(state, endpoint, failure)
-    return JSONResponse(body.model_dump(), status_code=failure.status)
-
-
-def _prompt(state, body: dict, endpoint: str) -> tuple[str, str]:
-    """(rendered prompt, audit text) of a request; ValueError names what is wrong."""
-    if endpoint == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
-        flat = []
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # OpenAI content parts: keep the text parts
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-            if not isinstance(m, dict) or not isinstance(content, str | None):
-                raise ValueError("every message needs a role and a text content")
-            flat.append({"role": m.get("role"), "content": content or ""})
-        try:
-            prompt = state.engine.render_chat(flat)
-        except Exception as error:
-            raise ValueError(f"the chat template rejected the messages: {error}") from None
-        return prompt, "\n".join(f"{m['role']}: {m['content']}" for m in flat)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError("prompt must be one non-empty string")
-    return prompt, prompt
-
-
-def _check(state, body, endpoint: str) -> JSONResponse | tuple[str, str]:
-    settings = state.settings
-    if not isinstance(body, dict):
-        return _error(400, "the request body must be a JSON object")
-    if body.get("model") != settings.model_name:
-        return _error(
-            404, f"The model '{body.get('model')}' does not exist; this server serves "
-            f"'{settings.model_name}'", param="model", code="model_not_found",
-        )  # fmt: skip
-    if body.get("n") not in (None, 1):
-        return _error(400, f"n must be 1, got {body.get('n')}: one answer is scored", param="n")
-    try:
-        return _prompt(state, body, endpoint)
-    except ValueError as error:
-        return _error(400, str(error), param="messages" if endpoint == "chat" else "prompt")
+    return APIError(failure.status, failure.message, type=kind, code=failure.kind)
 
 
 def _answer_job(
@@ -305,12 +261,13 @@ def _block(state, answer, tokens: TokenInfo, upstream_s: float) -> dict:
     ).model_dump(exclude_none=True)
 
 
-async def proxy_request(state, body, endpoint: str):
+async def proxy_request(state, request, body: dict, endpoint: str):
+    """Answer one validated ``request`` (its JSON ``body`` is what goes upstream): the checks
+    and the prompt are every mode's (`actmap.serve.request_path`); an `APIError` raised here is
+    the app's error response."""
     started = time.perf_counter()
-    checked = _check(state, body, endpoint)
-    if isinstance(checked, JSONResponse):
-        return checked
-    prompt, audit_text = checked
+    check_request(request, state.settings.model_name)
+    prompt, audit_text = request_prompt(request, state.engine, endpoint)
     proxy: ProxyState = state.proxy
     asked_ids = bool(body.get("return_token_ids"))
     forward = {**body, "model": proxy.upstream_model}
@@ -327,7 +284,7 @@ async def proxy_request(state, body, endpoint: str):
             return JSONResponse(out, status_code=status)
         text, ids, prompt_ids = choice_text(out, endpoint)
     except UpstreamFailure as failure:
-        return _failed(state, endpoint, failure)
+        return _counted_failure(state, endpoint, failure).response()
     counted = (out.get("usage") or {}).get("completion_tokens")
     job, tokens = _answer_job(state, prompt, audit_text, endpoint, text, ids, prompt_ids, counted)
     (answer,) = await submit_scoring(state, [job])  # busy or timed out: the APIError's 429/504
@@ -343,13 +300,13 @@ async def _proxy_stream(state, forward, endpoint, prompt, audit_text, asked_ids,
     try:
         response = await proxy.upstream.open_stream(PATHS[endpoint], forward)
     except UpstreamFailure as failure:
-        return _failed(state, endpoint, failure)
+        return _counted_failure(state, endpoint, failure).response()
     except UpstreamStatus as refused:
         state.metrics.requests.labels(endpoint, str(refused.status)).inc()
         return JSONResponse(refused.body, status_code=refused.status)
 
     def error_event(failure: UpstreamFailure) -> str:
-        return f"data: {_counted_failure(state, endpoint, failure).model_dump_json()}\n\n"
+        return _counted_failure(state, endpoint, failure).event()
 
     async def events():
         parts, ids, prompt_ids, head, done = [], [], None, {}, False
@@ -405,8 +362,7 @@ async def _proxy_stream(state, forward, endpoint, prompt, audit_text, asked_ids,
             (answer,) = await submit_scoring(state, [job])
         except Exception as error:  # an APIError (busy, timeout) or a failed pass
             message = getattr(error, "message", str(error))
-            body = ErrorResponse(error=ErrorInfo(message=f"scoring failed: {message}", type="server_error"))  # fmt: skip
-            yield f"data: {body.model_dump_json()}\n\n"
+            yield APIError(500, f"scoring failed: {message}", type="server_error").event()
             return
         final = {**head, "choices": [], "actmap": _block(state, answer, tokens, upstream_s)}
         yield f"data: {json.dumps(final, ensure_ascii=False)}\n\n"
@@ -421,16 +377,16 @@ async def _proxy_stream(state, forward, endpoint, prompt, audit_text, asked_ids,
 
 
 def install_proxy_routes(app: FastAPI) -> None:
-    async def read_body(request: Request):
-        try:
-            return await request.json()
-        except ValueError:
-            return None
+    """The two completion routes of proxy mode: the request is validated by the same models
+    (and the app's same error handlers) as a server that generates; its JSON body, as the
+    client sent it, is what goes upstream."""
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await proxy_request(request.app.state.actmap, await read_body(request), "chat")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        state = request.app.state.actmap
+        return await proxy_request(state, body, await request.json(), "chat")
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await proxy_request(request.app.state.actmap, await read_body(request), "completion")
+    async def completions(body: CompletionRequest, request: Request):
+        state = request.app.state.actmap
+        return await proxy_request(state, body, await request.json(), "completion")

@@ -29,8 +29,8 @@ from fastapi import FastAPI, Request
 from pydantic import ConfigDict
 
 from actmap.errors import ActmapUserError
-from actmap.serve.api_errors import APIError
 from actmap.serve.protocol import OpenAIBaseModel
+from actmap.serve.request_path import APIError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,17 @@ class Paths:
     policy: Path | None
 
 
+def load_pair(detector: Path | None, seed: int | None, policy: Path | None, device: str):
+    """(detector or None, policy): a run folder's detector and a policy TOML (None: the
+    default policy); what the server starts with (`actmap.serve.app.load_scoring`) and what a
+    reload swaps in."""
+    from actmap.serve.loaded_run import load_detector_run
+    from actmap.serve.policy import Policy, load_policy
+
+    loaded = load_detector_run(detector, seed, device) if detector is not None else None
+    return loaded, (load_policy(policy) if policy else Policy())
+
+
 class Reloader:
     """Loads and swaps; remembers the paths in use. One reload at a time."""
 
@@ -66,9 +77,6 @@ class Reloader:
         self.paths: Paths | None = None
 
     def reload(self, state, request: ReloadRequest | None = None) -> ReloadResponse:
-        from actmap.serve.loaded_run import load_detector_run
-        from actmap.serve.policy import Policy, load_policy
-
         request = request or ReloadRequest()
         engine = state.engine
         if engine.detector is None:
@@ -81,9 +89,12 @@ class Reloader:
                 request.seed if request.seed is not None else paths.seed,
                 Path(request.policy) if request.policy else paths.policy,
             )
+            if wanted.detector is None:
+                raise ActmapUserError("no detector run folder to reload from: name one")
             started = time.perf_counter()
-            detector = load_detector_run(wanted.detector, wanted.seed, settings.device)
-            policy = load_policy(wanted.policy) if wanted.policy else Policy()
+            detector, policy = load_pair(
+                wanted.detector, wanted.seed, wanted.policy, settings.device
+            )
             previous = (engine.detector.id, engine.policy_version)
             try:
                 engine.swap(detector, policy)

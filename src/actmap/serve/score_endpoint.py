@@ -19,9 +19,9 @@ from fastapi import FastAPI, Request
 from pydantic import ConfigDict, Field
 
 from actmap.serve.answers import ScoreJob, answer_ids
-from actmap.serve.api_errors import APIError, server_busy
 from actmap.serve.batcher import QueueFull
 from actmap.serve.protocol import ChatMessage, OpenAIBaseModel
+from actmap.serve.request_path import APIError, server_busy
 
 
 class ScoreItem(OpenAIBaseModel):

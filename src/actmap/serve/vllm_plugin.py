@@ -35,31 +35,41 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from actmap.capture.vllm_engine import _end_ids
-from actmap.capture.vllm_rows import generation_from_payload
+from pydantic import ValidationError
+
+from actmap.capture.vllm_engine import end_ids
+from actmap.capture.vllm_rows import generation_from_payload, payload_arrays
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, resolve_model
-from actmap.serve.app import ServeSettings, actmap_info, audit_trail, load_scoring
+from actmap.serve.app import actmap_info, audit_trail, load_scoring
 from actmap.serve.engine import Engine, Job
-from actmap.serve.loaded_run import generator_problem
+from actmap.serve.loaded_run import generator_problem, refuse_what_vllm_cannot_read
 from actmap.serve.prometheus import ServeMetrics
+from actmap.serve.protocol import ActmapOptions
+from actmap.serve.request_path import APIError, validation_error
+from actmap.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+SCORE_PATH = "/v1/actmap/score"
 CONFIG_KEY = "actmap"
 # ServeSettings fields the plugin reads from additional_config["actmap"]
 SETTINGS = (
     "detector", "seed", "policy", "audit", "audit_text", "audit_max_rows",
-    "audit_max_age_days", "monitor", "monitor_window", "device",
+    "audit_max_age_days", "monitor", "monitor_window", "device", "stream_scores", "score_every",
+    "max_score_items",
 )  # fmt: skip
+# the plugin's own: check the detector's generator or not; serve /v1/actmap/score
+PLUGIN_SETTINGS = ("allow_generator_mismatch", "score_route")
 WORKER_EXTENSION = "actmap.capture.vllm_worker.ActmapWorker"
 
 
@@ -71,11 +81,11 @@ def plugin_settings(options: object, model: str) -> tuple[ServeSettings, dict]:
             "(a run folder from `actmap train`)"
         )
     worker = {k: options[k] for k in ("hold_s", "max_held") if k in options}
-    unknown = sorted(set(options) - set(SETTINGS) - set(worker) - {"allow_generator_mismatch"})
+    unknown = sorted(set(options) - set(SETTINGS) - set(worker) - set(PLUGIN_SETTINGS))
     if unknown:
         raise ActmapUserError(
             f"unknown actmap settings {unknown}; known: {', '.join(SETTINGS)}, hold_s, "
-            "max_held, allow_generator_mismatch"
+            f"max_held, {', '.join(PLUGIN_SETTINGS)}"
         )
     paths = {f.name for f in fields(ServeSettings) if "Path" in str(f.type)}
     values = {k: Path(v) if k in paths and v is not None else v for k, v in options.items()
@@ -83,26 +93,29 @@ def plugin_settings(options: object, model: str) -> tuple[ServeSettings, dict]:
     return ServeSettings(model=model, **values), worker
 
 
-class _Taker:
-    """Takes answers' rows from the workers, one ``collective_rpc`` for all waiting answers."""
+class _Rows:
+    """Fetches answers' rows from the workers, one ``collective_rpc`` of ``method`` for every
+    answer waiting (``actmap_take``: finished answers, taken once; ``actmap_peek``: the rows so
+    far of running ones)."""
 
-    def __init__(self, engine_client) -> None:
-        self.client = engine_client
+    def __init__(self, engine_client, method: str = "actmap_take") -> None:
+        self.client, self.method = engine_client, method
         self.waiting: dict[str, asyncio.Future] = {}
         self.task: asyncio.Task | None = None
 
     async def take(self, base: str) -> list[dict]:
-        future = asyncio.get_running_loop().create_future()
-        self.waiting[base] = future
+        future = self.waiting.get(base)
+        if future is None:
+            future = self.waiting[base] = asyncio.get_running_loop().create_future()
         if self.task is None or self.task.done():
             self.task = asyncio.create_task(self._run())
-        return await future
+        return await asyncio.shield(future)
 
     async def _run(self) -> None:
         while self.waiting:
             batch, self.waiting = self.waiting, {}
             try:
-                per_worker = await self.client.collective_rpc("actmap_take", args=(list(batch),))
+                per_worker = await self.client.collective_rpc(self.method, args=(list(batch),))
             except Exception as error:  # every waiting answer learns why
                 for future in batch.values():
                     if not future.done():
@@ -120,15 +133,27 @@ class _Taker:
 class VllmPlugin:
     """The scoring side: an `Engine` without a generator, fed with the workers' rows."""
 
-    def __init__(self, engine: Engine, taker: _Taker, ends: set[int]) -> None:
-        self.engine, self.taker, self.ends = engine, taker, ends
+    def __init__(
+        self, engine: Engine, client, ends: set[int], settings: ServeSettings | None = None
+    ) -> None:
+        self.engine, self.ends = engine, ends
+        self.settings = settings if settings is not None else ServeSettings(model="")
+        self.score_app = self.score_state = None  # POST /v1/actmap/score (score_route)
+        self.taker = _Rows(client, "actmap_take")
+        self.peeker = _Rows(client, "actmap_peek")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="actmap-score")
         self.metrics = ServeMetrics()  # actmap serve's metrics, on vLLM's /metrics
 
     def expose_metrics(self) -> None:
-        """Serve the ``actmap_*`` metrics from vLLM's own ``/metrics`` (its registry)."""
+        """Serve the ``actmap_*`` metrics from vLLM's own ``/metrics`` (its registry). With
+        several API-server processes (``--api-server-count``) vLLM serves the values every
+        process writes into ``PROMETHEUS_MULTIPROC_DIR``, which prometheus-client does for these
+        metrics too (they are made after vLLM set it): nothing to register, and each answer is
+        counted once, by the process that answered it."""
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return
         try:
             get_prometheus_registry().register(self.metrics.registry)
         except ValueError as error:  # names taken (a second plugin in this process)
@@ -155,11 +180,7 @@ class VllmPlugin:
         if not (detector.generator or {}).get("name"):
             log.warning("actmap: %s records no generator; not checked against %s",
                         detector.id, served.path)  # fmt: skip
-        if "attention" in detector.requires:
-            raise ActmapUserError(
-                f"{detector.id} reads attention weights (actmap-plus --preset full), which the "
-                "vLLM plugin does not capture yet: serve a deployable run"
-            )
+        refuse_what_vllm_cannot_read(detector, "serve a deployable run")
         dtype = str(model_config.dtype).removeprefix("torch.")
         if dtype != detector.dtype:
             log.warning("actmap: vLLM runs %s, but %s was fit on %s maps: scores may shift",
@@ -186,37 +207,83 @@ class VllmPlugin:
         tokenizer = AutoTokenizer.from_pretrained(
             model_config.tokenizer, revision=model_config.tokenizer_revision
         )
+        model = None
+        if options.get("score_route"):  # /v1/actmap/score: a transformers copy reads answers
+            from actmap.llm.models import load_model
+
+            model = (await asyncio.to_thread(
+                load_model, model_config.model, model_config.revision or "main",
+                device=settings.device, dtype=dtype,
+            ))[0]  # fmt: skip
         engine = Engine(
-            None, tokenizer, served, detector, policy,
+            model, tokenizer, served, detector, policy,
             max_context=int(model_config.max_model_len), audit=audit_trail(settings, detector),
             monitor=monitor,
         )  # fmt: skip
         log.info("actmap: scoring vLLM's answers with %s (workers: %s)", detector.id, infos)
-        plugin = cls(engine, _Taker(client), _end_ids(model_config.tokenizer, tokenizer))
+        plugin = cls(engine, client, end_ids(model_config.tokenizer, tokenizer), settings)
         plugin.expose_metrics()
+        if model is not None:
+            names = model_config.served_model_name
+            await plugin.start_score_route(names[0] if isinstance(names, list) else names)
         return plugin
 
-    def close(self) -> None:
+    async def start_score_route(self, model_name: str) -> None:
+        """``POST /v1/actmap/score`` (`actmap.serve.score_endpoint`, ``actmap serve``'s route and
+        scoring batcher) on a small app of its own, over this plugin's engine and metrics."""
+        from fastapi import FastAPI
+        from fastapi.exceptions import RequestValidationError
+
+        from actmap.serve.app import ServerState
+        from actmap.serve.score_endpoint import install_score_route
+
+        state = ServerState(replace(self.settings, served_model_name=model_name), self.engine)
+        state.metrics = self.metrics  # on vLLM's /metrics with the rest
+        await state.scorer.start()
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        app.state.actmap = state
+        install_score_route(app)
+        app.add_exception_handler(APIError, lambda request, error: error.response())
+        app.add_exception_handler(
+            RequestValidationError,
+            lambda request, error: validation_error(error.errors()).response(),
+        )
+        self.score_app, self.score_state = app, state
+
+    async def close(self) -> None:
+        if self.score_state is not None:
+            await self.score_state.scorer.stop()
         self.pool.shutdown(wait=True)
         if self.engine.audit is not None:
             self.engine.audit.close()
 
-    async def blocks(self, base: str, body: dict, endpoint: str, arrived: float) -> dict[int, dict]:
+    async def blocks(
+        self, base: str, body: dict, endpoint: str, arrived: float, tokens: int | None = None
+    ) -> dict[int, dict]:
         """choice index -> its ``actmap`` block, for the request vLLM named after ``base``
-        (``arrived``: `time.perf_counter` when the request came in, for the latency metric)."""
+        (``arrived``: `time.perf_counter` when the request came in, for the latency metric;
+        ``tokens``: the answer was ended after its first ``tokens`` tokens by ``abort_below``)."""
         items = await self.taker.take(base)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self._score, items, body, endpoint, arrived)
+        return await loop.run_in_executor(
+            self.pool, self._score, items, body, endpoint, arrived, tokens
+        )
 
-    def _score(self, items: list[dict], body: dict, endpoint: str, started: float) -> dict:
-        stop = _stop_strings(body)
-        ends = set(self.ends)
-        if body.get("ignore_eos"):
-            ends = set()
+    def _ends(self, body: dict) -> set[int]:
+        """The token ids that end this request's answers (vLLM's sampling fields)."""
+        ends = set() if body.get("ignore_eos") else set(self.ends)
         ends.update(int(t) for t in body.get("stop_token_ids") or ())
+        return ends
+
+    def _score(
+        self, items: list[dict], body: dict, endpoint: str, started: float, tokens: int | None
+    ) -> dict:
+        stop = _stop_strings(body)
+        ends = self._ends(body)
         items = sorted(items, key=lambda item: item["index"])
         generations = [
-            generation_from_payload(item, self.engine.tokenizer, ends, stop) for item in items
+            generation_from_payload(item, self.engine.tokenizer, ends, stop, tokens)
+            for item in items
         ]
         text = _audit_text(body, endpoint)
         jobs = [
@@ -224,7 +291,10 @@ class VllmPlugin:
                 stop=stop, prompt_for_audit=text, endpoint=endpoint, enqueued_at=started)
             for g in generations
         ]  # fmt: skip
-        answers = self.engine.score(jobs, generations, started) if jobs else []
+        answers = []
+        if jobs:
+            aborted = [tokens is not None] * len(jobs)  # abort_below: decision abstain_early
+            answers = self.engine.score(jobs, generations, started, aborted)
         for answer in answers:
             self.metrics.observe_answer(endpoint, answer, time.perf_counter() - started)
         if self.engine.monitor is not None and answers:
@@ -233,6 +303,41 @@ class VllmPlugin:
             item["index"]: actmap_info(self.engine, answer).model_dump()
             for item, answer in zip(items, answers, strict=True)
         }
+
+    @property
+    def gives_running_scores(self) -> bool:
+        """A detector of whole answers (position states) gives no running score."""
+        return not self.engine.detector.needs_generations
+
+    async def running(
+        self, request: _Request, choices: set[int], since: dict[int, int]
+    ) -> dict[int, tuple[float, int]]:
+        """choice -> (running p(correct), answer tokens it read) for ``choices`` of a running
+        request whose answer grew by at least ``score_every`` tokens since ``since[choice]``."""
+        items = [i for i in await self.peeker.take(request.base) if i["index"] in choices]
+        if not items:
+            return {}
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._running, items, request.body, since)
+
+    def _running(self, items: list[dict], body: dict, since: dict[int, int]) -> dict:
+        engine, ends = self.engine, self._ends(body)
+        every = max(1, int(self.settings.score_every))
+        chosen = []
+        for item in items:
+            t = min(int(item["recorded"]), len(item["token_ids"]))
+            if t == 0 or item["token_ids"][t - 1] in ends:  # the end token: scored whole next
+                continue
+            if t - since.get(item["index"], 0) >= every:
+                chosen.append((item, t))
+        if not chosen:
+            return {}
+        prefixes = []
+        for item, t in chosen:
+            states, entropies, _ = payload_arrays(item)
+            prefixes.append((states[:, :t], item["logprobs"][:t], entropies[:t]))
+        p = engine.prefix_scores(prefixes)  # the running scorer of both vLLM step loops
+        return {item["index"]: (float(v), t) for (item, t), v in zip(chosen, p, strict=True)}
 
 
 def _served_source(model_config) -> ModelSource:
@@ -274,10 +379,16 @@ class ActmapMiddleware:
     def __init__(self, app) -> None:
         self.app = app
         self.plugin: VllmPlugin | None = None
+        # the request ids vLLM names this process's answers after, while they run: a client
+        # that sends one X-Request-Id twice at once gets a suffix on the second (the rows are
+        # taken by this id; duplicates across API-server processes are not told apart)
+        self.in_flight: set[str] = set()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             return await self._lifespan(scope, receive, send)
+        if scope["type"] == "http" and scope.get("path") == SCORE_PATH and self.plugin is not None:
+            return await self._score_route(scope, receive, send)
         endpoint = ENDPOINTS.get(scope.get("path", ""))
         if (
             scope["type"] != "http"
@@ -296,10 +407,20 @@ class ActmapMiddleware:
                 except (ActmapUserError, FileNotFoundError, ValueError) as error:
                     message = {"type": "lifespan.startup.failed", "message": f"actmap: {error}"}
             elif message["type"] == "lifespan.shutdown.complete" and self.plugin is not None:
-                self.plugin.close()
+                await self.plugin.close()
             await send(message)
 
         await self.app(scope, receive, wrapped)
+
+    async def _score_route(self, scope, receive, send) -> None:
+        if self.plugin.score_app is None:
+            error = APIError(
+                400, "scoring existing answers reads them with a transformers copy of the model "
+                f"in vLLM's API server: start it with --additional-config "
+                f"""'{{"{CONFIG_KEY}": {{"score_route": true, ...}}}}'""", param="score_route",
+            )  # fmt: skip
+            return await error.response()(scope, receive, send)
+        return await self.plugin.score_app(scope, receive, send)
 
     async def _request(self, scope, receive, send, endpoint: str) -> None:
         chunks, more = [], True
@@ -310,6 +431,30 @@ class ActmapMiddleware:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         raw = b"".join(chunks)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        headers = list(scope["headers"])
+        request = None
+        if isinstance(body, dict):  # else vLLM answers it with its own error
+            try:
+                request, raw = self._read(body, raw, endpoint)
+            except APIError as error:
+                return await error.response()(scope, receive, send)
+            base = next(
+                (v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None
+            )
+            if base is None:
+                base = f"actmap-{uuid.uuid4().hex}"
+            elif base in self.in_flight:  # a client's id twice at once: rows told apart
+                base = f"{base}-{uuid.uuid4().hex[:8]}"
+            request = replace(request, base=base)
+            headers = [(k, v) for k, v in headers
+                       if k.lower() not in (b"content-length", b"x-request-id")]  # fmt: skip
+            headers += [(b"x-request-id", base.encode()),
+                        (b"content-length", str(len(raw)).encode())]  # fmt: skip
+            scope = {**scope, "headers": headers}
         replayed = False
 
         async def replay():
@@ -317,28 +462,65 @@ class ActmapMiddleware:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()
+            if request is None or request.abort_below is None:
+                return await receive()
+            # an answer abort_below ends: vLLM hears a client that left, and aborts it
+            client = asyncio.ensure_future(receive())
+            ended = asyncio.ensure_future(request.ended.wait())
+            done, _ = await asyncio.wait({client, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if client in done:
+                ended.cancel()
+                return client.result()
+            client.cancel()
+            return {"type": "http.disconnect"}
 
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):  # vLLM answers it with its own error
+        if request is None:
             return await self.app(scope, replay, send)
-        headers = list(scope["headers"])
-        base = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None)
-        if base is None:
-            base = f"actmap-{uuid.uuid4().hex}"
-            headers.append((b"x-request-id", base.encode()))
-            scope = {**scope, "headers": headers}
+        self.in_flight.add(request.base)
+        try:
+            if request.stream:
+                sender = _StreamSender(send, self.plugin, request)
+                await self.app(scope, replay, sender)
+                await sender.end_early()
+            else:
+                await self.app(scope, replay, _JsonSender(send, self.plugin, request))
+        finally:
+            self.in_flight.discard(request.base)
+
+    def _read(self, body: dict, raw: bytes, endpoint: str) -> tuple[_Request, bytes]:
+        """The request as the middleware sees it, and the body vLLM gets (without ``actmap``,
+        actmap's own per-request options: ``stream_scores``, ``abort_below``)."""
+        options = ActmapOptions()
+        if "actmap" in body:
+            try:
+                options = ActmapOptions.model_validate(body.pop("actmap") or {})
+            except ValidationError as error:  # named as actmap.<field>
+                errors = [{**e, "loc": ("actmap", *e.get("loc", ()))} for e in error.errors()]
+                raise validation_error(errors) from None
+            raw = json.dumps(body).encode()
         n = body.get("n")
         n = n if isinstance(n, int) and n > 1 else 1
-        request = _Request(base, body, endpoint, n, time.perf_counter())
-        if body.get("stream"):
-            sender = _StreamSender(send, self.plugin, request)
-        else:
-            sender = _JsonSender(send, self.plugin, request)
-        await self.app(scope, replay, sender)
+        stream = bool(body.get("stream"))
+        if options.abort_below is not None and not stream:
+            raise APIError(
+                400, "actmap.abort_below needs stream: true on vLLM's server (the answer is ended "
+                "while it streams)", param="actmap.abort_below",
+            )  # fmt: skip
+        if options.abort_below is not None and n > 1:
+            raise APIError(
+                400, "actmap.abort_below needs n = 1 (vLLM ends a request's choices together)",
+                param="actmap.abort_below",
+            )  # fmt: skip
+        scores = self.plugin.settings.stream_scores
+        if options.stream_scores is not None:
+            scores = options.stream_scores
+        running = self.plugin.gives_running_scores
+        request = _Request(
+            "", body, endpoint, n, time.perf_counter(), stream=stream,
+            stream_scores=stream and bool(scores) and running,
+            abort_below=options.abort_below if running else None,
+        )  # fmt: skip
+        return request, raw
 
 
 @dataclass(frozen=True)
@@ -350,9 +532,17 @@ class _Request:
     endpoint: str  # chat | completion
     n: int  # choices
     arrived: float  # time.perf_counter()
+    stream: bool = False
+    stream_scores: bool = False  # a running score in every streamed chunk
+    abort_below: float | None = None  # end the answer when its running score falls below
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # abort_below fired
 
-    async def blocks(self, plugin: VllmPlugin) -> dict[int, dict]:
-        return await plugin.blocks(self.base, self.body, self.endpoint, self.arrived)
+    @property
+    def watched(self) -> bool:
+        return self.stream_scores or self.abort_below is not None
+
+    async def blocks(self, plugin: VllmPlugin, tokens: int | None = None) -> dict[int, dict]:
+        return await plugin.blocks(self.base, self.body, self.endpoint, self.arrived, tokens)
 
 
 class _JsonSender:
@@ -397,7 +587,15 @@ class _JsonSender:
 class _StreamSender:
     """Passes vLLM's server-sent events through as they come; before ``data: [DONE]`` adds one
     chunk with the ``actmap`` block (``choices: []``; with ``n > 1`` one entry per choice,
-    ``{"index", "delta": {}, "actmap"}``)."""
+    ``{"index", "delta": {}, "actmap"}``).
+
+    A watched request (``stream_scores``, ``abort_below``) has its rows so far read from the
+    workers at each chunk (``actmap_peek``) and scored: ``stream_scores`` puts the running
+    score (``{"p_correct", "n_tokens"}``, as ``actmap serve``) in the chunk (per choice with
+    ``n > 1``); a score below ``abort_below`` ends the answer: the chunk goes out, vLLM aborts
+    the request (it hears a client that left), and once it has, one more chunk
+    (``finish_reason: "stop"``) carries the block of the answer's first ``n_tokens`` tokens,
+    decision ``abstain_early``, then ``data: [DONE]``."""
 
     def __init__(self, send, plugin: VllmPlugin, request: _Request) -> None:
         self.send, self.plugin, self.request = send, plugin, request
@@ -405,8 +603,13 @@ class _StreamSender:
         self.pending = b""
         self.head: dict | None = None
         self.failed = False
+        self.scored: dict[int, int] = {}  # choice -> answer tokens of its last running score
+        self.cut: int | None = None  # abort_below ended the answer after this many tokens
+        self.done = False  # the client's stream is complete
 
     async def __call__(self, message) -> None:
+        if self.done:  # the rest of an answer abort_below ended: nobody reads it
+            return None
         if message["type"] == "http.response.start":
             headers = dict((k.lower(), v) for k, v in message.get("headers", []))
             self.streaming = message["status"] == 200 and headers.get(
@@ -424,27 +627,83 @@ class _StreamSender:
                 if not self.failed:
                     out.append(await self._final())
             else:
-                self._look(data)
+                chunk = self._look(data)
+                if chunk is not None and self.request.watched and chunk.get("choices"):
+                    event = await self._running(chunk, event)
             out.append(event + b"\n\n")
+            if self.cut is not None:  # the rest comes once vLLM has aborted (`end_early`)
+                self.pending = b""
+                self.request.ended.set()
+                await self.send({"type": "http.response.body", "body": b"".join(out),
+                                 "more_body": True})  # fmt: skip
+                self.done = True
+                return None
         more = message.get("more_body", False)
         if not more:
             out.append(self.pending)
             self.pending = b""
+            self.done = True
         await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": more})
 
-    def _look(self, data: bytes) -> None:
+    def _look(self, data: bytes) -> dict | None:
         if not data.startswith(b"data: "):
-            return
+            return None
         try:
             chunk = json.loads(data[6:])
         except ValueError:
-            return
+            return None
         if not isinstance(chunk, dict):
-            return
+            return None
         if "error" in chunk:
             self.failed = True
-        elif self.head is None and "id" in chunk:
+            return None
+        if self.head is None and "id" in chunk:
             self.head = {k: chunk[k] for k in ("id", "object", "created", "model") if k in chunk}
+        return chunk
+
+    async def _running(self, chunk: dict, event: bytes) -> bytes:
+        """The chunk with its running score(s); sets ``cut`` when abort_below fires."""
+        request = self.request
+        choices = {c.get("index", 0) for c in chunk["choices"] if isinstance(c, dict)}
+        try:
+            running = await self.plugin.running(request, choices, self.scored)
+        except Exception:
+            log.exception("actmap: running score of request %s failed", request.base)
+            return event
+        if not running:
+            return event
+        for index, (_, t) in running.items():
+            self.scored[index] = t
+        if request.stream_scores:
+            blocks = {i: {"p_correct": p, "n_tokens": t} for i, (p, t) in running.items()}
+            if request.n == 1:
+                chunk["actmap"] = blocks[0]
+            else:
+                for choice in chunk["choices"]:
+                    if choice.get("index", 0) in blocks:
+                        choice["actmap"] = blocks[choice.get("index", 0)]
+            event = b"data: " + json.dumps(chunk, ensure_ascii=False).encode()
+        if request.abort_below is not None and 0 in running:
+            p, t = running[0]
+            if p < request.abort_below:
+                self.cut = t
+        return event
+
+    async def end_early(self) -> None:
+        """After vLLM has aborted an answer abort_below ended: its block, then ``[DONE]``."""
+        if self.cut is None:
+            return
+        chunk = {**(self.head or {}), "choices": [], "actmap": _missing(0)}
+        empty = {"delta": {}} if self.request.endpoint == "chat" else {"text": ""}
+        chunk["choices"] = [{"index": 0, **empty, "finish_reason": "stop"}]
+        try:
+            blocks = await self.request.blocks(self.plugin, tokens=self.cut)
+            chunk["actmap"] = blocks.get(0, _missing(0))
+        except Exception:
+            log.exception("actmap: scoring request %s failed", self.request.base)
+        tail = b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+        await self.send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n",
+                         "more_body": False})  # fmt: skip
 
     async def _final(self) -> bytes:
         try:

@@ -3,7 +3,8 @@
 The server's API, validation, ``actmap`` block, policy, prior correction, audit trail,
 shift monitor and streaming are those of `actmap.serve.app`; only what generates changes.
 `VllmServeEngine` is an `actmap.serve.engine.Engine` (the same prompt rendering and the
-same scoring of finished answers, `Engine._score`) whose generator is an in-process
+same scoring of finished answers, `Engine.score`; the same running scores and stream emitter,
+`Engine.running_scores` and `actmap.serve.engine.StreamEmitter`) whose generator is an in-process
 `actmap.capture.vllm_engine.VllmCapture`. `StepLoop` takes the batcher's place: one thread
 runs vLLM's engine step after step; a request submitted from the event loop is added to the
 engine before the next step, so it joins the running batch (continuous batching) instead of
@@ -23,17 +24,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
-from actmap.capture.answer_scalars import answer_scalars
 from actmap.capture.records import CaptureConfig, Generation
-from actmap.capture.stopping import stop_position
 from actmap.capture.vllm_engine import VllmCapture, VllmOptions, enforce_eager_for
 from actmap.errors import ActmapUserError
-from actmap.maps import build_maps_from_list, stored_form
 from actmap.serve.batcher import QueueFull
-from actmap.serve.engine import BatchTimings, Engine, Job
-from actmap.serve.policy import correct_prior
+from actmap.serve.engine import BatchTimings, Engine, Job, StreamEmitter
+from actmap.serve.loaded_run import refuse_what_vllm_cannot_read
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +57,11 @@ class VllmServeEngine(Engine):
         raise RuntimeError("the vLLM engine is driven by its StepLoop")
 
 
-@dataclass
-class _Aborted:
-    """What `Engine._score` reads of a step watch: which rows ended early."""
-
-    aborted: list[bool]
-
-
 @dataclass(eq=False)
 class _Live:
     job: Job
     key: str
-    sent: str = ""
-    holdback: int = 0
+    emitter: StreamEmitter | None  # None: the request does not stream
 
 
 class StepLoop:
@@ -151,8 +139,8 @@ class StepLoop:
             except (ActmapUserError, ValueError) as error:
                 self._fail(job, error)
                 continue
-            holdback = max((len(s) for s in job.stop), default=1) - 1
-            self._live[key] = _Live(job, key, holdback=holdback)
+            emitter = StreamEmitter(self.engine.tokenizer, job) if job.sink is not None else None
+            self._live[key] = _Live(job, key, emitter)
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -177,74 +165,45 @@ class StepLoop:
             self._finish(finished, started, generated)
 
     def _watch(self, lives: list[_Live]) -> list[tuple[_Live, Generation, bool]]:
-        """Stream deltas and running scores; end requests below their ``abort_below``."""
+        """Stream deltas and running scores; end requests below their ``abort_below`` (the
+        running scorer and the emitter are the transformers engine's: `Engine.prefix_scores`,
+        `actmap.serve.engine.StreamEmitter`)."""
         engine = self.engine
-        ended = []
         scored = []
         for live in lives:
-            request = self.capture._requests[live.key]
+            request = self.capture.in_flight(live.key)
             t = len(request.token_ids)
             if request.token_ids and request.token_ids[-1] in self.capture.ends:
                 continue  # the end token: the finished answer is scored next
-            job = live.job
-            if engine.detector.needs_generations:  # scores whole answers only (positions)
-                continue
-            if (job.stream_scores or job.abort_below is not None) and (
-                t % engine.score_every == 0 or t == job.max_tokens
-            ):
+            if engine.wants_running_score(live.job, t):
                 scored.append((live, request, t))
         running = {}
         if scored:
-            maps = stored_form(
-                build_maps_from_list([r.states[:, :t] for _, r, t in scored], engine.map_config)
-            )
-            scalars = None
-            if engine.detector.needs_scalars:
-                scalars = np.stack(
-                    [
-                        answer_scalars(r.logprobs[:t], r.entropies[:t].double().numpy())
-                        for _, r, t in scored
-                    ]
-                )
-            raw = engine.detector.predict_proba(maps, scalars)
-            p = correct_prior(raw, engine.policy.prior, engine.prevalence.prevalence)
-            running = {live.key: float(v) for (live, _, _), v in zip(scored, p, strict=True)}
+            prefixes = [(r.states[:, :t], r.logprobs[:t], r.entropies[:t]) for _, r, t in scored]
+            p = engine.prefix_scores(prefixes)
+            running = {live.key: v for (live, _, _), v in zip(scored, p, strict=True)}
+        ended = []
         for live in lives:
             p = running.get(live.key)
-            job = live.job
-            request = self.capture._requests.get(live.key)
+            request = self.capture.in_flight(live.key)
             if request is None:
                 continue
-            if job.sink is not None:
-                self._emit(live, request.token_ids, p, len(request.token_ids))
-            if p is not None and job.abort_below is not None and p < job.abort_below:
+            if live.emitter is not None:
+                live.emitter.emit(request.token_ids, p, len(request.token_ids))
+            if live.job.ends_below(p):
                 ended.append((live, self.capture.cut(live.key), True))
         return ended
-
-    def _emit(self, live: _Live, tokens: list[int], p: float | None, t: int) -> None:
-        job = live.job
-        text = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
-        cut = stop_position(text, job.stop, skip_leading_whitespace=True) if job.stop else None
-        if cut is not None:
-            visible = text[:cut]
-        else:  # hold back what may be the start of a stop string or of a multi-byte character
-            visible = text[: len(text) - live.holdback] if live.holdback else text
-            visible = visible.rstrip("\ufffd")
-        delta = visible[len(live.sent) :] if visible.startswith(live.sent) else ""
-        live.sent += delta
-        if delta or (p is not None and job.stream_scores):
-            job.sink({"text": delta, "n_tokens": t, "p_correct": p if job.stream_scores else None})
 
     def _finish(self, finished, started: float, generated: float) -> None:
         jobs = [live.job for live, _, _ in finished]
         for live, _, _ in finished:
             self._live.pop(live.key, None)
         try:
-            answers = self.engine._score(
+            answers = self.engine.score(
                 jobs,
                 [g for _, g, _ in finished],
-                _Aborted([aborted for _, _, aborted in finished]),
                 started,
+                aborted=[aborted for _, _, aborted in finished],
             )
         except Exception as error:
             log.exception("scoring %d answers failed", len(jobs))
@@ -287,16 +246,12 @@ class StepLoop:
 
 def build_vllm_engine(settings, detector, policy, audit, monitor, dtype: str) -> VllmServeEngine:
     """The generator of ``actmap serve --engine vllm`` (called by `actmap.serve.app.build_engine`)."""
-    if "attention" in detector.requires:
-        raise ActmapUserError(
-            f"{detector.id} reads attention weights (actmap-plus --preset full), which the vLLM "
-            "engine does not capture: serve a deployable run, or use --engine local"
-        )
+    refuse_what_vllm_cannot_read(detector, "serve a deployable run, or use --engine local")
     capture = VllmCapture(
         settings.model,
         dtype,
         VllmOptions(
-            max_num_seqs=settings.max_batch, enforce_eager=enforce_eager_for(settings.vllm_compile)
+            max_num_seqs=settings.max_batch, enforce_eager=enforce_eager_for(settings.vllm.compile)
         ),
         greybox=detector.needs_scalars,
         max_context=settings.max_context,  # None: the model's own limit

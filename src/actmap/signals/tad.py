@@ -31,10 +31,10 @@ from scipy.linalg import LinAlgWarning
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
-from actmap.baselines.greybox import answer_steps, captured_attention
 from actmap.capture.records import Generation
 from actmap.scoring.contract import ScoreResult, negate
 from actmap.scoring.metrics import auroc
+from actmap.signals.steps import answer_steps, captured_attention
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from actmap.baselines.greybox import answer_steps, captured_attention
 from actmap.capture.records import Generation
 from actmap.scoring.contract import ScoreResult, negate
+from actmap.signals.steps import answer_steps, captured_attention
 
 
 def rauq_layers(n_layers: int) -> list[int]:

@@ -26,9 +26,10 @@ is fit as well, outside the stack, and replaces the stack when its validation AU
     full         everything, attention weights included
 
 The artifact is actmap-plus's: ``model.safetensors`` (every fitted array) + ``config.json``
-(``detector: actmap-plus``, ``schema_version: 2``), loaded by `load` (or `load_plus`, which
-opens either version). It lives outside `actmap.detectors` because it reads the RAUQ and TAD
-baselines (tests/test_imports.py states the rule).
+(``detector: actmap-plus``, ``schema_version: 2``), loaded by `StackedPlus.load` (and by
+`actmap.detectors.load_detector`, which opens every kind). RAUQ's and TAD's formulas come from
+`actmap.signals`, the low room the baselines read them from too. Registered as
+``actmap-plus:deployable`` and ``actmap-plus:full`` (`actmap.detectors.catalog`).
 """
 
 from __future__ import annotations
@@ -44,18 +45,13 @@ from typing import Any
 
 import numpy as np
 
-from actmap.artifacts import package_version, write_json
-from actmap.atomic import atomic_path
-from actmap.baselines.rauq import RAUQ
-from actmap.baselines.tad import TAD
-from actmap.capture.answer_scalars import scalars_from_store
-from actmap.capture.from_store import read_generations
+from actmap.capture.needs import needs_of
 from actmap.capture.positions import POSITION_NAMES
-from actmap.detectors import load_detector
-from actmap.detectors.plus import ActMapPlus
-from actmap.maps import saturated_float16
+from actmap.detectors.inputs import DetectorInputs, as_inputs
+from actmap.detectors.plus import PriorShifted
 from actmap.scoring import metrics
-from actmap.scoring.prior import shift_to_prevalence, sigmoid
+from actmap.signals.rauq import RAUQ
+from actmap.signals.tad import TAD
 
 log = logging.getLogger(__name__)
 
@@ -97,23 +93,6 @@ class StackConfig:
             raise ValueError(f"selection must be 'all' or 'greedy', got {self.selection!r}")
 
 
-@dataclass
-class StackRows:
-    """What the stacked detector reads for N answers.
-
-    maps (N, C, H, W); scalars (N, 6); positions (N, 4, L, D) float16 or None;
-    generations: `Generation` records with ``attention`` (full preset) or None.
-    """
-
-    maps: np.ndarray
-    scalars: np.ndarray | None = None
-    positions: np.ndarray | None = None
-    generations: list | None = None
-
-    def __len__(self) -> int:
-        return len(self.maps)
-
-
 # --- features of each block ---------------------------------------------------------------------
 
 
@@ -153,7 +132,7 @@ def flat_maps(maps: np.ndarray) -> np.ndarray:
     return x.reshape(len(x), -1)
 
 
-def position_slice(rows: StackRows, position: str, layer: int) -> np.ndarray:
+def position_slice(rows: DetectorInputs, position: str, layer: int) -> np.ndarray:
     if rows.positions is None:
         raise ValueError(
             "the probe blocks read position states; capture with --keep-positions "
@@ -216,7 +195,7 @@ class LinearBlock:
         return ((x - self.mean) / self.scale) @ self.coef + self.intercept
 
 
-class StackedPlus:
+class StackedPlus(PriorShifted):
     """actmap-plus v2: blocks fit on training rows, stacked on their out-of-fold logits.
 
     Learned state: ``blocks_`` (name -> `LinearBlock`), ``pca_`` (map mean and components),
@@ -246,7 +225,16 @@ class StackedPlus:
             need.append("attention")
         return tuple(need)
 
-    def _features(self, block: str, rows: StackRows, layer: int | None = None) -> np.ndarray:
+    @property
+    def kind(self) -> str:
+        """The name its artifact and served answers record (``detector`` in config.json)."""
+        return NAME
+
+    def capture_needs(self) -> dict:
+        """`CaptureConfig` fields a capture pass needs for it (`actmap.capture.needs.needs_of`)."""
+        return needs_of(self.requires, self.config.tad_previous, lookback=True)
+
+    def _features(self, block: str, rows: DetectorInputs, layer: int | None = None) -> np.ndarray:
         if block == "map":
             return (flat_maps(rows.maps) - self.pca_[0]) @ self.pca_[1].T
         if block in ("scalars", FALLBACK):
@@ -275,7 +263,7 @@ class StackedPlus:
     # --- fitting ---------------------------------------------------------------------------
 
     def fit(
-        self, train: StackRows, y: Any, val: StackRows, y_val: Any, sample_weight: Any = None
+        self, inputs: Any, y: Any, val_inputs: Any, y_val: Any, sample_weight: Any = None
     ) -> StackedPlus:
         """Fit every block of the preset on ``train``, choose on ``val``, stack; returns self.
 
@@ -286,6 +274,7 @@ class StackedPlus:
         from sklearn.decomposition import PCA
         from sklearn.model_selection import StratifiedKFold
 
+        train, val = as_inputs(inputs), as_inputs(val_inputs)
         cfg = self.config
         if train.generations and train.generations[0].attention is not None:
             stored = int(train.generations[0].attention.shape[-1])  # K the capture kept
@@ -343,7 +332,7 @@ class StackedPlus:
         self.metadata_: dict[str, Any] = {}
         return self
 
-    def _has_inputs(self, block: str, rows: StackRows) -> bool:
+    def _has_inputs(self, block: str, rows: DetectorInputs) -> bool:
         if block in ("scalars", FALLBACK):
             return rows.scalars is not None
         if block.startswith("probe:"):
@@ -454,29 +443,22 @@ class StackedPlus:
 
     # --- scoring ---------------------------------------------------------------------------
 
-    def decision_function(self, rows: StackRows) -> np.ndarray:
-        """(N,) logits at ``calibrated_prevalence_``; higher = more likely correct."""
+    def decision_function(self, inputs: Any, scalars: Any = None) -> np.ndarray:
+        """(N,) logits at ``calibrated_prevalence_``; higher = more likely correct. ``inputs``:
+        a `DetectorInputs` holding what ``requires`` names (bare maps with ``scalars`` score
+        the map+scalars block alone)."""
         if not hasattr(self, "meta_"):
             from sklearn.exceptions import NotFittedError
 
             raise NotFittedError("this StackedPlus is not fitted; call fit() or load()")
+        rows = as_inputs(inputs, scalars)
         logits = {b: self.blocks_[b].logits(self._features(b, rows)) for b in self.selected_}
         return self.meta_.logits(self._stack(logits, self.selected_))
-
-    def predict_proba(self, rows: StackRows, prevalence: float | None = None) -> np.ndarray:
-        p = sigmoid(self.decision_function(rows))
-        if prevalence is None:
-            return p
-        return shift_to_prevalence(p, prevalence, self.calibrated_prevalence_)
 
     # --- persistence -----------------------------------------------------------------------
 
     def save(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path:
         """Write model.safetensors (every fitted array) and config.json into ``directory``."""
-        from safetensors.numpy import save_file
-
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
         arrays = {"pca.mean": self.pca_[0], "pca.components": self.pca_[1]}
         blocks = {}
         for name, b in [*self.blocks_.items(), ("stack", self.meta_)]:
@@ -497,31 +479,20 @@ class StackedPlus:
                 "ridge_intercept": float(self.tad_.model_.intercept_),
                 "n_features_in": int(self.tad_.n_features_in_),
             }
-        with atomic_path(out / "model.safetensors") as tmp:
-            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
-        write_json(
-            out / "config.json",
-            {
-                "schema_version": SCHEMA_VERSION,
-                "actmap_version": package_version(),
-                "detector": NAME,
-                "stack_config": asdict(self.config),
-                "requires": list(self.requires),
-                "selected": self.selected_,
-                "blocks": blocks,
-                "tad": tad,
-                "validation": self.validation_,
-                "n_train": self.n_train_,
-                "train_prevalence": self.train_prevalence_,
-                "calibrated_prevalence": self.calibrated_prevalence_,
-                "metadata": {**self.metadata_, **(metadata or {})},
-            },
-        )
-        return out
+        fields = {
+            "stack_config": asdict(self.config),
+            "requires": list(self.requires),
+            "selected": self.selected_,
+            "blocks": blocks,
+            "tad": tad,
+            "validation": self.validation_,
+        }
+        return self._write(directory, arrays, SCHEMA_VERSION, fields, metadata)
 
     @classmethod
-    def load(cls, directory: str | Path) -> StackedPlus:
-        """Restore a saved stacked actmap-plus; it scores exactly as the one saved."""
+    def load(cls, directory: str | Path, device: str | None = None) -> StackedPlus:
+        """Restore a saved stacked actmap-plus; it scores exactly as the one saved (numpy:
+        ``device`` is not read)."""
         from safetensors.numpy import load_file
 
         src = Path(directory)
@@ -553,12 +524,8 @@ class StackedPlus:
             est.tad_.alpha_, est.tad_.aggregation_ = t["alpha"], t["aggregation"]
             est.tad_.stage1_alpha_, est.tad_.n_features_in_ = t["stage1_alpha"], t["n_features_in"]
         est.validation_ = cfg.get("validation", {})
-        est.n_train_, est.train_prevalence_ = cfg["n_train"], cfg["train_prevalence"]
-        est.calibrated_prevalence_ = cfg["calibrated_prevalence"]
-        est.metadata_ = cfg.get("metadata", {})
+        est._restore_fit_record(cfg)
         return est
-
-    from_pretrained = load
 
 
 def _labels(y: Any, n: int) -> np.ndarray:
@@ -582,68 +549,3 @@ def _read_config(src: Path) -> dict:
         if not (src / name).is_file():
             raise FileNotFoundError(f"{src / name} does not exist")
     return json.loads((src / "config.json").read_text())
-
-
-def load_plus(directory: str | Path):
-    """A saved actmap-plus of either version: v1 (`ActMapPlus`) or v2 (`StackedPlus`)."""
-
-    cfg = _read_config(Path(directory))
-    if cfg.get("schema_version") == SCHEMA_VERSION:
-        return StackedPlus.load(directory)
-    return ActMapPlus.from_pretrained(directory)
-
-
-def load_any_detector(directory: str | Path, device: str | None = None):
-    """`actmap.detectors.load_detector`, plus the stacked actmap-plus."""
-
-    config = Path(directory) / "config.json"
-    if config.is_file():
-        cfg = json.loads(config.read_text())
-        if cfg.get("detector") == NAME and cfg.get("schema_version") == SCHEMA_VERSION:
-            return StackedPlus.load(directory)
-    return load_detector(directory, device=device)
-
-
-# --- store rows ------------------------------------------------------------------------------
-
-
-def read_positions(store, ids: Sequence[str]) -> np.ndarray:
-    """(N, 4, L, D) float16 position states of ``ids`` (only those rows are read)."""
-    arrays = store.read_arrays("positions", ids, hint="scripts/add_positions.py adds them")
-    states = np.stack([arrays[k] for k in ids])
-    nan = np.isnan(states).reshape(len(ids), -1).any(axis=1)
-    if nan.any():
-        bad = [k for k, b in zip(ids, nan, strict=True) if b]
-        raise ValueError(
-            f"{store.root}: {len(bad)} rows have NaN position states, e.g. {bad[:3]}: "
-            "the probes cannot read them"
-        )
-    # a store written before capture saturated float16 (`saturated_float16`) holds inf where a
-    # state left float16's range: read it as the saturated value capture now stores (in place:
-    # the stack is this call's own array, up to a gigabyte for a large store)
-    return saturated_float16(states)
-
-
-def stack_rows(store, ids: Sequence[str], attention: bool, maps=None, scalars=None) -> StackRows:
-    """The inputs of ``ids`` from a store: maps, scalars, positions when stored, and (with
-    ``attention``) the generations with their attention weights when stored."""
-
-    ids = list(ids)
-    if maps is None:
-        maps, _ = store.load_maps(ids)
-    if scalars is None:
-        scalars = scalars_from_store(store, ids)
-    positions = None
-    if store.has_table("positions"):
-        positions = read_positions(store, ids)
-    gens = None
-    if attention and store.has_table("attention"):
-        gens = read_generations(store, ids)
-    return StackRows(maps, scalars, positions, gens)
-
-
-def stack_inputs(store, rows, attention: bool) -> StackRows:
-    """`stack_rows` of a `actmap.store.rows.Rows` set of ``store``: its maps and scalars (read
-    from the store when ``rows`` holds none), the rest from the store's side tables. Training,
-    compare-stacked and the policy fit (`actmap.serve.fit.store_p_raw`) all read inputs here."""
-    return stack_rows(store, rows.row_ids(), attention, rows.maps, rows.scalars)
