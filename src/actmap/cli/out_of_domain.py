@@ -58,7 +58,7 @@ def adapt_generalist_run(stores: list[Path], generalist: Path, out: Path, detect
     if summary["own_run_suggested"]:
         console.print(
             f"  {OWN_RUN_MIN}+ labelled answers of each class: the task's own run may do better "
-            f"(actmap train --detector actmap-plus --store {stores[0]})"
+            f"(actmap train --detector actmap-plus:full --store {stores[0]})"
         )
     return summary
 
