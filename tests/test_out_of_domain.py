@@ -46,6 +46,17 @@ class NoCorrectTestTask(WordTask):
         return example.split != "test" and super().label(answer, example)
 
 
+class FewCorrectTestTask(WordTask):
+    """WordTask's rule outside the test split; in it, exactly one answer is correct."""
+
+    name = "few-correct-test"
+
+    def label(self, answer, example):
+        if example.split == "test":
+            return example.source_key == "q2"
+        return super().label(answer, example)
+
+
 def capture_store(path, task, source=SOURCE, maps=MapConfig()):
     model, tokenizer = tiny_generator()
     store = MapStore.create(path, store_config(task, source, CONFIG, maps, {}))
@@ -293,3 +304,122 @@ def test_recalibration_never_reverses_the_ranking():
     # the one correct answer scored lowest: Platt's slope would be negative; the prior alone
     slope, intercept = recalibration(z, np.array([1, 0, 0, 0, 0, 0]), 0.3, 0.5)
     assert slope == 1.0 and intercept == pytest.approx(logit((1 + 0.6) / 8) - logit(0.5))
+
+
+def test_choose_step_follows_the_learning_curve():
+    from actmap.experiments.new_task import HEAD_REFIT_MIN, choose_step
+
+    assert HEAD_REFIT_MIN == 25
+    assert choose_step([]) == "recalibrate"
+    assert choose_step([1] * 200) == "recalibrate"  # one class: nothing to refit a head on
+    assert choose_step([1] * 24 + [0] * 500) == "recalibrate"
+    assert choose_step([1] * 25 + [0] * 25) == "head refit"
+
+
+def save_generalist(est, task, folder):
+    """A run folder holding ``est`` the way `actmap train --store A --store B` saves one."""
+    est.save(
+        folder / "seed-0", metadata={"inputs": {"store_config": task.store.manifest["config"]}}
+    )
+    return folder
+
+
+def test_train_adapts_a_generalist_to_a_small_store_by_default(on_lengths, two_tasks, tmp_path):
+    """``actmap train --store SMALL --generalist RUN`` (no other option): the generalist is
+    recalibrated on every labelled train / validation row of the store (the cheapest step,
+    `choose_step`: few labels here), which is sklearn's Platt fit on its logit; the run
+    serves, and its test rows (never used to adapt) are scored once."""
+    import pandas as pd
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import roc_auc_score
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+    from actmap.experiments.generalist import concat_stack_rows
+    from actmap.scoring.prior import em_prevalence
+    from actmap.serve.loaded_run import load_detector_run
+
+    words, lengths, est = on_lengths
+    run = save_generalist(est, lengths, tmp_path / "generalist")
+    out = tmp_path / "adapted"
+    args = ["train", "--store", str(two_tasks[0]), "--generalist", str(run), "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    parts = [words.sets[s] for s in ("train_all", "validation_all")]
+    y = np.concatenate([np.asarray(p.labels) for p in parts]).astype(int)
+    assert min(y.sum(), len(y) - y.sum()) < 25  # a small store: the recalibration
+    assert (
+        "adapted by recalibrate on" in result.output and f"{len(y)} labelled rows" in result.output
+    )
+    loaded = load_detector_run(out).detector
+    assert loaded.metadata_["adapted"] == {"step": "recalibrate", "labelled_rows": len(y)}
+    assert loaded.metadata_["adapted_run"]["task"] == "words"
+    x = concat_stack_rows([words.inputs(p, est.requires) for p in parts])
+    test = words.inputs(words.sets["test"], est.requires)
+    z = est.decision_function(x)
+    platt = LogisticRegression(C=1.0).fit(z[:, None], y)
+    if platt.coef_[0, 0] > 0:  # Platt's fit on the generalist's logit is the recalibration
+        want = platt.predict_proba(est.decision_function(test)[:, None])[:, 1]
+    else:  # it would reverse the ranking (these tiny tasks): the prior alone moves, from EM's
+        prior0 = em_prevalence(1 / (1 + np.exp(-z)), 0.5).prevalence
+        prior = (y.sum() + 2 * prior0) / (len(y) + 2)
+        shifted = est.decision_function(test) + np.log(prior / (1 - prior))
+        want = 1 / (1 + np.exp(-shifted))
+    np.testing.assert_allclose(loaded.predict_proba(test), want, rtol=1e-5)
+    scores = pd.read_parquet(out / "seed-0" / "test_scores.parquet")
+    assert list(scores["id"]) == list(words.sets["test"].ids)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mean"]["auroc"] == pytest.approx(
+        roc_auc_score(scores["label"], scores["logit"])
+    )
+    assert summary["labelled_rows"] == len(y) and summary["step_asked"] == "auto"
+    head = CliRunner().invoke(app, [*args, "--adapt", "head refit", "--overwrite"])
+    assert head.exit_code == 0, head.output
+    assert load_detector_run(out).detector.metadata_["adapted"]["step"] == "head refit"
+
+
+def test_train_with_a_generalist_refuses_bad_input_by_name(on_lengths, two_tasks, tmp_path):
+    from serve_helpers import save_tiny_detector
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+
+    words, lengths, est = on_lengths
+    run = save_generalist(est, lengths, tmp_path / "generalist")
+
+    def train(*extra, store=two_tasks[0], generalist=run):
+        args = ["train", "--store", str(store), "--generalist", str(generalist), "--out",
+                str(tmp_path / "o"), "--overwrite", *extra]  # fmt: skip
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code != 0
+        return result.output
+
+    assert "--adapt must be one of" in train("--adapt", "everything")
+    assert "cannot be adapted" in train("--detector", "vit")
+    paper = save_tiny_detector(tmp_path / "paper")
+    assert "not a stacked actmap-plus" in train(generalist=paper.parent)
+    assert "not a run folder" in train(generalist=tmp_path / "nowhere")
+    other = tmp_path / "other-generator"
+    MapStore.create(other, store_config(LengthTask(9), ModelSource("tiny-2", "tiny-2", None, "0"),
+                                        CONFIG, MapConfig(), {})).close()  # fmt: skip
+    assert "another generator" in train(store=other) and "tiny-2" in train(store=other)
+
+
+def test_a_held_out_task_with_too_few_test_rows_is_noted_and_the_others_still_run(
+    two_tasks, tmp_path
+):
+    from actmap.experiments.out_of_domain import OutOfDomainConfig, leave_one_task_out
+
+    few = capture_store(tmp_path / "few", FewCorrectTestTask(90))
+    config = OutOfDomainConfig(
+        preset="deployable", mlp=False, tad=False, in_domain=False, curve_k=(), n_resamples=50
+    )
+    result = leave_one_task_out([two_tasks[0], few], config)
+    words, noted = result.held_out
+    assert words.task == "words" and words.methods and not words.note
+    assert noted.task == "few-correct-test" and not noted.methods
+    assert noted.note == (
+        "held out few-correct-test: 2 balanced test rows (1 of them correct); PRR rejecting "
+        "up to 50% needs at least 4"
+    )
+    assert "held out few-correct-test: 2 balanced test rows" in result.to_markdown()

@@ -31,6 +31,38 @@ def train_generalist(stores: list[Path], out: Path, detector: str, preset: str, 
     return summary
 
 
+def adapt_generalist_run(stores: list[Path], generalist: Path, out: Path, detector, step: str):
+    """`actmap train --store SMALL --generalist RUN`: the generalist adapted to a new task's
+    labelled answers (`actmap.experiments.new_task.adapt_run`)."""
+    from actmap.errors import ActmapUserError
+    from actmap.experiments.new_task import OWN_RUN_MIN, adapt_run
+
+    if detector is not None and not detector.startswith("actmap-plus"):
+        raise ActmapUserError(
+            f"--generalist adapts a stacked actmap-plus; --detector {detector!r} cannot be adapted"
+        )
+    if len(stores) != 1:
+        raise ActmapUserError(
+            f"--generalist adapts to one store (the new task's), got {len(stores)} --store"
+        )
+    summary = adapt_run(generalist, stores[0], out, step)
+    console.print(
+        f"{summary['task']}: generalist adapted by {summary['step']} on "
+        f"{summary['labelled_rows']} labelled rows ({summary['labelled_correct']} correct)"
+    )
+    if "mean" in summary:
+        m = summary["mean"]
+        console.print(f"  balanced test rows: AUROC {m['auroc']:.3f}, ECE {m['ece']:.3f}")
+    else:
+        console.print("  no balanced test rows in the store: not scored")
+    if summary["own_run_suggested"]:
+        console.print(
+            f"  {OWN_RUN_MIN}+ labelled answers of each class: the task's own run may do better "
+            f"(actmap train --detector actmap-plus:full --store {stores[0]})"
+        )
+    return summary
+
+
 @app.command("out-of-domain")
 def out_of_domain_command(
     store: list[Path] = typer.Option(

@@ -34,6 +34,12 @@ def report(
         help="An `actmap judge check --out` folder, read beside the figures of the stores its "
         "judge labelled (repeat for several judges).",
     ),
+    out_of_domain: list[Path] = typer.Option(
+        None,
+        "--out-of-domain",
+        help="An `actmap out-of-domain --out` folder: its leave-one-task-out table and first "
+        "labels go in the out_of_domain section (repeat for several generators).",
+    ),
 ) -> None:
     """Write report.md, figures/*.png and json/*.json answering the paper's questions."""
     with user_errors():
@@ -54,6 +60,7 @@ def report(
             device=device,
             max_epochs=max_epochs,
             judge_checks=read_judge_checks(judge_check or []),
+            options={"out_of_domain": {"runs": list(out_of_domain or [])}},
         )
         sections = select_sections(only.split(",") if only else None)
 

@@ -114,6 +114,12 @@ def serve(
         "answer gets actmap.shift, /metrics gets actmap_shift_* gauges.",
     ),
     monitor_window: int = typer.Option(50, min=2, help="Answers per shift-monitor window test."),
+    fallback_run: Path = typer.Option(
+        None,
+        help="A generalist run (`actmap train --store A --store B ...`) that scores while the "
+        "shift monitor (--monitor) alarms; labels of its answers (feedback, review) refit its "
+        "recalibration (docs/out_of_domain.md).",
+    ),
     engine: str = typer.Option(
         "local",
         help="local (transformers, micro-batches of --batch-size) | vllm (vLLM's scheduler in "
@@ -203,6 +209,8 @@ def serve(
                 route_timeout_s=route_timeout, abstain_message=abstain_message,
             ),
         )  # fmt: skip
+        if fallback_run is not None and (detector is None or monitor is None):
+            raise ActmapUserError("--fallback-run needs --detector and --monitor (its alarm)")
         if engine == "vllm":
             from actmap.capture.vllm_engine import require_vllm
 
@@ -211,6 +219,10 @@ def serve(
             console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")
         console.print(f"loading {model}" + (f" and {detector}" if detector else "") + " ...")
         engine = build_engine(settings)  # bad paths fail here, as one line
+        if fallback_run is not None:
+            from actmap.serve.fallback import install_fallback
+
+            install_fallback(engine, fallback_run, device=device)
         if route_to is not None and route_model is None:  # an unlisted target fails here
             from dataclasses import replace
 

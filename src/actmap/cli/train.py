@@ -74,10 +74,24 @@ def train(
     ),
     out: Path = typer.Option(..., "--out", "-o", help="Run folder: one seed-<s>/ per seed."),
     detector: str = typer.Option(
-        "vit",
+        None,
         help="vit | mlp | mlp4x | logreg (the paper's), or actmap-plus:v1 | "
         "actmap-plus:deployable | actmap-plus:full (the one to deploy; choices on validation; "
-        "ignores seeds/epochs), or plain actmap-plus with --preset.",
+        "ignores seeds/epochs), or plain actmap-plus with --preset. Default: vit; with "
+        "--generalist, the generalist's own.",
+        show_default=False,
+    ),
+    generalist: Path = typer.Option(
+        None,
+        help="A generalist run (`actmap train --store A --store B ...`): adapt it to --store, "
+        "a new task's small store of labelled answers, instead of training from scratch "
+        "(see --adapt).",
+    ),
+    adapt: str = typer.Option(
+        "auto",
+        help="With --generalist: recalibrate (prior and temperature of its logit) | head refit "
+        "(the stack's head on its block logits) | auto (head refit once each class holds 25 "
+        "labelled rows, else recalibrate: the cheapest step that paid in docs/out_of_domain.md).",
     ),
     preset: str = typer.Option(
         None,
@@ -115,6 +129,14 @@ def train(
         from actmap.training.run_folder import extend_run_record, prepare_run_folder
 
         resolve_device(device)  # a device this machine lacks fails before any work
+        if generalist is not None:
+            from actmap.cli.out_of_domain import adapt_generalist_run
+
+            prepare_run_folder(out, "actmap-plus", None, overwrite)
+            adapt_generalist_run(store, generalist, out, detector, adapt)
+            console.print(f"run written to {out}")
+            return
+        detector = detector or "vit"
         if len(store) > 1:
             from actmap.cli.out_of_domain import train_generalist
 

@@ -85,22 +85,31 @@ def task_name(store) -> str:
     return str(task.get("task") or Path(store.root).name)
 
 
+def setup_difference(a_store, b_store) -> tuple[str, str] | None:
+    """None when two stores hold one generator's answers through one map configuration,
+    else (what differs: "generator" or "map configuration", the fields that differ)."""
+    for what, read in (("generator", generator_of), ("map configuration", map_setup_of)):
+        a, b = read(a_store), read(b_store)
+        if a != b:
+            return what, ", ".join(
+                f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in a if a[k] != b.get(k)
+            )
+    return None
+
+
 def check_one_generator(stores: Sequence[Any]) -> None:
     """Refuse stores of different generators or map configurations, or two of one task."""
     if len(stores) < 2:
         raise ActmapUserError("a generalist is fit on two or more stores (one per task)")
     first = stores[0]
     for store in stores[1:]:
-        for what, read in (("generator", generator_of), ("map configuration", map_setup_of)):
-            a, b = read(first), read(store)
-            if a != b:
-                differs = ", ".join(
-                    f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in a if a[k] != b.get(k)
-                )
-                raise ActmapUserError(
-                    f"{store.root} and {first.root} are stores of different {what}s ({differs}); "
-                    "a generalist reads one generator's answers through one map configuration"
-                )
+        problem = setup_difference(first, store)
+        if problem is not None:
+            what, differs = problem
+            raise ActmapUserError(
+                f"{store.root} and {first.root} are stores of different {what}s ({differs}); "
+                "a generalist reads one generator's answers through one map configuration"
+            )
     names = [task_name(s) for s in stores]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:

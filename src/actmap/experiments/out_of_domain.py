@@ -32,6 +32,7 @@ in-domain detector fit on all the task's training rows is the line to reach.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -377,8 +378,7 @@ def adapt_generalist(
     prevalence (``calibrated_prevalence_``). ``prior0``: the label-free prior the labels
     update when they hold one class (default: EM on these rows' own scores).
 
-    What `actmap policy fit` / `actmap train` can call on a small store of the new task with
-    a generalist run (not wired into either yet)."""
+    `actmap train --store SMALL --generalist RUN` calls it (`actmap.experiments.new_task`)."""
     import copy
 
     y = np.asarray(labels).astype(np.int64)
@@ -556,6 +556,13 @@ def evaluate_held_out(
     note = held_out_note(held, held.name)
     if not note and "test" not in held.sets:
         note = f"held out {held.name}: no balanced test rows (its test split lacks a label)"
+    fewest = math.ceil(2 / cfg.max_rejection)  # PRR needs 2 rejected rows
+    if not note and len(held.sets["test"]) < fewest:
+        n = len(held.sets["test"])
+        note = (
+            f"held out {held.name}: {n} balanced test rows ({n // 2} of them correct); PRR "
+            f"rejecting up to {cfg.max_rejection:.0%} needs at least {fewest}"
+        )
     if note:
         return HeldOut(held.name, str(held.store.root), names, note=note)
     say = progress or (lambda text: log.info("%s", text))
@@ -629,5 +636,58 @@ def leave_one_task_out(
     for held in tasks:
         if held_out and held.name not in held_out:
             continue
-        results.append(evaluate_held_out(tasks, held, preset, config, progress))
+        try:
+            results.append(evaluate_held_out(tasks, held, preset, config, progress))
+        except (ActmapUserError, ValueError) as error:  # the other held-out tasks still run
+            log.warning("held out %s: %s", held.name, error)
+            note = held_out_note(held, held.name, error)
+            results.append(HeldOut(held.name, str(held.store.root),
+                                   [t.name for t in tasks if t is not held], note=note))  # fmt: skip
     return OutOfDomain(generator_of(tasks[0].store), preset, config, results)
+
+
+# --- reading a result back ----------------------------------------------------------------------
+
+
+def _interval(value: dict | None) -> Interval | None:
+    return None if value is None else Interval(**value)
+
+
+def from_json(data: dict) -> OutOfDomain:
+    """The `OutOfDomain` that ``to_json`` wrote (``actmap out-of-domain``'s out_of_domain.json)."""
+    config = dict(data["config"])
+    config["label_free"] = tuple(config.get("label_free", LABEL_FREE))
+    config["curve_k"] = tuple(config.get("curve_k", ()))
+    held = []
+    for h in data["held_out"]:
+        methods = []
+        for m in h.get("methods", []):
+            c = m.get("calibration")
+            cal = None if c is None else Calibration(c["raw"], Interval(**c["em"]), c["known"],
+                                                     c["em_prevalence"])  # fmt: skip
+            methods.append(
+                MethodResult(m["method"], m["role"], Interval(**m["auroc"]), Interval(**m["prr"]),
+                             _interval(m.get("vs_auroc")), _interval(m.get("vs_prr")), cal)
+            )  # fmt: skip
+        fields = {k: v for k, v in h.items() if k not in ("methods", "curve")}
+        curve = [CurvePoint(**p) for p in h.get("curve", [])]
+        held.append(HeldOut(**fields, methods=methods, curve=curve))
+    return OutOfDomain(data["generator"], data["preset"], OutOfDomainConfig(**config), held)
+
+
+def read_out_of_domain(folder: str | Path) -> OutOfDomain:
+    """The result in ``folder`` (``actmap out-of-domain --out folder``); a folder without
+    out_of_domain.json, or with one this version cannot read, is refused naming it."""
+    import json
+
+    path = Path(folder) / "out_of_domain.json"
+    if not path.is_file():
+        raise ActmapUserError(
+            f"{folder} holds no out_of_domain.json (`actmap out-of-domain --out`)"
+        )
+    try:
+        return from_json(json.loads(path.read_text()))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ActmapUserError(
+            f"{path} is not a result of `actmap out-of-domain`: {error!r}"
+        ) from None

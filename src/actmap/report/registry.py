@@ -16,6 +16,7 @@ from actmap.report.parts import (
     localization,
     map_channels,
     method_runs,
+    out_of_domain,
     transfer,
 )
 from actmap.report.sections import Section
@@ -31,6 +32,7 @@ def report_sections() -> list[Section]:
         in_domain.SECTION,
         method_runs.SECTION,
         transfer.SECTION,
+        out_of_domain.SECTION,
         ablations.SECTION,
         learning_curve.SECTION,
         localization.SECTION,

@@ -73,6 +73,9 @@ async def record_label(state, body: FeedbackRequest) -> FeedbackResponse:
             param="map_id",
             code="map_not_found",
         ) from None
+    fallback = getattr(state.engine, "fallback", None)
+    if fallback is not None:  # --fallback-run: its recalibration refit (actmap.serve.fallback)
+        await asyncio.to_thread(fallback.labelled)
     return FeedbackResponse(
         map_id=row["id"],
         label=row["label"],

@@ -1,0 +1,219 @@
+"""The generalist as the server's fallback detector on a new domain (``actmap serve
+--fallback-run RUN``), recalibrated as the new domain's labels arrive.
+
+A server started with ``--detector IN_DOMAIN --monitor ... --fallback-run GENERALIST`` scores
+with its in-domain run while the shift monitor's latest window test holds, and with the
+generalist (`actmap train --store A --store B ...`) while it alarms: the answers then carry the
+generalist's id in ``actmap.detector`` (and its policy version in ``actmap.policy``), so every
+answer says which detector scored it; ``GET /health`` names the one scoring now. When the alarm
+clears, the in-domain run scores again.
+
+The switch is `Engine.swap` (the reload's): it takes effect between two batches, so a batch is
+scored, decided and audited by one detector and one policy. The monitor sees the alarm while
+a batch is being scored; the swap is handed to a thread that waits for that batch to end, so
+the next batch or the one after is the first the other detector scores.
+
+The generalist's p(correct) holds at a prevalence of 0.5 and its probabilities are the part
+that does not carry to a new domain (docs/out_of_domain.md: EM misjudged every held-out task's
+prior; 25 labels recalibrated far better). So it serves under a policy of its own, with the
+in-domain policy's thresholds: before any label, the prior is EM's on the served scores
+(``[prior] method = "em"``, temperature 1: the learning curve's k = 0); with every label that
+arrives for an answer the generalist scored (``POST /v1/actmap/feedback``, which the review page
+uses too; labels counted as `actmap.store.served` counts them: under ``--review-sample``, the
+uniform sample only), the recalibration is refit (`recalibrated_policy`): a temperature
+(`actmap.serve.fit.fit_policy_temperature`, the MAP fit `actmap policy fit` uses) and the known
+prior, the labelled answers' own accuracy: the learning curve's "recalibrate" step, which paid
+from 25 labels. With labels of one class only, the prior alone moves (Laplace's estimate).
+The labels are read from the audit store, so a restarted server refits from those it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actmap.errors import ActmapUserError
+from actmap.serve.policy import Policy, policy_version
+
+log = logging.getLogger(__name__)
+
+
+class AlarmWatch:
+    """A `StreamingMonitor` that reports its alarm after every batch it observes (everything
+    else is the monitor's own)."""
+
+    def __init__(self, monitor, on_alarm) -> None:
+        self.inner, self.on_alarm = monitor, on_alarm
+
+    def observe(self, maps: np.ndarray):
+        shifts = self.inner.observe(maps)
+        self.on_alarm(bool(self.inner.state()["alarm"]))
+        return shifts
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def fallback_policy(policy: Policy, train_prevalence: float, fitted: dict | None = None) -> Policy:
+    """The generalist's policy before any label: ``policy``'s thresholds, EM's prior from
+    the generalist's training prevalence, temperature 1."""
+    prior = replace(
+        policy.prior, method="em", deployment_accuracy=None, train_prevalence=train_prevalence,
+        temperature=1.0,
+    )  # fmt: skip
+    return Policy(policy.accept, policy.review, policy.route, prior, fitted or {"fallback": "em"})
+
+
+def recalibrated_policy(
+    policy: Policy, p_raw, labels, train_prevalence: float
+) -> tuple[Policy, dict[str, Any]]:
+    """``policy`` (the generalist's) with its prior setting refit on labelled answers the
+    generalist scored (``p_raw``: its raw p(correct); ``labels``: 1 = correct): with both
+    labels a MAP temperature and the answers' accuracy as the known prior (`actmap policy
+    fit`'s calibration); with one, the prior alone, (correct + 1) / (n + 2). Returns the policy
+    and what was fitted."""
+    from actmap.serve.fit import fit_policy_temperature
+
+    p = np.asarray(p_raw, dtype=np.float64)
+    y = np.asarray(labels).astype(np.int64)
+    n, n_pos = len(y), int(y.sum())
+    if 0 < n_pos < n:
+        temperature = fit_policy_temperature(p, y, train_prevalence)
+        accuracy = n_pos / n
+    else:
+        temperature, accuracy = 1.0, (n_pos + 1) / (n + 2)
+    prior = replace(
+        policy.prior, method="known", deployment_accuracy=accuracy,
+        train_prevalence=train_prevalence, temperature=temperature,
+    )  # fmt: skip
+    fitted = {"labels": n, "correct": n_pos, "temperature": temperature, "prior": accuracy}
+    return Policy(policy.accept, policy.review, policy.route, prior, {"fallback": fitted}), fitted
+
+
+class Fallback:
+    """The in-domain run and the generalist of one server, swapped on the monitor's alarm."""
+
+    def __init__(self, engine, generalist) -> None:
+        from actmap.serve.fit import detector_train_prevalence
+
+        self.engine, self.generalist = engine, generalist
+        self.primary = (engine.detector, engine.policy)
+        self.train_prevalence = detector_train_prevalence(generalist)
+        self.policy = fallback_policy(engine.policy, self.train_prevalence)
+        self.fitted: dict[str, Any] = {"labels": 0}
+        self._fitted_on: tuple = ((), ())  # the (ids, labels) the recalibration was fit on
+        self.active = False  # the state the alarm asks for
+        self._state_lock = threading.Lock()
+        self._swap_lock = threading.Lock()  # one swap at a time, the latest state wins
+        self.swapped = threading.Event()  # set after each swap (tests wait on it)
+        engine.monitor = AlarmWatch(engine.monitor, self.on_alarm)
+
+    @property
+    def scoring(self) -> str:
+        """The id of the detector scoring now."""
+        return self.engine.detector.id
+
+    def on_alarm(self, alarm: bool) -> None:
+        """From the batch being scored: a change of the alarm schedules a swap after it."""
+        with self._state_lock:
+            if alarm == self.active:
+                return
+            self.active = alarm
+        log.warning(
+            "shift monitor %s: %s scores from the next batch",
+            "alarm" if alarm else "alarm cleared",
+            self.generalist.id if alarm else self.primary[0].id,
+        )  # fmt: skip
+        threading.Thread(target=self._apply, name="actmap-fallback", daemon=True).start()
+
+    def _apply(self) -> None:
+        with self._swap_lock:
+            with self._state_lock:
+                active = self.active
+            current = self.engine.detector
+            if active and current is not self.generalist:
+                self.primary = (current, self.engine.policy)  # a reload's run, if any
+                self.engine.swap(self.generalist, self.policy)
+            elif not active and current is self.generalist:
+                self.engine.swap(*self.primary)
+            self.swapped.set()
+
+    def labelled(self) -> dict[str, Any]:
+        """Refit the generalist's recalibration on every counted label of an answer it
+        scored (the audit store); swap the new policy in when it is scoring. Returns what
+        was fitted."""
+        labelled = self.labelled_answers()
+        if labelled is None:
+            return self.fitted
+        key = (tuple(labelled["id"]), tuple(labelled["label"]))  # a relabel refits too
+        if key == self._fitted_on:
+            return self.fitted
+        policy, fitted = recalibrated_policy(
+            self.policy, labelled["p_correct_raw"], labelled["label"], self.train_prevalence
+        )
+        with self._swap_lock:
+            self.policy, self.fitted, self._fitted_on = policy, fitted, key
+            if self.engine.detector is self.generalist:
+                self.engine.swap(self.generalist, policy)
+        log.info("fallback %s recalibrated: %s (%s)", self.generalist.id, fitted,
+                 policy_version(policy))  # fmt: skip
+        return fitted
+
+    def labelled_answers(self):
+        """The audit store's answers the generalist scored that hold a counted label
+        (columns id, p_correct_raw, label); None without an audit store."""
+        from actmap.serve.audit import read_audit
+        from actmap.store.served import served_view
+
+        trail = self.engine.audit
+        if trail is None:
+            return None
+        trail.flush()
+        frame = read_audit(trail.store)
+        frame = frame[frame["detector"] == self.generalist.id]
+        if frame.empty:
+            return frame.assign(label=[])[["id", "p_correct_raw", "label"]]
+        frame = frame.assign(label=served_view(trail.store, frame[["id"]])["label"].to_numpy())
+        frame = frame[frame["label"].notna() & frame["p_correct_raw"].notna()]
+        return frame[["id", "p_correct_raw", "label"]]
+
+
+def install_fallback(engine, run: str | Path, seed: int | None = None, device: str = "cpu"):
+    """Load the generalist of ``run`` as ``engine``'s fallback (``engine.fallback``); the
+    engine needs a detector and a shift monitor, and the generalist must read the maps and
+    inputs its detector reads (a swap cannot change the capture). Labels already in the audit
+    store refit its recalibration at once."""
+    from actmap.serve.loaded_run import load_detector_run
+
+    if engine.detector is None or engine.monitor is None:
+        raise ActmapUserError(
+            "--fallback-run needs a detector (--detector RUN) and its shift monitor (--monitor): "
+            "the monitor's alarm is what switches to the fallback"
+        )
+    try:
+        generalist = load_detector_run(run, seed, device)
+    except FileNotFoundError as error:
+        raise ActmapUserError(f"--fallback-run: {error}") from None
+    served = engine.detector
+    if generalist.map_config != served.map_config:
+        raise ActmapUserError(
+            f"--fallback-run {run} reads maps of another config ({generalist.map_config}) than "
+            f"--detector {served.id} ({served.map_config}): a fallback reads the same maps"
+        )
+    if generalist.capture_settings() != served.capture_settings():
+        raise ActmapUserError(
+            f"--fallback-run {run} reads {', '.join(generalist.requires)}, --detector "
+            f"{served.id} reads {', '.join(served.requires)}: a fallback reads the same inputs "
+            "(train both with the same preset)"
+        )
+    if engine.audit is None:
+        log.warning("--fallback-run without --audit: labels cannot recalibrate the fallback")
+    fallback = Fallback(engine, generalist)
+    engine.fallback = fallback
+    fallback.labelled()
+    return fallback

@@ -1,0 +1,150 @@
+"""The fallback detector (`actmap.serve.fallback`) through a real uvicorn server on loopback:
+the in-domain run scores until the shift monitor alarms, then the generalist given at start,
+and the answers say which; labels sent through the feedback API refit the generalist's
+recalibration (checked against the documented MAP objective minimised on a dense grid); bad
+setups are refused by name."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+from serve_helpers import ServerThread, reference, save_tiny_detector, tiny_engine  # noqa: E402
+
+from actmap.errors import ActmapUserError  # noqa: E402
+from actmap.monitor import MonitorConfig, ShiftMonitor  # noqa: E402
+from actmap.monitor.stream import StreamingMonitor  # noqa: E402
+from actmap.serve.app import ServeSettings, create_app  # noqa: E402
+from actmap.serve.audit import AuditTrail  # noqa: E402
+from actmap.serve.fallback import install_fallback  # noqa: E402
+from actmap.serve.policy import Policy  # noqa: E402
+
+WINDOW = 3
+PROMPTS = ["what is the capital", "red blue green", "one two three", "paris rome", "a b c d",
+           "seven eight", "the moon is", "cats and dogs", "blue sky", "ten nine"]  # fmt: skip
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def map_temperature(p_raw, y, train_prevalence=0.5, sigma=0.5):
+    """The documented MAP temperature, minimised on a dense grid of log T (not the server's
+    search): p = sigmoid(z / T + logit(acc) - logit(pi_train)) against Platt's smoothed
+    targets, log T ~ N(0, sigma^2)."""
+    z = np.log(p_raw / (1 - p_raw))
+    n_pos, n_neg = int(y.sum()), int(len(y) - y.sum())
+    target = np.where(y == 1, (n_pos + 1) / (n_pos + 2), 1 / (n_neg + 2))
+    offset = math.log(n_pos / n_neg) - math.log(train_prevalence / (1 - train_prevalence))
+    u = np.arange(-4, 4, 1e-4)[:, None]  # a grid of log T, one row each
+    q = z[None] * np.exp(-u) + offset
+    loss = np.sum(np.logaddexp(0, q) - target * q, axis=1) + u[:, 0] ** 2 / (2 * sigma**2)
+    return math.exp(u[int(np.argmin(loss)), 0])
+
+
+@pytest.fixture
+def runs(tmp_path):
+    primary, generalist = tmp_path / "in-domain", tmp_path / "generalist"
+    save_tiny_detector(primary, seed=0)
+    save_tiny_detector(generalist, seed=1)
+    # Gaussian maps: the tiny model's maps lie far from them, so the first full window alarms
+    maps = np.random.default_rng(0).normal(size=(60, 12, 32, 128)).astype(np.float16)
+    monitor = ShiftMonitor(MonitorConfig(n_components=4, n_permutations=39)).fit(maps)
+    return primary, generalist, monitor
+
+
+def test_the_generalist_scores_on_the_alarm_and_learns_from_labels(runs, tmp_path):
+    primary, generalist, monitor = runs
+    trail = AuditTrail(tmp_path / "audit", keep_text=True, flush_interval_s=0.05)
+    policy = Policy(accept=0.6, review=0.4, route=0.2)
+    engine = tiny_engine(primary, policy, audit=trail, monitor=StreamingMonitor(monitor, WINDOW))
+    fallback = install_fallback(engine, generalist)
+    primary_id, generalist_id = engine.detector.id, fallback.generalist.id
+    assert primary_id != generalist_id and fallback.fitted == {"labels": 0}
+    settings = ServeSettings(model="tiny", detector=primary, default_max_tokens=5,
+                             max_tokens_cap=16)  # fmt: skip
+
+    with (
+        ServerThread(create_app(settings, lambda: engine)) as server,
+        httpx.Client(base_url=server.url, timeout=60) as client,
+    ):
+
+        def ask(prompt):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}]}
+            return client.post("/v1/chat/completions", json=body).json()["actmap"]
+
+        first = [ask(p) for p in PROMPTS[:WINDOW]]
+        # the in-domain run scored the first window; its test alarmed on the last answer
+        assert [a["detector"] for a in first] == [primary_id] * WINDOW
+        assert [a["shift"]["alarm"] for a in first] == [False] * (WINDOW - 1) + [True]
+        assert fallback.swapped.wait(30)
+        assert client.get("/health").json()["detector"] == generalist_id
+        gen, p_gen = reference(engine, PROMPTS[WINDOW])  # engine.detector: the generalist now
+        later = [ask(p) for p in PROMPTS[WINDOW:]]
+        assert {a["detector"] for a in later} == {generalist_id}
+        assert later[0]["p_correct_raw"] == pytest.approx(p_gen, abs=1e-6)
+        # before any label: EM's prior, which leaves the first 50 scores as they are
+        assert later[0]["p_correct"] == pytest.approx(later[0]["p_correct_raw"], abs=1e-9)
+        # labels of the generalist's answers (feedback API): its recalibration is refit
+        labels = np.array([1, 0, 1, 1, 0, 0, 1])
+        for block, label in zip(later, labels, strict=True):
+            reply = client.post("/v1/actmap/feedback",
+                                json={"map_id": block["map_id"], "label": int(label)})  # fmt: skip
+            assert reply.status_code == 200, reply.text
+        # a label of an in-domain answer does not count
+        client.post("/v1/actmap/feedback", json={"map_id": first[0]["map_id"], "label": 1})
+        p_raw = np.array([a["p_correct_raw"] for a in later])
+        assert fallback.fitted["labels"] == len(labels) and fallback.fitted["correct"] == 4
+        want_t = map_temperature(p_raw, labels)
+        assert fallback.fitted["temperature"] == pytest.approx(want_t, rel=1e-3)
+        assert fallback.fitted["prior"] == pytest.approx(4 / 7)
+        after = ask(PROMPTS[0])
+        assert after["detector"] == generalist_id and after["policy"] != later[0]["policy"]
+        z = np.log(after["p_correct_raw"] / (1 - after["p_correct_raw"]))
+        want = sigmoid(z / want_t + math.log(4 / 3))  # prior 4/7 from 0.5
+        assert after["p_correct"] == pytest.approx(want, rel=1e-3)
+        # a label changed (the latest wins) refits too
+        client.post("/v1/actmap/feedback", json={"map_id": later[0]["map_id"], "label": 0})
+        assert fallback.fitted["labels"] == len(labels) and fallback.fitted["correct"] == 3
+        # the alarm clears: the in-domain run and its own policy score again
+        fallback.swapped.clear()
+        fallback.on_alarm(False)
+        assert fallback.swapped.wait(30)
+        assert engine.policy is policy
+        deadline = time.time() + 10
+        while client.get("/health").json()["detector"] != primary_id and time.time() < deadline:
+            time.sleep(0.05)
+        back = ask(PROMPTS[1])
+        assert back["detector"] == primary_id
+
+
+def test_bad_fallback_setups_are_refused_by_name(runs, tmp_path):
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+    from actmap.maps import MapConfig
+    from actmap.serve.loaded_run import load_detector_run
+
+    primary, generalist, monitor = runs
+    with pytest.raises(ActmapUserError, match="needs a detector.*--monitor"):
+        install_fallback(tiny_engine(primary), generalist)
+    engine = tiny_engine(primary, monitor=StreamingMonitor(monitor, WINDOW))
+    with pytest.raises(ActmapUserError, match="--fallback-run: .*does not exist"):
+        install_fallback(engine, tmp_path / "nowhere")
+    other = load_detector_run(generalist)
+    other_maps = type(other)(other.detector, other.id, MapConfig(n_segments=1), other.path)
+    engine.detector = other_maps
+    with pytest.raises(ActmapUserError, match="reads maps of another config"):
+        install_fallback(engine, generalist)
+    result = CliRunner().invoke(
+        app, ["serve", "--detector", str(primary), "--fallback-run", str(generalist)]
+    )
+    assert (
+        result.exit_code != 0 and "--fallback-run needs --detector and --monitor" in result.output
+    )
