@@ -23,7 +23,7 @@ from actmap.monitor.stream import StreamingMonitor  # noqa: E402
 from actmap.serve.app import ServeSettings, create_app  # noqa: E402
 from actmap.serve.audit import AuditTrail  # noqa: E402
 from actmap.serve.fallback import install_fallback  # noqa: E402
-from actmap.serve.policy import Policy  # noqa: E402
+from actmap.serve.policy import Policy, policy_version, save_policy  # noqa: E402
 
 WINDOW = 3
 PROMPTS = ["what is the capital", "red blue green", "one two three", "paris rome", "a b c d",
@@ -112,16 +112,38 @@ def test_the_generalist_scores_on_the_alarm_and_learns_from_labels(runs, tmp_pat
         # a label changed (the latest wins) refits too
         client.post("/v1/actmap/feedback", json={"map_id": later[0]["map_id"], "label": 0})
         assert fallback.fitted["labels"] == len(labels) and fallback.fitted["correct"] == 3
-        # the alarm clears: the in-domain run and its own policy score again
+        # a reload while the generalist scores replaces the in-domain pair, not the generalist
+        save_tiny_detector(tmp_path / "in-domain-2", seed=2)
+        new_policy = Policy(accept=0.9, review=0.5, route=0.1)
+        body = {"detector": str(tmp_path / "in-domain-2"),
+                "policy": str(save_policy(new_policy, tmp_path / "new.toml"))}  # fmt: skip
+        reply = client.post("/v1/actmap/reload", json=body)
+        assert reply.status_code == 200, reply.text
+        reloaded = reply.json()
+        reloaded_id = reloaded["detector"]
+        assert reloaded_id not in (primary_id, generalist_id)
+        assert reloaded["scoring"] == generalist_id
+        assert reloaded["policy"] == policy_version(new_policy)
+        assert (reloaded["previous_detector"], reloaded["previous_policy"]) == (
+            primary_id, policy_version(policy),
+        )  # fmt: skip
+        assert fallback.primary[0].id == reloaded_id
+        assert client.get("/health").json()["detector"] == generalist_id
+        during = ask(PROMPTS[2])
+        assert during["detector"] == generalist_id
+        assert during["policy"] == policy_version(fallback.policy)
+        # the alarm clears: the reloaded in-domain run and its policy score
         fallback.swapped.clear()
         fallback.on_alarm(False)
         assert fallback.swapped.wait(30)
-        assert engine.policy is policy
+        assert engine.detector.id == reloaded_id
+        assert engine.policy_version == policy_version(new_policy)
         deadline = time.time() + 10
-        while client.get("/health").json()["detector"] != primary_id and time.time() < deadline:
+        while client.get("/health").json()["detector"] != reloaded_id and time.time() < deadline:
             time.sleep(0.05)
         back = ask(PROMPTS[1])
-        assert back["detector"] == primary_id
+        assert back["detector"] == reloaded_id
+        assert back["policy"] == policy_version(new_policy)
 
 
 def test_bad_fallback_setups_are_refused_by_name(runs, tmp_path):

@@ -315,6 +315,14 @@ class Engine:
         """Score and decide with ``detector`` and ``policy`` from the next batch on (the batch
         running now finishes with the old pair). The new detector must read the same map
         and the same capture as the old: another kind needs a restart."""
+        self.check_swap(detector)
+        with self.swap_lock:
+            self.detector, self.policy = detector, policy
+            self.policy_version = policy_version(policy)
+            self.prevalence = PrevalenceTracker(policy.prior)
+
+    def check_swap(self, detector: LoadedDetector) -> None:
+        """Raise ValueError unless ``detector`` may replace the served one (`swap`)."""
         if self.detector is None:
             raise ValueError("this server has no detector to replace (a plain generator)")
         if detector.map_config != self.map_config:
@@ -328,10 +336,6 @@ class Engine:
                 f"served {self.detector.id} ({', '.join(self.detector.requires)}): restart the "
                 "server to change them"
             )
-        with self.swap_lock:
-            self.detector, self.policy = detector, policy
-            self.policy_version = policy_version(policy)
-            self.prevalence = PrevalenceTracker(policy.prior)
 
     # -- running scores (both engines' step loops) ----------------------------------------
     def wants_running_score(self, job: Job, t: int) -> bool:

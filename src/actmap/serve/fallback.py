@@ -6,7 +6,9 @@ with its in-domain run while the shift monitor's latest window test holds, and w
 generalist (`actmap train --store A --store B ...`) while it alarms: the answers then carry the
 generalist's id in ``actmap.detector`` (and its policy version in ``actmap.policy``), so every
 answer says which detector scored it; ``GET /health`` names the one scoring now. When the alarm
-clears, the in-domain run scores again.
+clears, the in-domain run scores again. A reload (``POST /v1/actmap/reload``, SIGHUP) replaces
+the in-domain run and its policy (`Fallback.reload`): while the alarm holds, the generalist
+keeps scoring and the reloaded pair scores once the alarm clears.
 
 The switch is `Engine.swap` (the reload's): it takes effect between two batches, so a batch is
 scored, decided and audited by one detector and one policy. The monitor sees the alarm while
@@ -137,11 +139,22 @@ class Fallback:
                 active = self.active
             current = self.engine.detector
             if active and current is not self.generalist:
-                self.primary = (current, self.engine.policy)  # a reload's run, if any
                 self.engine.swap(self.generalist, self.policy)
             elif not active and current is self.generalist:
                 self.engine.swap(*self.primary)
             self.swapped.set()
+
+    def reload(self, detector, policy: Policy) -> None:
+        """A reload's pair (`actmap.serve.reload`) becomes the in-domain one: it scores from
+        the next batch when the in-domain run is scoring; while the alarm holds, the generalist
+        keeps scoring and the new pair is the one it hands back to when the alarm clears. A
+        detector the engine could not swap in raises ValueError and nothing changes."""
+        with self._swap_lock:
+            self.engine.check_swap(detector)
+            self.primary = (detector, policy)
+            if self.engine.detector is not self.generalist:
+                self.engine.swap(detector, policy)
+        log.info("fallback: in-domain run now %s (%s scoring)", detector.id, self.scoring)
 
     def labelled(self) -> dict[str, Any]:
         """Refit the generalist's recalibration on every counted label of an answer it

@@ -11,7 +11,9 @@ that moment finishes with the old pair, every later one uses the new. Every answ
 The body ``{"detector"?: RUN, "seed"?: N, "policy"?: TOML}`` names what to load; what it
 leaves out is reloaded from the paths in use (those the server started with, or given to
 the last reload), so replacing the files and posting ``{}`` (or sending SIGHUP) picks them
-up. A detector that reads another map or other inputs than the served one needs a restart
+up. Under ``--fallback-run`` a reload replaces the in-domain pair (`actmap.serve.fallback`):
+while the shift alarm holds the generalist keeps scoring (``scoring`` in the reply) and the
+reloaded pair scores once it clears. A detector that reads another map or other inputs than the served one needs a restart
 (400); a path that fails to load is a 400 and the served pair stays. One reload at a time.
 """
 
@@ -29,6 +31,7 @@ from fastapi import FastAPI, Request
 from pydantic import ConfigDict
 
 from actmap.errors import ActmapUserError
+from actmap.serve.policy import policy_version
 from actmap.serve.protocol import OpenAIBaseModel
 from actmap.serve.request_path import APIError
 
@@ -44,10 +47,11 @@ class ReloadRequest(OpenAIBaseModel):
 
 class ReloadResponse(OpenAIBaseModel):
     object: str = "actmap.reload"
-    detector: str  # the id now serving
-    policy: str  # the policy version now deciding
+    detector: str  # the id loaded (the served one; with --fallback-run, the in-domain one)
+    policy: str  # the version of the policy loaded
     previous_detector: str
     previous_policy: str
+    scoring: str  # the id scoring now: ``detector``, or the fallback's while its alarm holds
     load_s: float
 
 
@@ -95,18 +99,23 @@ class Reloader:
             detector, policy = load_pair(
                 wanted.detector, wanted.seed, wanted.policy, settings.device
             )
-            previous = (engine.detector.id, engine.policy_version)
+            fallback = getattr(engine, "fallback", None)  # --fallback-run: its in-domain pair
+            served = fallback.primary if fallback is not None else (engine.detector, engine.policy)
             try:
-                engine.swap(detector, policy)
+                if fallback is not None:
+                    fallback.reload(detector, policy)
+                else:
+                    engine.swap(detector, policy)
             except ValueError as error:
                 raise ActmapUserError(str(error)) from None
             self.paths = wanted
-            log.info("reloaded: detector %s, %s", detector.id, engine.policy_version)
+            log.info("reloaded: detector %s, %s", detector.id, policy_version(policy))
             return ReloadResponse(
                 detector=detector.id,
-                policy=engine.policy_version,
-                previous_detector=previous[0],
-                previous_policy=previous[1],
+                policy=policy_version(policy),
+                previous_detector=served[0].id,
+                previous_policy=policy_version(served[1]),
+                scoring=engine.detector.id,
                 load_s=time.perf_counter() - started,
             )
 
