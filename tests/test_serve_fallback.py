@@ -170,3 +170,78 @@ def test_bad_fallback_setups_are_refused_by_name(runs, tmp_path):
     assert (
         result.exit_code != 0 and "--fallback-run needs --detector and --monitor" in result.output
     )
+
+
+def served_entries(keys, p_raw, detector_id):
+    """Audit entries of answers ``detector_id`` scored with raw p(correct) ``p_raw``."""
+    from datetime import UTC, datetime
+
+    from actmap.serve.audit import AuditEntry
+    from actmap.store import MapRecord
+
+    blank = np.zeros((12, 32, 128), dtype=np.float16)
+    return [
+        AuditEntry(
+            MapRecord(id=key, source_key="0" * 64, dataset="served", split="chat",
+                      model_name="m", model_revision="r", prompt="", answer="", n_tokens=3,
+                      label=None, map=blank),
+            datetime.now(UTC), "chat", 4, "stop", float(p), float(p), None, "accept",
+            detector_id,
+        )  # fmt: skip
+        for key, p in zip(keys, p_raw, strict=True)
+    ]
+
+
+def test_labels_refit_from_the_pairs_kept_not_by_rereading_the_audit_store(
+    runs, tmp_path, monkeypatch
+):
+    import actmap.serve.audit as audit_module
+    from actmap.serve.loaded_run import load_detector_run
+
+    primary, generalist, monitor = runs
+    generalist_id = load_detector_run(generalist).id
+    reads = []
+    read_audit = audit_module.read_audit
+    monkeypatch.setattr(audit_module, "read_audit", lambda s: reads.append(1) or read_audit(s))
+    rng = np.random.default_rng(3)
+    p_raw = rng.uniform(0.05, 0.95, 12)
+    keys = [f"g{i}" for i in range(12)]
+    trail = AuditTrail(tmp_path / "audit", background=False)
+    trail.append(served_entries(keys[:8], p_raw[:8], generalist_id))
+    trail.append(served_entries(["d0", "d1"], [0.3, 0.7], "in-domain-run"))
+    trail.flush()
+    truth = {"g0": 1, "g1": 0, "g2": 1}  # labelled before the server (re)starts
+    trail.add_labels([(key, y, "test", None) for key, y in truth.items()])
+
+    def check(fallback):
+        """The fit equals the documented MAP fit from scratch on the same pairs."""
+        p = np.array([p_raw[keys.index(key)] for key in truth])
+        y = np.array(list(truth.values()))
+        assert fallback.fitted["labels"] == len(y) and fallback.fitted["correct"] == y.sum()
+        assert fallback.fitted["temperature"] == pytest.approx(map_temperature(p, y), rel=1e-3)
+        assert fallback.fitted["prior"] == pytest.approx(y.mean())
+
+    engine = tiny_engine(primary, audit=trail, monitor=StreamingMonitor(monitor, WINDOW))
+    fallback = install_fallback(engine, generalist)
+    assert len(reads) == 1  # read once, at start
+    check(fallback)
+    # answers the generalist scores after the start arrive through the trail's commits
+    trail.append(served_entries(keys[8:], p_raw[8:], generalist_id))
+    trail.flush()
+    labels = [("g3", 0), ("g9", 1), ("g4", 1), ("g0", 0), ("g11", 0), ("d0", 1)]  # g0: relabel
+    for key, y in labels:
+        trail.add_label(key, y, "test")
+        fitted = fallback.labelled(key, y)
+        if key.startswith("g"):
+            truth[key] = y
+        check(fallback)
+        assert fitted is fallback.fitted
+    assert len(reads) == 1  # no label re-read the audit table
+    # a restarted server refits from the labels in its store: the same fit
+    trail.close()
+    restarted = tiny_engine(primary, audit=AuditTrail(tmp_path / "audit", background=False),
+                            monitor=StreamingMonitor(monitor, WINDOW))  # fmt: skip
+    again = install_fallback(restarted, generalist)
+    assert len(reads) == 2
+    assert again.fitted == pytest.approx(fallback.fitted)
+    restarted.audit.close()

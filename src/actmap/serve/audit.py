@@ -33,6 +33,7 @@ import fcntl
 import hashlib
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
@@ -191,6 +192,10 @@ class AuditTrail:
         self.review_sample, self.review_seed = review_sample, review_seed
         self.committed = 0  # rows this trail has committed
         self._ids = self.store.ids("maps")  # committed map ids: what feedback may label
+        # called with the entries of each commit (before feedback may label them) and with
+        # the ids retention drops (`actmap.serve.fallback` keeps its labelled pairs by them)
+        self.on_commit: list[Callable[[list[AuditEntry]], None]] = []
+        self.on_drop: list[Callable[[set[str]], None]] = []
         self._buffer: list[AuditEntry] = []
         self._waiting: list[Future] = []  # one per append, resolved by the flush that commits it
         self._actions: list[dict] = []  # rows of ACTIONS_TABLE, written with the next flush
@@ -317,6 +322,8 @@ class AuditTrail:
             self.store.write_table(SCALARS_TABLE, pa.table(columns))
         self.store.write_maps([e.record for e in entries])  # last: the commit
         self.committed += len(entries)
+        for listener in self.on_commit:
+            listener(entries)
         self._ids.update(e.record.id for e in entries)
 
     # -- the review queue ------------------------------------------------------------------
@@ -433,6 +440,8 @@ class AuditTrail:
                 kept_rows -= len(ids)
                 dropped.update(ids)
             self._ids -= dropped
+            for listener in self.on_drop if dropped else ():
+                listener(dropped)
             for table in (AUDIT_TABLE, SCALARS_TABLE, REVIEW_TABLE, ACTIONS_TABLE):
                 if not dropped or not self.store.has_table(table):
                     continue

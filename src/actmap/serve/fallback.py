@@ -26,7 +26,11 @@ uniform sample only), the recalibration is refit (`recalibrated_policy`): a temp
 (`actmap.serve.fit.fit_policy_temperature`, the MAP fit `actmap policy fit` uses) and the known
 prior, the labelled answers' own accuracy: the learning curve's "recalibrate" step, which paid
 from 25 labels. With labels of one class only, the prior alone moves (Laplace's estimate).
-The labels are read from the audit store, so a restarted server refits from those it has.
+The fallback keeps the labelled (p_raw, label) pairs of the generalist's answers: it reads the
+audit store once at start (so a restarted server refits from the labels it has), then follows
+the trail's commits (`AuditTrail.on_commit`: the raw p(correct) of each answer the generalist
+scored) and retention (`AuditTrail.on_drop`), and each label adds or replaces one pair: no
+label re-reads the store.
 """
 
 from __future__ import annotations
@@ -108,7 +112,11 @@ class Fallback:
         self.train_prevalence = detector_train_prevalence(generalist)
         self.policy = fallback_policy(engine.policy, self.train_prevalence)
         self.fitted: dict[str, Any] = {"labels": 0}
-        self._fitted_on: tuple = ((), ())  # the (ids, labels) the recalibration was fit on
+        self._pairs_lock = threading.Lock()  # the pairs below and every refit
+        self._scored: dict[str, tuple[float, bool]] = {}  # its answers: p_raw, in the sample
+        self._labels: dict[str, int] = {}  # the latest label of each of them
+        self._any_sample = False  # whether the review queue holds a uniform random sample
+        self._fitted_on: dict = {}  # the counted pairs the recalibration was fit on
         self.active = False  # the state the alarm asks for
         self._state_lock = threading.Lock()
         self._swap_lock = threading.Lock()  # one swap at a time, the latest state wins
@@ -156,44 +164,83 @@ class Fallback:
                 self.engine.swap(detector, policy)
         log.info("fallback: in-domain run now %s (%s scoring)", detector.id, self.scoring)
 
-    def labelled(self) -> dict[str, Any]:
-        """Refit the generalist's recalibration on every counted label of an answer it
-        scored (the audit store); swap the new policy in when it is scoring. Returns what
-        was fitted."""
-        labelled = self.labelled_answers()
-        if labelled is None:
+    def load(self) -> dict[str, Any]:
+        """At start: read the audit store once (the generalist's answers, their latest labels,
+        whether the review queue holds a uniform sample), refit on the labels that count, and
+        from then on follow the trail's commits and retention. Returns what was fitted."""
+        from actmap.serve.audit import read_audit
+        from actmap.store.served import latest_labels, review_rows
+
+        trail = self.engine.audit
+        if trail is None:
             return self.fitted
-        key = (tuple(labelled["id"]), tuple(labelled["label"]))  # a relabel refits too
-        if key == self._fitted_on:
+        trail.on_commit.append(self._committed)  # first: a commit during the read is not lost
+        trail.on_drop.append(self._dropped)
+        trail.flush()
+        frame = read_audit(trail.store)
+        queue = review_rows(trail.store)
+        sampled = set(queue.index[queue["in_sample"].astype(bool)])
+        mine = frame[(frame["detector"] == self.generalist.id) & frame["p_correct_raw"].notna()]
+        pairs = zip(mine["id"], mine["p_correct_raw"], strict=True)
+        scored = {key: (float(p), key in sampled) for key, p in pairs}
+        labels = latest_labels(trail.store)["label"]
+        with self._pairs_lock:
+            self._any_sample |= bool(sampled)
+            self._scored.update(scored)
+            self._labels.update({key: int(y) for key, y in labels.items() if key in scored})
+            return self._refit()
+
+    def _committed(self, entries) -> None:
+        """From the audit trail's commit: remember the raw p(correct) of the generalist's
+        answers and whether each is in the uniform review sample."""
+        in_sample = [self.engine.audit.in_sample(e.record.id) for e in entries]
+        with self._pairs_lock:
+            self._any_sample |= any(in_sample)
+            for entry, sampled in zip(entries, in_sample, strict=True):
+                p = entry.p_correct_raw
+                if entry.detector == self.generalist.id and p is not None and not np.isnan(p):
+                    self._scored[entry.record.id] = (float(p), sampled)
+
+    def _dropped(self, ids: set[str]) -> None:
+        """From the audit trail's retention: forget the answers it dropped."""
+        with self._pairs_lock:
+            for key in ids & self._scored.keys():
+                del self._scored[key]
+                self._labels.pop(key, None)
+
+    def labelled(self, map_id: str, label: int) -> dict[str, Any]:
+        """A label of a served answer (written to the audit store): when the generalist scored
+        it, its pair joins (a relabel replaces it) and the recalibration is refit on the pairs
+        that count, without reading the store; the new policy is swapped in when the
+        generalist is scoring. Returns what was fitted."""
+        with self._pairs_lock:
+            if map_id not in self._scored:  # an answer the in-domain run scored
+                return self.fitted
+            self._labels[map_id] = int(label)
+            return self._refit()
+
+    def _refit(self) -> dict[str, Any]:
+        """Refit on the labelled pairs that count (the caller holds the pairs lock): under a
+        uniform review sample, the sample's only (`actmap.store.served`)."""
+        counted = {
+            key: (self._scored[key][0], y)
+            for key, y in self._labels.items()
+            if not self._any_sample or self._scored[key][1]
+        }
+        if counted == self._fitted_on:
             return self.fitted
-        policy, fitted = recalibrated_policy(
-            self.policy, labelled["p_correct_raw"], labelled["label"], self.train_prevalence
-        )
+        if counted:
+            p_raw, labels = zip(*counted.values(), strict=True)
+            policy, fitted = recalibrated_policy(self.policy, p_raw, labels, self.train_prevalence)
+        else:
+            policy, fitted = fallback_policy(self.policy, self.train_prevalence), {"labels": 0}
         with self._swap_lock:
-            self.policy, self.fitted, self._fitted_on = policy, fitted, key
+            self.policy, self.fitted, self._fitted_on = policy, fitted, counted
             if self.engine.detector is self.generalist:
                 self.engine.swap(self.generalist, policy)
         log.info("fallback %s recalibrated: %s (%s)", self.generalist.id, fitted,
                  policy_version(policy))  # fmt: skip
         return fitted
-
-    def labelled_answers(self):
-        """The audit store's answers the generalist scored that hold a counted label
-        (columns id, p_correct_raw, label); None without an audit store."""
-        from actmap.serve.audit import read_audit
-        from actmap.store.served import served_view
-
-        trail = self.engine.audit
-        if trail is None:
-            return None
-        trail.flush()
-        frame = read_audit(trail.store)
-        frame = frame[frame["detector"] == self.generalist.id]
-        if frame.empty:
-            return frame.assign(label=[])[["id", "p_correct_raw", "label"]]
-        frame = frame.assign(label=served_view(trail.store, frame[["id"]])["label"].to_numpy())
-        frame = frame[frame["label"].notna() & frame["p_correct_raw"].notna()]
-        return frame[["id", "p_correct_raw", "label"]]
 
 
 def install_fallback(engine, run: str | Path, seed: int | None = None, device: str = "cpu"):
@@ -228,5 +275,5 @@ def install_fallback(engine, run: str | Path, seed: int | None = None, device: s
         log.warning("--fallback-run without --audit: labels cannot recalibrate the fallback")
     fallback = Fallback(engine, generalist)
     engine.fallback = fallback
-    fallback.labelled()
+    fallback.load()
     return fallback

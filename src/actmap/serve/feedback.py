@@ -75,7 +75,7 @@ async def record_label(state, body: FeedbackRequest) -> FeedbackResponse:
         ) from None
     fallback = getattr(state.engine, "fallback", None)
     if fallback is not None:  # --fallback-run: its recalibration refit (actmap.serve.fallback)
-        await asyncio.to_thread(fallback.labelled)
+        await asyncio.to_thread(fallback.labelled, row["id"], row["label"])
     return FeedbackResponse(
         map_id=row["id"],
         label=row["label"],
