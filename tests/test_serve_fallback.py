@@ -180,16 +180,15 @@ def served_entries(keys, p_raw, detector_id):
     from actmap.store import MapRecord
 
     blank = np.zeros((12, 32, 128), dtype=np.float16)
-    return [
-        AuditEntry(
-            MapRecord(id=key, source_key="0" * 64, dataset="served", split="chat",
-                      model_name="m", model_revision="r", prompt="", answer="", n_tokens=3,
-                      label=None, map=blank),
-            datetime.now(UTC), "chat", 4, "stop", float(p), float(p), None, "accept",
-            detector_id,
-        )  # fmt: skip
-        for key, p in zip(keys, p_raw, strict=True)
-    ]
+
+    def entry(key, p):
+        record = MapRecord(id=key, source_key="0" * 64, dataset="served", split="chat",
+                           model_name="m", model_revision="r", prompt="", answer="",
+                           n_tokens=3, label=None, map=blank)  # fmt: skip
+        return AuditEntry(record, datetime.now(UTC), "chat", 4, "stop", float(p), float(p),
+                          None, "accept", detector_id)  # fmt: skip
+
+    return [entry(key, p) for key, p in zip(keys, p_raw, strict=True)]
 
 
 def test_labels_refit_from_the_pairs_kept_not_by_rereading_the_audit_store(
