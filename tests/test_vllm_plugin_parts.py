@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -296,3 +297,47 @@ def test_one_client_id_sent_twice_at_once_names_two_requests():
     assert ids[0] == "mine" and ids[1].startswith("mine-") and ids[2] == "mine"
     assert sorted(base for base, _ in middleware.plugin.asked) == sorted(ids)  # each by its id
     assert a["actmap"] == b["actmap"] == {"p_correct": 0.25}
+
+
+def test_the_score_route_builds_the_scoring_side_alone(tmp_path, monkeypatch):
+    """`VllmPlugin.start_score_route`: a `ServerState` with the plugin's own metrics (those on
+    vLLM's /metrics) and no generation batcher (vLLM generates); a score request through its
+    app is counted there (the teacher-forced batch too). With a shift monitor the plugin's
+    metrics carry its gauges, so the answers' shift state can be copied into them."""
+    import httpx
+    from serve_helpers import save_tiny_detector, tiny_engine
+
+    from actmap.monitor import MonitorConfig, ShiftMonitor
+    from actmap.monitor.stream import StreamingMonitor
+    from actmap.serve.app import ServerState
+    from actmap.serve.vllm_plugin import VllmPlugin
+
+    def no_generation(self):
+        raise AssertionError("the plugin's score route built a generation batcher")
+
+    monkeypatch.setattr(ServerState, "_generation_batcher", no_generation)
+    run = save_tiny_detector(tmp_path / "run")
+    maps = np.random.default_rng(0).normal(size=(30, 12, 32, 128)).astype(np.float16)
+    monitor = ShiftMonitor(MonitorConfig(n_components=2, n_permutations=19)).fit(maps)
+    engine = tiny_engine(run, monitor=StreamingMonitor(monitor, 3))
+    plugin = VllmPlugin(engine, None, set(), ServeSettings(model="tiny", detector=run))
+
+    async def main():
+        await plugin.start_score_route("tiny")
+        transport = httpx.ASGITransport(app=plugin.score_app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://plugin") as client:
+                items = [{"prompt": "what is the capital", "answer": "paris"}]
+                return await client.post("/v1/actmap/score", json={"items": items})
+        finally:
+            await plugin.close()
+
+    reply = asyncio.run(main())
+    assert reply.status_code == 200, reply.text
+    state = plugin.score_state
+    assert state.batcher is None and state.metrics is plugin.metrics
+    registry = plugin.metrics.registry
+    assert registry.get_sample_value("actmap_requests_total", {"endpoint": "score", "status": "200"}) == 1  # fmt: skip
+    assert registry.get_sample_value("actmap_batch_forced_size_count") == 1
+    plugin.metrics.observe_shift(engine.monitor.state())  # the gauges exist
+    assert registry.get_sample_value("actmap_shift_alarm") == 0

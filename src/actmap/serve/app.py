@@ -213,22 +213,30 @@ def _job(request, state: ServerState, endpoint: str) -> Job:
 # -- the server state -------------------------------------------------------------------------
 
 
+def serve_metrics(engine: Engine) -> ServeMetrics:
+    """The server's metrics, with the shift monitor's gauges when ``engine`` has a monitor."""
+    metrics = ServeMetrics()
+    if engine.monitor is not None:
+        metrics.add_shift_gauges()
+    return metrics
+
+
 class ServerState:
-    def __init__(self, settings: ServeSettings, engine: Engine) -> None:
+    """What the routes share: settings, engine, metrics, the generation batcher (``batcher``)
+    and the teacher-forced scoring batcher (``scorer``). ``metrics``: those to count into
+    (default: `serve_metrics` of the engine); ``generate=False`` builds the scoring side alone
+    (``batcher`` is None: the vLLM plugin's score route, whose generation is vLLM's)."""
+
+    def __init__(
+        self,
+        settings: ServeSettings,
+        engine: Engine,
+        metrics: ServeMetrics | None = None,
+        generate: bool = True,
+    ) -> None:
         self.settings, self.engine = settings, engine
-        self.metrics = ServeMetrics()
-        if engine.monitor is not None:
-            self.metrics.add_shift_gauges()
-        if hasattr(engine, "make_batcher"):  # vLLM: its scheduler batches
-            self.batcher = engine.make_batcher(settings.max_queue, self._on_batch)
-        else:
-            self.batcher = MicroBatcher(
-                engine.run,
-                max_batch=settings.max_batch,
-                window_s=settings.batch_window_ms / 1000,
-                max_queue=settings.max_queue,
-                on_batch=self._on_batch,
-            )
+        self.metrics = metrics if metrics is not None else serve_metrics(engine)
+        self.batcher = self._generation_batcher() if generate else None
         # existing answers are read by a teacher-forced pass of the transformers model; the
         # vLLM engine holds none (POST /v1/actmap/score then answers 400)
         self.scorer = None
@@ -245,6 +253,18 @@ class ServerState:
                 on_batch=lambda jobs, timings: self.metrics.observe_forced(timings),
             )
         self.started_at = time.time()
+
+    def _generation_batcher(self):
+        settings, engine = self.settings, self.engine
+        if hasattr(engine, "make_batcher"):  # vLLM: its scheduler batches
+            return engine.make_batcher(settings.max_queue, self._on_batch)
+        return MicroBatcher(
+            engine.run,
+            max_batch=settings.max_batch,
+            window_s=settings.batch_window_ms / 1000,
+            max_queue=settings.max_queue,
+            on_batch=self._on_batch,
+        )
 
     def _on_batch(self, jobs: list[Job], timings: BatchTimings) -> None:
         self.metrics.observe_batch(timings)

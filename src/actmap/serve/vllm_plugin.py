@@ -49,10 +49,9 @@ from actmap.capture.vllm_engine import end_ids
 from actmap.capture.vllm_rows import generation_from_payload, payload_arrays
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, resolve_model
-from actmap.serve.app import actmap_info, audit_trail, load_scoring
+from actmap.serve.app import actmap_info, audit_trail, load_scoring, serve_metrics
 from actmap.serve.engine import Engine, Job
 from actmap.serve.loaded_run import generator_problem, refuse_what_vllm_cannot_read
-from actmap.serve.prometheus import ServeMetrics
 from actmap.serve.protocol import ActmapOptions
 from actmap.serve.request_path import APIError, validation_error
 from actmap.serve.settings import ServeSettings
@@ -142,7 +141,7 @@ class VllmPlugin:
         self.taker = _Rows(client, "actmap_take")
         self.peeker = _Rows(client, "actmap_peek")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="actmap-score")
-        self.metrics = ServeMetrics()  # actmap serve's metrics, on vLLM's /metrics
+        self.metrics = serve_metrics(engine)  # actmap serve's metrics, on vLLM's /metrics
 
     def expose_metrics(self) -> None:
         """Serve the ``actmap_*`` metrics from vLLM's own ``/metrics`` (its registry). With
@@ -237,8 +236,9 @@ class VllmPlugin:
         from actmap.serve.app import ServerState
         from actmap.serve.score_endpoint import install_score_route
 
-        state = ServerState(replace(self.settings, served_model_name=model_name), self.engine)
-        state.metrics = self.metrics  # on vLLM's /metrics with the rest
+        settings = replace(self.settings, served_model_name=model_name)
+        # the scoring side alone (vLLM generates), counting into the metrics on vLLM's /metrics
+        state = ServerState(settings, self.engine, metrics=self.metrics, generate=False)
         await state.scorer.start()
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
         app.state.actmap = state
