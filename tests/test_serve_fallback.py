@@ -244,3 +244,38 @@ def test_labels_refit_from_the_pairs_kept_not_by_rereading_the_audit_store(
     assert len(reads) == 2
     assert again.fitted == pytest.approx(fallback.fitted)
     restarted.audit.close()
+
+
+def test_under_a_review_sample_only_the_samples_labels_refit(runs, tmp_path):
+    """With ``--review-sample`` the kept pairs count as the store counts labels (the uniform
+    sample's only): the fit equals the one on the labels `served_view` counts."""
+    from actmap.serve.audit import read_audit
+    from actmap.serve.fallback import recalibrated_policy
+    from actmap.serve.loaded_run import load_detector_run
+    from actmap.store.served import served_view
+
+    primary, generalist, monitor = runs
+    generalist_id = load_detector_run(generalist).id
+    trail = AuditTrail(tmp_path / "audit", background=False, review_sample=0.5)
+    engine = tiny_engine(primary, audit=trail, monitor=StreamingMonitor(monitor, WINDOW))
+    fallback = install_fallback(engine, generalist)
+    keys = [f"s{i}" for i in range(16)]
+    p_raw = np.random.default_rng(4).uniform(0.05, 0.95, len(keys))
+    trail.append(served_entries(keys, p_raw, generalist_id))
+    trail.flush()
+    sampled = [key for key in keys if trail.in_sample(key)]
+    assert 4 <= len(sampled) < len(keys)  # both kinds among the labelled answers
+    for i, key in enumerate(keys):
+        label = int(i % 3 != 0)
+        trail.add_label(key, label, "test")
+        fallback.labelled(key, label)
+    # from scratch, as the store counts them
+    frame = read_audit(trail.store)
+    frame = frame.assign(label=served_view(trail.store, frame[["id"]])["label"].to_numpy())
+    frame = frame[frame["label"].notna()]
+    assert sorted(frame["id"]) == sorted(sampled)
+    _, want = recalibrated_policy(
+        fallback.policy, frame["p_correct_raw"], frame["label"], fallback.train_prevalence
+    )
+    assert fallback.fitted == pytest.approx(want)
+    trail.close()
