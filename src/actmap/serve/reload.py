@@ -13,8 +13,9 @@ leaves out is reloaded from the paths in use (those the server started with, or 
 the last reload), so replacing the files and posting ``{}`` (or sending SIGHUP) picks them
 up. Under ``--fallback-run`` a reload replaces the in-domain pair (`actmap.serve.fallback`):
 while the shift alarm holds the generalist keeps scoring (``scoring`` in the reply) and the
-reloaded pair scores once it clears. A detector that reads another map or other inputs than the served one needs a restart
-(400); a path that fails to load is a 400 and the served pair stays. One reload at a time.
+reloaded pair scores once it clears. A detector that reads another map or other inputs than
+the served one needs a restart (400); a path that fails to load is a 400 and the served pair
+stays. One reload at a time.
 """
 
 from __future__ import annotations
