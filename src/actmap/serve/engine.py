@@ -361,7 +361,9 @@ class Engine:
         detector reads no scalars): the running scorer of both vLLM step loops (`actmap serve
         --engine vllm` and the plugin), whose rows arrive one by one."""
         with self.swap_lock:
-            maps = build_maps_from_list([states[:, :t] for states, _, _, t in rows], self.map_config)
+            maps = build_maps_from_list(
+                [states[:, :t] for states, _, _, t in rows], self.map_config
+            )
             scalars = None
             if self.detector.needs_scalars:
                 scalars = np.stack(
