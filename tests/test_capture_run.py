@@ -92,6 +92,18 @@ def test_run_writes_maps_labels_and_side_tables(tmp_path, tiny_llama, word_token
     # a second run skips everything
     again = run_capture(tiny_llama, word_tokenizer, SOURCE, task, task.examples, store, config)
     assert again.written == 0 and again.skipped_existing == 24
+    # an id whose maps row is written again: read back as its last row, as the store reads it
+    from actmap.store import MapRecord
+    from actmap.store.derived import RECORD_FIELDS
+
+    key = meta["id"][0]
+    first = meta.set_index("id").loc[key]
+    store.write_maps([MapRecord(
+        id=key, **{**{f: first[f] for f in RECORD_FIELDS}, "answer": "a rewritten answer"},
+        n_tokens=int(first["n_tokens"]), label=int(first["label"]), map=maps[0],
+    )])  # fmt: skip
+    (record,) = read_generations(store, [key])
+    assert record.answer == "a rewritten answer" and record.token_ids == by_id[key][1].token_ids
 
 
 def test_empty_answers_are_recorded_not_mapped(tmp_path, tiny_llama, word_tokenizer):

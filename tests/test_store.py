@@ -291,6 +291,8 @@ def test_ablation_maps_become_a_store_that_training_reads(tmp_path):
     ]
     trajectories = [rng.standard_normal((30, 3 + i, 128)).astype(np.float32) for i in range(12)]
     source.write_maps(records)
+    records[0] = MapRecord(**{**records[0].__dict__, "label": 1 - records[0].label})
+    source.write_maps([records[0]])  # a rewritten id: its last row is the one derived
     source.write_table(
         "trajectories",
         pa.table(

@@ -18,7 +18,7 @@ def read_generations(
     with_positions: bool = False,
 ) -> list[Generation]:
     """Rebuild `Generation` records (attention when stored; trajectories when asked) for scorers."""
-    maps_meta = store.metadata().set_index("id")
+    maps_meta = store.metadata(latest=True).set_index("id")  # a rewritten id: its last row
     tables = {  # only the rows asked for: a long-form store's attention table holds gigabytes
         name: store.read_latest(name, ids=ids)
         for name in ("generations", "attention")

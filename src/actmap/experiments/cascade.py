@@ -338,7 +338,7 @@ def cascade_inputs(
     """The small model's routers and correctness and the large model's correctness on the
     questions both stores hold labelled (joined on the row id, ``dataset:source``)."""
     ids, small, routers, unavailable = store_routers(small_store, run, split, baselines)
-    meta = large_store.metadata().drop_duplicates("id", keep="last").set_index("id")
+    meta = large_store.metadata(latest=True).set_index("id")
     meta = meta[meta["label"].notna()]
     keep = [i for i, key in enumerate(ids) if key in meta.index]
     if not keep:

@@ -461,7 +461,7 @@ def read_audit(store: MapStore) -> pd.DataFrame:
     """Committed rows: the maps metadata joined with their ``audit`` side rows, oldest first."""
     if not store.has_table("maps"):
         return pd.DataFrame(columns=["id", *AUDIT_SCHEMA.names[1:]])
-    maps = store.metadata().drop_duplicates("id", keep="last")
+    maps = store.metadata(latest=True)
     side = store.read_table(AUDIT_TABLE, schema=AUDIT_SCHEMA).to_pandas()  # older: no policy
     side = side.drop_duplicates("id", keep="last")
     side = side.drop(columns=["n_tokens"])

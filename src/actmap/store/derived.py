@@ -53,7 +53,7 @@ def build_map_store(
         },
         map_shape=map_shape(config),
     )
-    meta = source.metadata().set_index("id")
+    meta = source.metadata(latest=True).set_index("id")  # a rewritten id: its last row
     done = store.ids("maps")
     table = source.read_latest("trajectories")
     for batch in table.to_batches(max_chunksize=batch_size):

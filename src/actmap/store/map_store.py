@@ -366,10 +366,12 @@ class MapStore:
             return set()
         return set(self.read_table(table, ["id"]).column("id").to_pylist())
 
-    def metadata(self, table: str = "maps"):
-        """All columns except the map bytes, as a pandas DataFrame."""
+    def metadata(self, table: str = "maps", latest: bool = False):
+        """All columns except the map bytes, as a pandas DataFrame; ``latest``: one row per id,
+        the last written (as `load_maps` and `read_latest` read a rewritten id)."""
         names = [n for n in self.dataset(table).schema.names if n != "map"]
-        return self.read_table(table, names).to_pandas()
+        frame = self.read_table(table, names).to_pandas()
+        return frame.drop_duplicates("id", keep="last") if latest else frame
 
     def iter_maps(
         self, batch_size: int = 256, columns: Sequence[str] = ("id", "label")

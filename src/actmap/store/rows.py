@@ -70,7 +70,7 @@ def row_metadata(store: MapStore):
     """The maps table's metadata (a DataFrame, no map bytes), one row per id: the last
     written, as `MapStore.load_maps` and `MapStore.read_latest` read it. An audit store's
     rows get their split and label by `actmap.store.served.served_view`."""
-    meta = store.metadata().drop_duplicates("id", keep="last")
+    meta = store.metadata(latest=True)
     return served_view(store, meta) if is_served(store) else meta
 
 
