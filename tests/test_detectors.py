@@ -565,3 +565,32 @@ def test_every_detector_honours_one_protocol(name, tmp_path):
     again = load_detector(detector.save(tmp_path / name.replace(":", "-")))
     assert again.requires == detector.requires
     np.testing.assert_allclose(again.predict_proba(maps, scalars), p, rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_vit_scoring_warns_on_an_amx_cpu(monkeypatch, tmp_path):
+    """bf16 ViT scoring lost its ranking under oneDNN's AMX kernels on a real store: a ViT
+    scored in bf16 on such a CPU warns; in float32, or on another CPU, it does not."""
+    import warnings
+
+    from actmap.detectors import base
+    from actmap.training import recipe
+
+    maps, labels = separable_maps(32, 0)
+    tiny = {"depth": 1, "dim": 32, "heads": 2, "readout_hidden": 8}
+    det = CorrectnessDetector("vit", tiny, FAST, seed=0, device="cpu")
+    det.fit(maps[:24], labels[:24], maps[24:], labels[24:])
+    fast = CorrectnessDetector.load(det.save(tmp_path / "vit"), device="cpu", precision="bfloat16")
+    monkeypatch.setattr(base, "amx_bf16_cpu", lambda: True)
+    with pytest.warns(UserWarning, match="ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"):
+        fast.predict_proba(maps[:4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        det.predict_proba(maps[:4])  # float32
+        monkeypatch.setattr(base, "amx_bf16_cpu", lambda: False)
+        fast.predict_proba(maps[:4])
+    # the CPU check: an ISA cap below AMX says no whatever the CPU has
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert recipe.amx_bf16_cpu() is False
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    cpuinfo = open("/proc/cpuinfo").read().split()
+    assert recipe.amx_bf16_cpu() is ("amx_bf16" in cpuinfo)

@@ -9,6 +9,7 @@ registered module for the maps' shape and trains it with the paper's recipe;
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -29,6 +30,7 @@ from actmap.training.recipe import (
     EpochRecord,
     ProgressCallback,
     TrainConfig,
+    amx_bf16_cpu,
     predict_logits,
     seed_everything,
     train_detector,
@@ -210,6 +212,15 @@ class CorrectnessDetector:
         if tuple(x.shape[1:]) != expected:
             raise ValueError(f"maps have shape {tuple(x.shape[1:])}, detector expects {expected}")
         batch = self.config_.eval_batch_size
+        if self.precision == "bfloat16" and self.detector == "vit" and self.device_.type == "cpu":
+            if amx_bf16_cpu():
+                warnings.warn(
+                    "bfloat16 ViT scoring on a CPU with AMX: oneDNN's AMX bf16 kernels moved a "
+                    "ViT's test AUROC from .793 to .429 on a real store (docs/performance.md); "
+                    "score in float32, or start the process with "
+                    "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16",
+                    stacklevel=2,
+                )
         return predict_logits(
             self.model_, x, batch, self.device_, self.precision, self.compile
         ).numpy()

@@ -275,6 +275,19 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def amx_bf16_cpu() -> bool:
+    """Whether oneDNN may take its AMX bf16 kernels here: the CPU has ``amx_bf16`` and
+    ``ONEDNN_MAX_CPU_ISA`` (read by oneDNN when the process starts) does not cap it below
+    AMX. On such a CPU bf16 ViT scoring lost its ranking on a real store (docs/performance.md)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if cap and cap != "ALL" and "AMX" not in cap:
+        return False
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
 _STAGING_ELEMENTS = 1 << 18  # float32 staging slice of `copy_maps_` (1 MiB, stays in cache)
 
 
