@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import logging
 import math
@@ -282,10 +283,16 @@ def amx_bf16_cpu() -> bool:
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     if cap and cap != "ALL" and "AMX" not in cap:
         return False
+    return "amx_bf16" in _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The words of /proc/cpuinfo, read once (`amx_bf16_cpu` runs on every bf16 ViT scoring)."""
     try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
+        return frozenset()
 
 
 _STAGING_ELEMENTS = 1 << 18  # float32 staging slice of `copy_maps_` (1 MiB, stays in cache)
