@@ -73,6 +73,14 @@ from actmap.capture.layers import find_decoder_layers
 from actmap.capture.positions import position_states
 from actmap.capture.records import CaptureConfig, Generation
 from actmap.capture.stopping import cut_row, end_token_ids, stop_position, stop_step_extras
+from actmap.capture.vllm_attention import (
+    _TAPS,
+    ATTENTION_OP,
+    AttentionRows,
+    AttentionTap,
+    add_attention_points,
+    attention_problem,
+)
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, cache_dir, check_dtype, check_model, load_model
 from actmap.maps import pool_hidden, saturated_float16
@@ -153,6 +161,9 @@ class _Request:
     internal_id: str = ""
     finish_reason: str | None = None
     max_rows: int | None = None  # None: ``states`` holds every row (allocated up front)
+    # attention_keys > 0: row t's lookback weights (rows, L, H, K) float32, host
+    # (`actmap.capture.vllm_attention`); grown with ``states``
+    attention: torch.Tensor | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -176,6 +187,10 @@ class _Request:
             entropies = torch.zeros(size)
             entropies[:have] = self.entropies
             self.entropies = entropies
+        if self.attention is not None:
+            attention = self.attention.new_zeros((size, *self.attention.shape[1:]))
+            attention[:have] = self.attention
+            self.attention = attention
 
 
 @dataclass(frozen=True)
@@ -203,6 +218,7 @@ class _Pending:
     logp: torch.Tensor | None = None  # (m, V) their raw log-softmax, until the sampler ran
     tokens: torch.Tensor | None = None  # (m,) the tokens vLLM sampled there
     chosen: torch.Tensor | None = None  # (m,) their raw log-probs (greybox)
+    attention: AttentionRows | None = None  # the lookback weights of the rows that keep them
 
 
 # -- record points: put into the model at load time, before vLLM compiles it -----------------
@@ -239,6 +255,7 @@ def _add_record_points(model: nn.Module, layers_path: str | None) -> None:
         layer.register_buffer("_actmap_sink", torch.zeros(1, device=device), persistent=False)
         handles.append(layer.register_forward_hook(_record_hook(index)))
     model._actmap_hooks = handles
+    add_attention_points(model, layers)
 
 
 def _record_hook(index: int):
@@ -313,8 +330,7 @@ def _compilation_config(engine_args: dict) -> dict:
         )
     config["cudagraph_mode"] = mode
     splitting = list(config.get("splitting_ops") or CompilationConfig._attention_ops)
-    if RECORD_OP not in splitting:
-        splitting.append(RECORD_OP)
+    splitting += [op for op in (RECORD_OP, ATTENTION_OP) if op not in splitting]
     config["splitting_ops"] = splitting
     return config
 
@@ -352,7 +368,21 @@ class _Recorder:
         self.recomputed_keys: set[str] = set()
         self.steps_with_partial_prefill = 0  # steps holding a prompt chunk that samples nothing
         self.prefix_cache_hits = 0  # requests whose first computed position was past 0
+        self.attention: AttentionTap | None = None  # `keep_attention`
         self._install()
+
+    def keep_attention(self) -> None:
+        """From now on, requests whose config has ``attention_keys`` get their lookback
+        weights (`actmap.capture.vllm_attention`); refused by name where vLLM's attention
+        cannot be read."""
+        if self.attention is not None:
+            return
+        runner = self.runner
+        problem = attention_problem(self.model, runner.model_config, runner.parallel_config)
+        if problem is not None:
+            raise ActmapUserError(problem)
+        self.attention = AttentionTap(self.model, self.buffer.shape[0])
+        _TAPS.append(self.attention)
 
     # -- installation ------------------------------------------------------------------------
     def _install(self) -> None:
@@ -407,6 +437,8 @@ class _Recorder:
     def remove(self) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        if self.attention in _TAPS:
+            _TAPS.remove(self.attention)
         for obj, name, value in self._restore:
             if value is None:
                 delattr(obj, name)
@@ -426,7 +458,7 @@ class _Recorder:
         starts = self.runner.query_start_loc.np[: n_reqs + 1]
         computed = batch.num_computed_tokens_cpu[:n_reqs]
         prompt_lens = batch.num_prompt_tokens[:n_reqs]
-        flat, rows, owners, sampled, sampled_to = [], [], [], [], []
+        flat, rows, owners, sampled, sampled_to, batch_rows = [], [], [], [], [], []
         partial = False
         for i, req_id in enumerate(batch.req_ids[:n_reqs]):
             request = self.requests.get(req_id)
@@ -454,6 +486,7 @@ class _Recorder:
                 flat.append(int(starts[i]) + row - first_row)
                 rows.append(row)
                 owners.append(request)
+                batch_rows.append(i)
         self.steps_with_partial_prefill += partial
         if not flat:
             return
@@ -475,6 +508,8 @@ class _Recorder:
             )
         has_entropy = np.zeros(len(flat), dtype=bool)
         has_entropy[sampled_to] = True
+        if self.attention is not None:
+            self.attention.plan(flat, rows, batch_rows, owners)
         self._plan = (owners, np.asarray(rows), has_entropy)
 
     def record(self, index: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -494,6 +529,7 @@ class _Recorder:
         owners, rows, has_entropy = self._plan
         n = len(rows)
         full = None
+        attention = self.attention.finish() if self.attention is not None else None
         if self.device.type == "cuda":
             host = torch.empty(n, self.width, pin_memory=True)
             host.copy_(self.buffer[:n], non_blocking=True)
@@ -507,7 +543,7 @@ class _Recorder:
             full = self.full[:n].clone() if self._keep_full else None
         for request, row in zip(owners, rows.tolist(), strict=True):
             request.recorded = max(request.recorded, row + 1)
-        step = _Pending(host, owners, rows, has_entropy, event, full)
+        step = _Pending(host, owners, rows, has_entropy, event, full, attention=attention)
         if self.own_tokens and self._sampled is not None:
             step.sampled, step.logp = self._sampled, logp
             self._awaiting = step
@@ -546,6 +582,10 @@ class _Recorder:
                             f"request {request.key}: position row {row} out of order"
                         )
                     request.full_rows.append(step.full[k].clone())
+            if step.attention is not None:
+                for j, k in enumerate(step.attention.picks.tolist()):
+                    request, keys = step.requests[k], step.requests[k].attention.shape[-1]
+                    request.attention[int(step.rows[k])] = step.attention.host[j, ..., :keys]
             if step.tokens is not None:
                 self._scatter_tokens(step)
         self.pending = waiting
@@ -659,11 +699,13 @@ class VllmCapture:
         from vllm.sampling_params import RequestOutputKind
 
         # share_prefix needs nothing here: vLLM's prefix cache shares prefixes by itself
-        if config.attention_keys or config.keep_dense:
+        if config.keep_dense:
             raise ActmapUserError(
-                "the vLLM engine captures maps and grey-box statistics only: attention_keys "
-                "and keep_dense need --engine local"
+                "the vLLM engine captures maps, grey-box statistics, position states and "
+                "lookback attention: keep_dense needs --engine local"
             )
+        if config.attention_keys:
+            self.recorder.keep_attention()
         if config.greybox and not self.greybox:
             raise ActmapUserError("this engine was built map-only (greybox=False)")
         if prompt_ids is None:
@@ -685,6 +727,11 @@ class VllmCapture:
         request = _Request(key, prompt, list(prompt_ids), config, states, entropies)
         if config.keep_positions:
             request.full_rows = []
+        if config.attention_keys:
+            tap = self.recorder.attention
+            request.attention = torch.zeros(
+                config.max_new_tokens, tap.n_layers, tap.heads, config.attention_keys
+            )
         # register before vLLM can schedule it (the engine steps on this thread only)
         internal = self.engine.add_request(key, {"prompt_token_ids": list(prompt_ids)}, params)
         request.internal_id = internal
@@ -848,6 +895,7 @@ def _record(request: _Request, tokenizer, ends: set[int]) -> Generation:
         trajectory=request.states[:, :n].clone(),
         stopped=stopped,
         prompt_tokens=request.prompt_tokens,
+        attention=None if request.attention is None else request.attention[:n].clone(),
         positions=positions,
         extras=extras,
     )

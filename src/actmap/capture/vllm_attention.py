@@ -1,0 +1,283 @@
+"""Lookback attention inside vLLM: the weights RAUQ, TAD and the full preset read, from the
+query of each planned row and vLLM's paged key cache.
+
+The transformers capture keeps, at each generated token's step t, the attention weight of
+every head of every layer to the K previous generated tokens (`actmap.capture.lookback`):
+
+    z_j = scale * q . k_j               for every key j <= p (prompt included), p = the row's
+    w_k = exp(z_{p+1-k} - logsumexp z)  position; k = 1..min(K, t), 0 for k > t
+
+Here the same numbers come from inside vLLM's attention path. Every vLLM ``Attention`` module
+of a decoder layer gets a forward hook (put in while the model loads, before vLLM compiles it,
+beside `actmap.capture.vllm_engine`'s record points) whose only work is one call of the opaque
+custom op ``actmap::record_attention`` on the module's post-RoPE query and its output (the
+output makes the op run after vLLM's attention, so this step's keys are in the cache). For the
+rows the recorder planned (generated tokens of requests that keep attention), the op reads the
+keys of positions ``0..p`` from the paged cache through the layer's block table (whole blocks,
+one gather), takes one ``(H, p+1)`` float32 logit vector per row, and writes the K weights
+into a step buffer ``(rows, L, H, K)`` that leaves the device with the step's other rows. Only
+the planned rows are computed (nothing of size queries x keys), and vLLM's own attention output
+is untouched. Under piecewise CUDA graphs the op is a splitting op, like ``record_layer``.
+
+What it reads must be how vLLM stored the keys: the CPU backend (``CPU_ATTN``) stores each
+block's keys of one head transposed, ``(head_size, block)`` for its ``vec``/``vec16`` kernels
+and in pairs ``(head_size / 2, block, 2)`` for ``amx`` (bfloat16); tested against vLLM's cache
+writer. Other backends (the GPU ones), fp8 key caches, sliding windows, soft-capped logits,
+ALiBi, attention sinks and tensor parallel (each rank holds some heads) are refused by name,
+as are model families whose attention this has not been tested against
+(`VLLM_ATTENTION_FAMILIES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from actmap.errors import ActmapUserError
+
+ATTENTION_OP = "actmap::record_attention"
+# model_type of the families whose lookback weights from vLLM equal the transformers
+# capture's (tests/test_capture_vllm_attention.py)
+VLLM_ATTENTION_FAMILIES = frozenset({"llama", "qwen2"})
+# CPU_ATTN's key layout per kernel ISA: head_size split as (pairs, per) with the block's
+# positions between them, (head_size / per, block, per)
+_CPU_KEY_PACKING = {"vec": 1, "vec16": 1, "amx": 2}
+
+# the tap reading this process's engine (one per process, as `vllm_engine._ACTIVE`)
+_TAPS: list[AttentionTap] = []
+
+
+@torch.library.custom_op(ATTENTION_OP, mutates_args=("sink",))
+def record_attention(
+    query: torch.Tensor, output: torch.Tensor, sink: torch.Tensor, layer: int
+) -> None:
+    """One attention layer's query, after vLLM's attention wrote its keys -> the tap (a
+    no-op while no tap has planned rows). ``output`` is read by nobody: it orders the call
+    after the attention; ``sink`` keeps it in a compiled graph."""
+    if _TAPS and _TAPS[0].planned:
+        _TAPS[0].record(layer, query)
+
+
+@record_attention.register_fake
+def _record_attention_fake(query, output, sink, layer) -> None:
+    return None
+
+
+def attention_modules(layers: nn.ModuleList) -> list[nn.Module]:
+    """Each decoder layer's vLLM ``Attention`` module (exactly one per layer)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    found = []
+    for index, layer in enumerate(layers):
+        inside = [m for m in layer.modules() if isinstance(m, Attention)]
+        if len(inside) != 1:
+            raise RuntimeError(f"decoder layer {index} holds {len(inside)} vLLM Attention modules")
+        found.append(inside[0])
+    return found
+
+
+def add_attention_points(model: nn.Module, layers: nn.ModuleList) -> None:
+    """A forward hook on every decoder layer's ``Attention`` calling `record_attention`
+    (``model._actmap_attention``: the modules, by layer). A model whose layers do not hold
+    one attention module each gets none (its attention cannot be read)."""
+    try:
+        modules = attention_modules(layers)
+    except RuntimeError:
+        model._actmap_attention = None
+        return
+    for index, (layer, module) in enumerate(zip(layers, modules, strict=True)):
+        device = next(layer.parameters()).device
+        module.register_buffer("_actmap_attention_sink", torch.zeros(1, device=device),
+                               persistent=False)  # fmt: skip
+        module.register_forward_hook(_attention_hook(index))
+    model._actmap_attention = modules
+
+
+def _attention_hook(index: int):
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        torch.ops.actmap.record_attention(args[0], output, module._actmap_attention_sink, index)
+
+    return hook
+
+
+def attention_problem(model: nn.Module, model_config, parallel_config=None) -> str | None:
+    """Why lookback attention cannot be read from this vLLM model (None: it can)."""
+    family = getattr(model_config.hf_text_config, "model_type", None)
+    if family not in VLLM_ATTENTION_FAMILIES:
+        return (
+            f"lookback attention inside vLLM is built for {', '.join(sorted(VLLM_ATTENTION_FAMILIES))}"
+            f" models, not {family!r}: capture this model's attention with --engine local"
+        )
+    if parallel_config is not None and parallel_config.tensor_parallel_size > 1:
+        return "lookback attention inside vLLM needs tensor_parallel_size=1 (each rank holds some heads)"
+    modules = getattr(model, "_actmap_attention", None)
+    if not modules:
+        return "vLLM loaded this model without actmap's attention points"
+    for module in modules:
+        impl = module.impl
+        backend = module.attn_backend.get_name()
+        isa = getattr(module, "isa", None)
+        if backend != "CPU_ATTN" or isa not in _CPU_KEY_PACKING:
+            return (
+                f"lookback attention inside vLLM reads the CPU backend's key cache "
+                f"(CPU_ATTN with {'/'.join(_CPU_KEY_PACKING)} kernels), not {backend}"
+                + (f" ({isa})" if isa else "")
+            )
+        if str(impl.kv_cache_dtype) != "auto":
+            return f"lookback attention inside vLLM needs an unquantized key cache, not {impl.kv_cache_dtype}"
+        unsupported = {
+            "a sliding window": impl.sliding_window not in (None, -1),
+            "soft-capped logits": bool(impl.logits_soft_cap),
+            "ALiBi": impl.alibi_slopes is not None,
+            "attention sinks": getattr(impl, "sinks", None) is not None,
+        }
+        for what, present in unsupported.items():
+            if present:
+                return f"lookback attention inside vLLM does not handle {what}"
+    return None
+
+
+@dataclass
+class AttentionRows:
+    """One step's attention rows, copied to the host (or on their way there)."""
+
+    host: torch.Tensor  # (m, L, H, K) float32
+    picks: np.ndarray  # (m,) which of the step's selected tokens each row belongs to
+
+
+class AttentionTap:
+    """The lookback weights of the planned rows, layer by layer, into one step buffer."""
+
+    def __init__(self, model: nn.Module, capacity: int) -> None:
+        self.modules = model._actmap_attention
+        first = self.modules[0]
+        self.n_layers = len(self.modules)
+        self.heads, self.kv_heads = int(first.num_heads), int(first.num_kv_heads)
+        self.head_size = int(first.head_size)
+        self.device = first.kv_cache.device
+        self.keys = 1  # K of the buffer: the most any request asked for so far
+        self.buffer = torch.zeros(capacity, self.n_layers, self.heads, 1, device=self.device)
+        self.planned = False
+        self._picks: np.ndarray | None = None
+        self._select = self._batch = self._position = self._take = None
+        self._blocks = 0  # key blocks the furthest row reads
+
+    # -- the recorder's side -----------------------------------------------------------------
+    def plan(
+        self,
+        flat: list[int],
+        rows: list[int],
+        batch_rows: list[int],
+        owners: list,
+    ) -> None:
+        """Which of this step's selected tokens get weights: generated tokens (row >= 1) of
+        requests whose config keeps attention; ``batch_rows``: each token's request index in
+        vLLM's batch (its block table row)."""
+        picks = [
+            k for k, (row, owner) in enumerate(zip(rows, owners, strict=True))
+            if row >= 1 and owner.config.attention_keys > 0
+        ]  # fmt: skip
+        self.planned = bool(picks)
+        if not picks:
+            return
+        keys = max(owners[k].config.attention_keys for k in picks)
+        if keys > self.keys or len(picks) > self.buffer.shape[0]:
+            self.keys = max(keys, self.keys)
+            size = max(len(picks), self.buffer.shape[0])
+            self.buffer = torch.zeros(
+                size, self.n_layers, self.heads, self.keys, device=self.device
+            )
+        positions = [rows[k] + owners[k].prompt_tokens - 1 for k in picks]
+        takes = [min(rows[k], owners[k].config.attention_keys) for k in picks]
+        block = int(self.modules[0].kv_cache.shape[2])
+        self._blocks = max(positions) // block + 1
+        device = self.device
+
+        def put(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        self._picks = np.asarray(picks)
+        self._select = put([flat[k] for k in picks])
+        self._batch = put([batch_rows[k] for k in picks])
+        self._position = put(positions)
+        self._take = put(takes)
+
+    def finish(self) -> AttentionRows | None:
+        """The planned rows' weights on their way to the host (None: none were planned)."""
+        if not self.planned:
+            return None
+        self.planned = False
+        m = len(self._picks)
+        if self.device.type == "cuda":
+            host = torch.empty(self.buffer[:m].shape, pin_memory=True)
+            host.copy_(self.buffer[:m], non_blocking=True)  # the step's event follows
+        else:
+            host = self.buffer[:m].clone()
+        return AttentionRows(host, self._picks)
+
+    # -- inside the forward ------------------------------------------------------------------
+    def record(self, index: int, query: torch.Tensor) -> None:
+        """Layer ``index``: the weights of each planned row to its K newest keys."""
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        module = self.modules[index]
+        metadata, _, kv_cache, _ = get_attention_context(module.layer_name)
+        q = query.view(-1, self.heads, self.head_size).index_select(0, self._select)
+        logits = row_logits(
+            q, kv_cache, metadata.block_table, self._batch, self._blocks,
+            _CPU_KEY_PACKING[module.isa], module.impl.scale,
+        )  # fmt: skip
+        self.buffer[: len(q), index, :, : self.keys] = lookback_from_logits(
+            logits, self._position, self._take, self.keys
+        )
+
+
+def key_blocks(kv_cache: torch.Tensor, per: int) -> torch.Tensor:
+    """The CPU backend's key cache as a view ``(blocks, KV, head_size / per, block, per)``.
+
+    ``kv_cache`` is ``(blocks, KV, block, 2 * head_size)``; each (block, head) holds its keys
+    in the first ``block * head_size`` elements, transposed, then its values."""
+    n_blocks, kv_heads, block, twice = kv_cache.shape
+    size = block * (twice // 2)
+    keys = kv_cache.view(n_blocks, kv_heads, 2, size)[:, :, 0]
+    return keys.unflatten(-1, (twice // 2 // per, block, per))
+
+
+def row_logits(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    batch_rows: torch.Tensor,
+    n_blocks: int,
+    per: int,
+    scale: float,
+) -> torch.Tensor:
+    """(m, H, n_blocks * block) float32 logits ``scale * q . k`` of each row's query
+    (``query`` (m, H, d)) to the keys of its request's first ``n_blocks`` cache blocks (query
+    head h reads key head h // G, vLLM's grouping; positions past a row's own are not masked
+    here)."""
+    m, heads, dim = query.shape
+    kv_heads = kv_cache.shape[1]
+    tables = block_table.index_select(0, batch_rows)[:, :n_blocks].long()  # (m, n)
+    blocks = key_blocks(kv_cache, per)[tables]  # (m, n, KV, d / per, block, per)
+    q = query.float().view(m, kv_heads, heads // kv_heads, dim // per, per)
+    logits = torch.einsum("rkgpc,rnkpsc->rkgns", q, blocks.float())  # (m, KV, G, n, block)
+    return logits.reshape(m, heads, -1) * scale
+
+
+def lookback_from_logits(
+    logits: torch.Tensor, positions: torch.Tensor, takes: torch.Tensor, keys: int
+) -> torch.Tensor:
+    """(m, H, keys) weights ``exp(z_{p+1-k} - logsumexp_{j <= p} z_j)`` for k = 1..keys, 0
+    where k > take (row r's keys are its positions 0..positions[r])."""
+    span = torch.arange(logits.shape[-1], device=logits.device)
+    logits = logits.masked_fill((span[None, :] > positions[:, None])[:, None, :], float("-inf"))
+    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # (m, H, 1)
+    back = torch.arange(keys, device=logits.device)
+    where = (positions[:, None] - back[None, :]).clamp(min=0)  # (m, keys): k = 1 is p itself
+    picked = logits.gather(-1, where[:, None, :].expand(-1, logits.shape[1], -1))
+    weights = torch.exp(picked - normaliser)
+    return weights.masked_fill((back[None, :] >= takes[:, None])[:, None, :], 0.0)
