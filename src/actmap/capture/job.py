@@ -245,10 +245,10 @@ def _check_engine(job: CaptureJob, attention_keys: int, keep_dense: bool):
         from actmap.capture.vllm_engine import require_vllm
 
         require_vllm()  # says how to install it when missing
-        if attention_keys or keep_dense:
+        if keep_dense:
             raise ActmapUserError(
-                "--engine vllm captures maps and grey-box statistics only: "
-                "--attention-keys and --keep-dense need --engine local"
+                "--engine vllm captures maps, grey-box statistics, position states and "
+                "attention entries: --keep-dense needs --engine local"
             )
     if job.engine != "ray":
         check_device(job.device)  # a Ray replica checks its own device on its own node
@@ -283,6 +283,12 @@ def _load(job: CaptureJob, config):
             job.model, job.dtype, options, greybox=config.greybox,
             max_context=config.max_context, revision=job.revision, layers_path=job.layers_path,
         )  # fmt: skip
+        if config.attention_keys:
+            try:
+                lm.keep_attention()  # refused by name before anything is written
+            except ActmapUserError:
+                lm.close()
+                raise
         return lm, lm.tokenizer, lm.source
     return load_model(job.model, job.revision, job.device, job.dtype)
 

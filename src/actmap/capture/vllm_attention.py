@@ -20,9 +20,9 @@ the planned rows are computed (nothing of size queries x keys), and vLLM's own a
 is untouched. Under piecewise CUDA graphs the op is a splitting op, like ``record_layer``.
 
 What it reads must be how vLLM stored the keys: the CPU backend (``CPU_ATTN``) stores each
-block's keys of one head transposed, ``(head_size, block)`` for its ``vec``/``vec16`` kernels
-and in pairs ``(head_size / 2, block, 2)`` for ``amx`` (bfloat16); tested against vLLM's cache
-writer. Other backends (the GPU ones), fp8 key caches, sliding windows, soft-capped logits,
+block's keys of one head transposed, ``(head_size, block)``, for its ``vec``/``vec16`` kernels,
+and in tiles of 16 positions with the head size in pairs, ``(block / 16, head_size / 2, 16,
+2)``, for ``amx`` (bfloat16); tested against vLLM's cache writer. Other backends (the GPU ones), fp8 key caches, sliding windows, soft-capped logits,
 ALiBi, attention sinks and tensor parallel (each rank holds some heads) are refused by name,
 as are model families whose attention this has not been tested against
 (`VLLM_ATTENTION_FAMILIES`).
@@ -42,9 +42,9 @@ ATTENTION_OP = "actmap::record_attention"
 # model_type of the families whose lookback weights from vLLM equal the transformers
 # capture's (tests/test_capture_vllm_attention.py)
 VLLM_ATTENTION_FAMILIES = frozenset({"llama", "qwen2"})
-# CPU_ATTN's key layout per kernel ISA: head_size split as (pairs, per) with the block's
-# positions between them, (head_size / per, block, per)
-_CPU_KEY_PACKING = {"vec": 1, "vec16": 1, "amx": 2}
+# CPU_ATTN's key layout per kernel ISA, (tile, per): a block's keys of one head as
+# (block / tile, head_size / per, tile, per); tile None: the whole block
+_CPU_KEY_PACKING = {"vec": (None, 1), "vec16": (None, 1), "amx": (16, 2)}
 
 # the tap reading this process's engine (one per process, as `vllm_engine._ACTIVE`)
 _TAPS: list[AttentionTap] = []
@@ -235,15 +235,18 @@ class AttentionTap:
         )
 
 
-def key_blocks(kv_cache: torch.Tensor, per: int) -> torch.Tensor:
-    """The CPU backend's key cache as a view ``(blocks, KV, head_size / per, block, per)``.
+def key_blocks(kv_cache: torch.Tensor, packing: tuple[int | None, int]) -> torch.Tensor:
+    """The CPU backend's key cache as a view ``(blocks, KV, block / tile, head_size / per,
+    tile, per)`` (``packing`` = (tile, per), `_CPU_KEY_PACKING`): position ``j`` of a block
+    is tile ``j // tile``, entry ``j % tile``.
 
     ``kv_cache`` is ``(blocks, KV, block, 2 * head_size)``; each (block, head) holds its keys
-    in the first ``block * head_size`` elements, transposed, then its values."""
+    in the first ``block * head_size`` elements, then its values."""
     n_blocks, kv_heads, block, twice = kv_cache.shape
-    size = block * (twice // 2)
-    keys = kv_cache.view(n_blocks, kv_heads, 2, size)[:, :, 0]
-    return keys.unflatten(-1, (twice // 2 // per, block, per))
+    tile, per = packing
+    tile = tile or block
+    keys = kv_cache.view(n_blocks, kv_heads, 2, block * (twice // 2))[:, :, 0]
+    return keys.unflatten(-1, (block // tile, twice // 2 // per, tile, per))
 
 
 def row_logits(
@@ -252,7 +255,7 @@ def row_logits(
     block_table: torch.Tensor,
     batch_rows: torch.Tensor,
     n_blocks: int,
-    per: int,
+    packing: tuple[int | None, int],
     scale: float,
 ) -> torch.Tensor:
     """(m, H, n_blocks * block) float32 logits ``scale * q . k`` of each row's query
@@ -262,9 +265,10 @@ def row_logits(
     m, heads, dim = query.shape
     kv_heads = kv_cache.shape[1]
     tables = block_table.index_select(0, batch_rows)[:, :n_blocks].long()  # (m, n)
-    blocks = key_blocks(kv_cache, per)[tables]  # (m, n, KV, d / per, block, per)
+    blocks = key_blocks(kv_cache, packing)[tables]  # (m, n, KV, tiles, d / per, tile, per)
+    per = packing[1]
     q = query.float().view(m, kv_heads, heads // kv_heads, dim // per, per)
-    logits = torch.einsum("rkgpc,rnkpsc->rkgns", q, blocks.float())  # (m, KV, G, n, block)
+    logits = torch.einsum("rkgpc,rnkjpsc->rkgnjs", q, blocks.float())  # (m, KV, G, n, ...)
     return logits.reshape(m, heads, -1) * scale
 
 

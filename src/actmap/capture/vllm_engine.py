@@ -683,6 +683,12 @@ class VllmCapture:
         self._requests: dict[str, _Request] = {}  # external id -> request
         self._ids = itertools.count()
 
+    def keep_attention(self) -> None:
+        """Read lookback attention from now on (``CaptureConfig.attention_keys``); refused by
+        name where this model's attention cannot be read inside vLLM
+        (`actmap.capture.vllm_attention`). ``submit`` calls it for a request that asks."""
+        self.recorder.keep_attention()
+
     # -- continuous batching ------------------------------------------------------------------
     def encode(self, prompts: Sequence[str], config: CaptureConfig) -> list[list[int]]:
         """Prompt token ids exactly as the transformers capture tokenizes them (left-truncated
@@ -705,7 +711,7 @@ class VllmCapture:
                 "lookback attention: keep_dense needs --engine local"
             )
         if config.attention_keys:
-            self.recorder.keep_attention()
+            self.keep_attention()
         if config.greybox and not self.greybox:
             raise ActmapUserError("this engine was built map-only (greybox=False)")
         if prompt_ids is None:

@@ -1,0 +1,267 @@
+"""Lookback attention read inside vLLM (`actmap.capture.vllm_attention`) against the
+transformers capture (`actmap.capture.lookback`, itself tested against eager attention).
+
+Tiny random llama and qwen2 models (float32, 4 query heads on 2 key/value heads, head size
+32: the CPU attention kernel's smallest), one in-process vLLM engine per family, built small
+on purpose: at most 32 tokens per step (a 48-token prompt is prefilled in two chunks) and a KV
+cache of 6 blocks of 32 tokens, so eight requests in flight cannot all fit and vLLM preempts
+and recomputes some of them. The reference is `actmap.capture.generate_batch` (left-padded
+static batch) on the same weights.
+
+Tolerance: greedy tokens identical; attention entries ``atol=1e-5`` (measured: at most
+~6e-8 apart, float32 rounding of two kernels' queries and keys); stored attention (float16)
+``atol=1e-3``; the full preset's p(correct) from vLLM's rows and from transformers' within
+1e-3.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from actmap.capture.generate import generate_batch
+from actmap.capture.records import CaptureConfig
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'actmap[vllm]')")
+pytestmark = pytest.mark.vllm
+
+KEYS = 10  # the full preset's
+CONFIG = CaptureConfig(
+    max_new_tokens=14, max_context=128, attention_keys=KEYS, lookback_attention=True
+)
+ATTENTION_TOL = dict(rtol=1e-4, atol=1e-5)
+LONG = " ".join(["one two three four five six"] * 8)  # 48 tokens: two prefill chunks
+PROMPTS = ["what is the capital of the river", "red blue", LONG]
+
+
+def tiny_qwen2(vocab_size: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config).eval()
+
+
+def tiny(family: str, vocab_size: int):
+    if family == "qwen2":
+        return tiny_qwen2(vocab_size)
+    return make_tiny_llama(vocab_size, layers=2, head_dim=32)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def family_engine(request, word_tokenizer, tmp_path_factory):
+    """(family, transformers model, vLLM engine over the same weights)."""
+    from actmap.capture.vllm_engine import VllmCapture, VllmOptions
+
+    family = request.param
+    model = tiny(family, len(word_tokenizer))
+    folder = tmp_path_factory.mktemp(f"tiny-{family}")
+    model.save_pretrained(folder)
+    word_tokenizer.save_pretrained(folder)
+    options = VllmOptions(
+        max_num_seqs=8, max_num_batched_tokens=32, block_size=32, num_kv_blocks=6
+    )
+    engine = VllmCapture(str(folder), options=options, max_context=128)
+    # transformers reads a qwen2 folder's tokenizer as Qwen2's BPE; the word tokenizer is the
+    # one the model and the reference use (vLLM itself reads only token ids here)
+    engine.tokenizer = word_tokenizer
+    yield family, model, engine
+    engine.close()
+
+
+def assert_same_attention(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.attention.shape == w.attention.shape == (w.n_tokens, 2, 4, KEYS)
+        torch.testing.assert_close(g.attention, w.attention, **ATTENTION_TOL)
+        torch.testing.assert_close(g.trajectory, w.trajectory, rtol=1e-4, atol=1e-4)
+
+
+def test_batch_of_different_prompt_lengths_equals_transformers(family_engine, word_tokenizer):
+    family, model, engine = family_engine
+    got = engine.generate(PROMPTS, CONFIG)
+    want = generate_batch(model, word_tokenizer, PROMPTS, CONFIG)
+    assert len({g.prompt_tokens for g in got}) == 3
+    assert max(g.n_tokens for g in got) > KEYS  # an answer longer than K
+    long = next(w for w in want if w.n_tokens > KEYS)
+    assert (long.attention[KEYS + 1 :] > 0).all()  # every key kept is a generated token
+    assert (long.attention[0] == 0).all() and (long.attention[3, :, :, 3:] == 0).all()
+    assert_same_attention(got, want)
+
+
+def test_preempted_requests_keep_their_attention(family_engine, word_tokenizer):
+    """Eight requests of two cache blocks each share six: vLLM preempts and recomputes some
+    (a recompute prefills prompt + answer; its new row's keys include the ones it rewrote)."""
+    family, model, engine = family_engine
+    if family != "llama":
+        pytest.skip("one family is enough for the scheduler's cases")
+    words = "what is the capital of the river and the city how many days".split()
+    prompts = [" ".join(words[i:] + words[:i] + words[:8]) for i in range(8)]  # 22 tokens
+    before = engine.recorder.recomputed
+    got = engine.generate(prompts, CONFIG)
+    assert engine.recorder.recomputed > before, "no request was preempted"
+    assert_same_attention(got, generate_batch(model, word_tokenizer, prompts, CONFIG))
+
+
+def test_store_attention_table_equals_the_local_engine(family_engine, word_tokenizer, tmp_path):
+    """`run_capture_vllm` (what `actmap capture --engine vllm --attention-keys 10
+    --lookback-attention` runs) writes the local engine's attention side table."""
+    from test_capture_run import SOURCE, WordTask
+
+    from actmap.capture.run import run_capture, store_config
+    from actmap.capture.vllm_run import run_capture_vllm
+    from actmap.maps import MapConfig
+    from actmap.store import MapStore
+
+    family, model, engine = family_engine
+    if family != "llama":
+        pytest.skip("the store path does not depend on the family")
+    task = WordTask(6)
+    config = CaptureConfig(**{**CONFIG.__dict__, "batch_size": 3, "keep_positions": True})
+    stores = {}
+    for name in ("vllm", "local"):
+        store = MapStore.create(
+            tmp_path / name, store_config(task, SOURCE, config, MapConfig(), {})
+        )
+        if name == "vllm":
+            run_capture_vllm(engine, word_tokenizer, SOURCE, task, task.examples, store, config)
+        else:
+            run_capture(model, word_tokenizer, SOURCE, task, task.examples, store, config)
+        stores[name] = MapStore.open(tmp_path / name)
+    ids = sorted(stores["local"].ids())
+    assert ids and sorted(stores["vllm"].ids()) == ids
+    got = stores["vllm"].read_arrays("attention", ids)
+    want = stores["local"].read_arrays("attention", ids)
+    for key in ids:
+        assert got[key].shape == want[key].shape and want[key].shape[1:] == (2, 4, KEYS)
+        np.testing.assert_allclose(got[key].astype(np.float32), want[key].astype(np.float32),
+                                   atol=1e-3)  # fmt: skip
+
+
+def test_full_preset_scores_vllm_rows_as_transformers_rows(family_engine, word_tokenizer):
+    """An actmap-plus:full fit (map, scalars, position probes, RAUQ and TAD blocks) gives the
+    same p(correct) from either engine's rows; without the attention it would not. The fit
+    is trained on transformers rows of the same model, labelled by an attention feature (the
+    mean weight of layer 0, head 0 to the previous token), so its score leans on attention."""
+    from dataclasses import replace
+
+    from conftest import WORDS
+
+    from actmap.capture.answer_scalars import answer_scalars
+    from actmap.detectors import live_inputs
+    from actmap.detectors.stacked import StackConfig, StackedPlus
+    from actmap.maps import build_map, stored_form
+
+    family, model, engine = family_engine
+    if family != "llama":
+        pytest.skip("one family is enough for the detector")
+    config = CaptureConfig(**{**CONFIG.__dict__, "keep_positions": True, "batch_size": 50})
+
+    def inputs(gens):
+        maps = np.stack([stored_form(build_map(g.trajectory)) for g in gens])
+        scalars = np.stack([answer_scalars(g.logprobs, g.entropies) for g in gens])
+        return live_inputs(maps, scalars, gens)
+
+    rng = np.random.default_rng(0)
+    prompts = [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 12)))) for _ in range(100)]
+    rows = [g for g in generate_batch(model, word_tokenizer, prompts, config) if g.n_tokens > 2]
+    feature = np.array([g.attention[1:, 0, 0, 0].mean().item() for g in rows])
+    y = (feature > np.median(feature)).astype(int)
+    half = len(rows) * 2 // 3
+    fit = StackedPlus(
+        StackConfig(preset="full", map_components=8, tad_previous=KEYS, fallback=False)
+    ).fit(inputs(rows[:half]), y[:half], inputs(rows[half:]), y[half:])
+    assert "attention" in fit.requires
+
+    got = engine.generate(PROMPTS, config)
+    want = generate_batch(model, word_tokenizer, PROMPTS, config)
+    from_vllm = fit.predict_proba(inputs(got))
+    from_transformers = fit.predict_proba(inputs(want))
+    np.testing.assert_allclose(from_vllm, from_transformers, atol=1e-3)
+    blind = [replace(g, attention=torch.zeros_like(g.attention)) for g in got]
+    assert np.abs(fit.predict_proba(inputs(blind)) - from_vllm).max() > 1e-2  # reads attention
+
+
+# -- the pieces, without an engine ------------------------------------------------------------
+@pytest.mark.parametrize("block", [32, 64])
+@pytest.mark.parametrize(
+    ("isa", "dtype"),
+    [("vec", torch.float32), ("vec16", torch.float32), ("amx", torch.bfloat16)],
+)
+def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block):
+    """`key_blocks` reads back the keys vLLM's CPU cache writer stored, and the lookback
+    weights from `row_logits` equal a naive per-row loop (GQA: query head h reads key head
+    h // G)."""
+    from vllm import _custom_ops as ops
+
+    from actmap.capture.vllm_attention import (
+        _CPU_KEY_PACKING,
+        key_blocks,
+        lookback_from_logits,
+        row_logits,
+    )
+
+    torch.manual_seed(0)
+    n_blocks, kv_heads, heads, dim, keys = 5, 2, 4, 32, 4
+    cache = torch.zeros(n_blocks, kv_heads, block, 2 * dim, dtype=dtype)
+    key_cache, value_cache = cache.view(n_blocks, kv_heads, 2 * block, dim).chunk(2, dim=2)
+    table = torch.tensor([[3, 0, 4], [1, 2, 0]], dtype=torch.int32)  # two requests
+    lengths = [70, 40]
+    slots, written = [], []
+    for r, length in enumerate(lengths):
+        for p in range(length):
+            slots.append(int(table[r, p // block]) * block + p % block)
+    written = torch.randn(len(slots), kv_heads, dim).to(dtype)
+    try:
+        ops.cpu_attn_reshape_and_cache(
+            written, torch.randn_like(written), key_cache, value_cache,
+            torch.tensor(slots, dtype=torch.long), isa,
+        )  # fmt: skip
+    except RuntimeError as error:
+        pytest.skip(f"this CPU's vLLM build has no {isa} kernel: {error}")
+    packing = _CPU_KEY_PACKING[isa]
+    tile = packing[0] or block
+    view = key_blocks(cache, packing)  # (blocks, KV, block / tile, d / per, tile, per)
+    for i, slot in enumerate(slots):
+        at = slot % block
+        read = view[slot // block, :, at // tile, :, at % tile, :].reshape(kv_heads, dim)
+        assert torch.equal(read, written[i])
+    # rows: request 0 at position 69 (row 9) and 35, request 1 at position 39 (row 2)
+    batch, positions, rows = [0, 0, 1], [69, 35, 39], [9, 1, 2]
+    query = torch.randn(3, heads, dim).to(dtype)
+    logits = row_logits(query, cache, table, torch.tensor(batch), 69 // block + 1, packing, 0.125)
+    got = lookback_from_logits(
+        logits, torch.tensor(positions), torch.tensor([min(r, keys) for r in rows]), keys
+    )
+    start = [0, sum(lengths[:1])]
+    for m, (r, p, row) in enumerate(zip(batch, positions, rows, strict=True)):
+        own = written[start[r] : start[r] + p + 1].float()  # keys of positions 0..p
+        for h in range(heads):
+            z = own[:, h // (heads // kv_heads)] @ query[m, h].float() * 0.125
+            w = torch.softmax(z, dim=0)
+            want = torch.zeros(keys)
+            for k in range(1, min(row, keys) + 1):
+                want[k - 1] = w[p + 1 - k]
+            torch.testing.assert_close(got[m, h], want, rtol=1e-5, atol=1e-7)
+
+
+def test_what_cannot_be_read_is_refused_by_name():
+    from actmap.capture.vllm_attention import attention_problem
+
+    def config(family):
+        return SimpleNamespace(hf_text_config=SimpleNamespace(model_type=family))
+
+    assert "not 'gpt2'" in attention_problem(SimpleNamespace(), config("gpt2"))
+    parallel = SimpleNamespace(tensor_parallel_size=2)
+    assert "tensor_parallel_size=1" in attention_problem(SimpleNamespace(), config("llama"), parallel)
+    assert "without actmap's attention points" in attention_problem(
+        SimpleNamespace(_actmap_attention=None), config("qwen2")
+    )
