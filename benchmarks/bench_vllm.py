@@ -58,16 +58,18 @@ def summary(latencies: list[float], tokens: int, wall: float, n: int) -> dict:
 
 # -- part 1: in-process ------------------------------------------------------------------------
 def in_flight(
-    capture, prompts: list[list[int]], width: int, max_tokens: int, plain_engine=None
-) -> dict:
+    capture, prompts: list[list[int]], width: int, max_tokens: int, plain_engine=None,
+    config=None,
+) -> dict:  # fmt: skip
     """Keep ``width`` requests in flight until every prompt is answered: on ``plain_engine``
-    (a vLLM engine without record points) when given, else through the capture."""
+    (a vLLM engine without record points) when given, else through the capture (``config``:
+    what each request keeps; None: map-only)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from actmap.capture.records import CaptureConfig
 
-    config = CaptureConfig(max_new_tokens=max_tokens, greybox=False)
+    config = config or CaptureConfig(max_new_tokens=max_tokens, greybox=False)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=0.0, detokenize=False,
         stop_token_ids=sorted(capture.ends), output_kind=RequestOutputKind.DELTA,

@@ -200,8 +200,34 @@ def test_map_only_requests_skip_statistics(engine, reference):
 def test_unsupported_settings_are_refused(engine):
     from actmap.errors import ActmapUserError
 
-    with pytest.raises(ActmapUserError, match="attention_keys"):
-        engine.submit("hello", CaptureConfig(max_new_tokens=4, attention_keys=2))
+    with pytest.raises(ActmapUserError, match="keep_dense"):
+        engine.submit("hello", CaptureConfig(max_new_tokens=4, keep_dense=True))
+
+
+def test_full_preset_inputs_equal_transformers(engine, reference):
+    """What actmap-plus:full reads (maps, scalars, position states and the lookback attention
+    of K = 10 previous answer tokens) equals the transformers capture's, while a request that
+    keeps no attention shares the steps (tests/test_capture_vllm_attention.py: the same on
+    tiny models, with preemption, the store and a fitted detector). Attention entries:
+    ``atol=1e-5``."""
+    from actmap.capture.needs import CAPTURE_NEEDS
+
+    config = CaptureConfig(
+        max_new_tokens=MAX_NEW, max_context=512, **CAPTURE_NEEDS["actmap-plus:full"]
+    )
+    assert config.attention_keys == 10 and config.lookback_attention and config.keep_positions
+    prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
+    prompts += ["Count slowly: one, two, three,"]
+    beside = engine.submit(chat(engine.tokenizer, "Name a fruit."), CONFIG)
+    got = engine.generate(prompts, config)
+    want = reference(prompts, config)
+    assert beside not in engine._requests
+    assert max(w.n_tokens for w in want) > 10  # an answer longer than K
+    assert_same(got, want)
+    for g, w in zip(got, want, strict=True):
+        assert g.attention.shape == w.attention.shape == (w.n_tokens, 30, 9, 10)
+        torch.testing.assert_close(g.attention, w.attention, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g.positions.float(), w.positions.float(), rtol=2e-3, atol=2e-3)
 
 
 class Killed(Exception):

@@ -265,3 +265,49 @@ def test_what_cannot_be_read_is_refused_by_name():
     assert "without actmap's attention points" in attention_problem(
         SimpleNamespace(_actmap_attention=None), config("qwen2")
     )
+
+
+def test_the_plugins_worker_sends_the_same_attention(family_engine, word_tokenizer):
+    """The plugin's worker (`ActmapWorker`, configured as the API server configures it for
+    an actmap-plus:full run) over the same vLLM runner: the rows it sends become the
+    transformers capture's attention. The engine's own recorder steps aside meanwhile."""
+    from vllm import SamplingParams
+
+    from actmap.capture.vllm_engine import _Recorder
+    from actmap.capture.vllm_rows import generation_from_payload
+    from actmap.capture.vllm_worker import ActmapWorker
+
+    family, model, engine = family_engine
+    if family != "llama":
+        pytest.skip("one family is enough for the worker")
+    runner = engine.recorder.runner
+    worker = ActmapWorker()
+    worker.model_runner, worker.rank = runner, 0
+    engine.recorder.remove()
+    try:
+        info = worker.actmap_configure(
+            {"greybox": True, "keep_positions": False, "attention_keys": KEYS}
+        )
+        assert info["recording"]
+        params = SamplingParams(
+            max_tokens=CONFIG.max_new_tokens, temperature=0.0, stop_token_ids=[1],
+            logprobs=0, detokenize=False,
+        )  # fmt: skip
+        ids = engine.encode(PROMPTS, CONFIG)
+        for i, prompt_ids in enumerate(ids):
+            engine.engine.add_request(f"cmpl-base{i}-0000000{i}", {"prompt_token_ids": prompt_ids},
+                                      params)  # fmt: skip
+        while engine.engine.has_unfinished_requests():
+            engine.engine.step()
+        got = []
+        for i in range(len(PROMPTS)):
+            (item,) = worker.actmap_take([f"base{i}"])
+            got.append(generation_from_payload(item, word_tokenizer, {1}))
+    finally:
+        if getattr(worker, "_actmap_recorder", None) is not None:
+            worker._actmap_recorder.remove()
+            del runner.execute_model  # the worker's wrapper; the class's method again
+        engine.recorder = _Recorder(
+            runner, engine.recorder.model, engine.n_layers, 128, 8, engine.greybox
+        )
+    assert_same_attention(got, generate_batch(model, word_tokenizer, PROMPTS, CONFIG))

@@ -69,6 +69,7 @@ def test_the_model_is_compiled_with_the_record_op_as_a_split_point(compiled_engi
     config = compiled_engine.engine.vllm_config.compilation_config
     assert config.mode == CompilationMode.DYNAMO_TRACE_ONCE
     assert "actmap::record_layer" in config.splitting_ops
+    assert "actmap::record_attention" in config.splitting_ops
     model = compiled_engine.recorder.model
     traced = [m for m in model.modules() if getattr(m, "compiled", False)]
     assert traced, "no module of the vLLM model was compiled"
@@ -92,7 +93,10 @@ def test_compiled_capture_equals_transformers(compiled_engine, smollm2):
         )
         for q in QUESTIONS
     ]
-    config = CaptureConfig(max_new_tokens=10, max_context=512, keep_positions=True)
+    config = CaptureConfig(
+        max_new_tokens=10, max_context=512, keep_positions=True, attention_keys=4,
+        lookback_attention=True,
+    )  # fmt: skip
     got = compiled_engine.generate(prompts, config)  # three in flight together
     want = generate_batch(model, tokenizer, prompts, config)
     for g, w in zip(got, want, strict=True):
@@ -102,6 +106,7 @@ def test_compiled_capture_equals_transformers(compiled_engine, smollm2):
         torch.testing.assert_close(g.logprobs, w.logprobs, rtol=0, atol=1e-4)
         torch.testing.assert_close(g.entropies, w.entropies, rtol=0, atol=1e-4)
         torch.testing.assert_close(g.positions.float(), w.positions.float(), rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(g.attention, w.attention, rtol=1e-4, atol=1e-5)
 
 
 def test_a_second_engine_in_the_process_is_refused(compiled_engine, embedded_gguf):
@@ -120,6 +125,7 @@ def test_full_cuda_graphs_are_refused_and_the_op_splits_the_graph():
         _compilation_config({"compilation_config": {"cudagraph_mode": "FULL"}})
     config = _compilation_config({})
     assert config["cudagraph_mode"] == "PIECEWISE"
-    assert config["splitting_ops"] == [*CompilationConfig._attention_ops, "actmap::record_layer"]
+    ours = ["actmap::record_layer", "actmap::record_attention"]
+    assert config["splitting_ops"] == [*CompilationConfig._attention_ops, *ours]
     mine = _compilation_config({"compilation_config": {"splitting_ops": ["vllm::x"]}})
-    assert mine["splitting_ops"] == ["vllm::x", "actmap::record_layer"]
+    assert mine["splitting_ops"] == ["vllm::x", *ours]

@@ -86,46 +86,49 @@ def test_train_evaluate_and_serve_a_preset(preset, store_path, tmp_path):
 
 
 def assert_vllm_serving_takes(preset, detector):
-    """`--engine vllm` captures maps, scalars and position states: a run is served with what it
-    reads, and one that reads attention weights is refused by name before any model loads."""
+    """`--engine vllm` and the plugin capture maps, scalars, position states and (for the
+    families `actmap.capture.vllm_attention` reads) the lookback attention: a run is served
+    with what it reads, and one that reads attention on another family is refused by name."""
     from types import SimpleNamespace
 
     from actmap.errors import ActmapUserError
-    from actmap.serve.vllm_serving import VllmServeEngine, build_vllm_engine
+    from actmap.serve.loaded_run import refuse_what_vllm_cannot_read
+    from actmap.serve.vllm_serving import VllmServeEngine
 
-    if "attention" in detector.requires:
-        with pytest.raises(ActmapUserError, match="reads attention weights"):
-            build_vllm_engine(
-                SimpleNamespace(model="unused"), detector, None, None, None, "float32"
-            )
-        return
     engine = SimpleNamespace(detector=detector, max_context=64)
     job = SimpleNamespace(max_tokens=5, stop=())
     config = VllmServeEngine.config_for(engine, job)
     # position states exactly when the fit reads them (not when map+scalars replaced the stack)
     assert config.keep_positions == ("positions" in detector.requires)
-    assert config.greybox and not config.attention_keys
+    assert config.greybox
+    assert (config.attention_keys > 0) == ("attention" in detector.requires)
+    for family in ("llama", "qwen2", None):  # None: not known before the model loads
+        refuse_what_vllm_cannot_read(detector, "serve a deployable run", family)
+    if "attention" in detector.requires:
+        with pytest.raises(ActmapUserError, match="reads attention weights.*not 'gpt2'"):
+            refuse_what_vllm_cannot_read(detector, "serve a deployable run", "gpt2")
+    else:
+        refuse_what_vllm_cannot_read(detector, "serve a deployable run", "gpt2")
 
 
-def test_vllm_serving_refuses_a_full_fit_that_reads_attention(tmp_path):
-    """The tiny store's full fit may fall back to map+scalars (then vLLM serves it); one that
-    stacks the attention blocks is refused."""
-    from types import SimpleNamespace
-
+def test_vllm_serving_refuses_a_full_fit_on_a_family_it_cannot_read(tmp_path):
+    """The tiny store's full fit may fall back to map+scalars (then vLLM serves it on any
+    family); one that stacks the attention blocks is served where vLLM's attention is read
+    and refused by name elsewhere."""
     from test_stacked import KEYS, synthetic_rows
 
     from actmap.detectors.stacked import StackConfig, StackedPlus
     from actmap.errors import ActmapUserError
-    from actmap.serve.loaded_run import LoadedDetector
-    from actmap.serve.vllm_serving import build_vllm_engine
+    from actmap.serve.loaded_run import LoadedDetector, refuse_what_vllm_cannot_read
 
     (train, y), (val, y_val) = synthetic_rows(120, 0), synthetic_rows(60, 1)
     config = StackConfig(preset="full", map_components=8, tad_previous=KEYS, fallback=False)
     fit = StackedPlus(config).fit(train, y, val, y_val)
     detector = LoadedDetector(fit, "actmap-plus:full", MapConfig(), tmp_path)
     assert "attention" in detector.requires
-    with pytest.raises(ActmapUserError, match="reads attention weights"):
-        build_vllm_engine(SimpleNamespace(model="unused"), detector, None, None, None, "float32")
+    refuse_what_vllm_cannot_read(detector, "serve a deployable run", "llama")
+    with pytest.raises(ActmapUserError, match="reads attention weights.*not 'gemma3'"):
+        refuse_what_vllm_cannot_read(detector, "serve a deployable run", "gemma3")
 
 
 def test_the_comparison_reads_only_rows_with_positions(store_path, tmp_path):

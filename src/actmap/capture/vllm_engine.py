@@ -247,7 +247,10 @@ def _record_layer_fake(hidden, residual, sink, layer) -> None:
 
 
 def _add_record_points(model: nn.Module, layers_path: str | None) -> None:
-    """A forward hook on every decoder layer calling `record_layer`."""
+    """A forward hook on every decoder layer calling `record_layer` (once: a process that
+    loaded the plugin's worker module has its loading patched twice)."""
+    if hasattr(model, "_actmap_hooks"):
+        return
     layers = find_decoder_layers(model, layers_path)
     handles = []
     for index, layer in enumerate(layers):

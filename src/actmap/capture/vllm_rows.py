@@ -43,13 +43,26 @@ def payload(request: _Request, index: int) -> dict:
         "states": states.numpy().tobytes(),
         "entropies": None,
         "full": None,
+        "attention": None,
     }
     if request.entropies is not None:
         out["entropies"] = request.entropies[:rows].contiguous().numpy().tobytes()
     if request.full_rows:
         full = torch.stack(request.full_rows)  # (rows, L, D) float16
         out["full"], out["full_shape"] = full.numpy().tobytes(), list(full.shape)
+    if request.attention is not None:  # (rows, L, H, K) float32
+        attention = request.attention[:rows].contiguous()
+        out["attention"] = attention.numpy().tobytes()
+        out["attention_shape"] = list(attention.shape)
     return out
+
+
+def payload_attention(item: dict) -> torch.Tensor | None:
+    """A `payload`'s lookback attention ``(rows, L, H, K)`` float32, or None."""
+    if item.get("attention") is None:
+        return None
+    attention = np.frombuffer(item["attention"], np.float32).reshape(item["attention_shape"])
+    return torch.from_numpy(attention.copy())
 
 
 def payload_arrays(item: dict) -> tuple[torch.Tensor, torch.Tensor | None, list | None]:
@@ -78,6 +91,7 @@ def generation_from_payload(
     (`actmap.capture.vllm_engine._record`: end token and stop string cut by actmap's rule);
     ``tokens``: only the answer's first ``tokens`` tokens (an answer ended early)."""
     states, entropies, full_rows = payload_arrays(item)
+    attention = payload_attention(item)
     token_ids = list(item["token_ids"])[:tokens]
     logprobs = list(item["logprobs"] or [])
     recorded = int(item["recorded"])
@@ -90,12 +104,13 @@ def generation_from_payload(
         stop_strings=tuple(stop_strings),
         greybox=entropies is not None,
         keep_positions=full_rows is not None,
+        attention_keys=0 if attention is None else attention.shape[-1],
     )
     prompt_ids = list(item["prompt_ids"])
     request = _Request(
         item["req_id"], tokenizer.decode(prompt_ids), prompt_ids, config, states, entropies,
         full_rows=full_rows, token_ids=token_ids,
         logprobs=logprobs, recorded=recorded,
-        internal_id=item["req_id"],
+        internal_id=item["req_id"], attention=attention,
     )  # fmt: skip
     return _record(request, tokenizer, ends)

@@ -76,7 +76,8 @@ class ActmapWorker:
 
     def actmap_configure(self, settings: dict) -> dict:
         """Start recording (rank 0 only). ``settings``: greybox, keep_positions, pooled_dim,
-        and optionally hold_s, max_held. A second call with the same settings (another API
+        and optionally attention_keys (lookback attention, `actmap.capture.vllm_attention`),
+        hold_s, max_held. A second call with the same settings (another API
         server process) changes nothing."""
         current = getattr(self, "_actmap_settings", None)
         if current is not None:
@@ -104,8 +105,9 @@ class ActmapWorker:
                 max_new_tokens=1,
                 greybox=bool(settings.get("greybox", False)),
                 keep_positions=bool(settings.get("keep_positions", False)),
+                attention_keys=int(settings.get("attention_keys", 0)),
             )
-            self._actmap_recorder = _Recorder(
+            recorder = _Recorder(
                 runner,
                 model,
                 len(model._actmap_hooks),
@@ -115,6 +117,14 @@ class ActmapWorker:
                 own_tokens=True,
                 track=self._actmap_track,
             )
+            if self._actmap_config.attention_keys:
+                try:
+                    recorder.keep_attention()  # refused by name where it cannot be read
+                except ActmapUserError:
+                    recorder.remove()
+                    del self._actmap_settings
+                    raise
+            self._actmap_recorder = recorder
             self._actmap_wrap_execute(runner)
         return self._actmap_info()
 
@@ -179,10 +189,14 @@ class ActmapWorker:
         first = min(FIRST_ROWS, max_rows or FIRST_ROWS)
         states = torch.zeros(recorder.n_layers, first, recorder.pooled_dim)
         entropies = torch.zeros(first) if config.greybox else None
+        attention = None
+        if config.attention_keys:
+            tap = recorder.attention
+            attention = torch.zeros(first, tap.n_layers, tap.heads, config.attention_keys)
         request = _Request(
             req_id, "", list(state.prompt_token_ids), config, states, entropies,
             full_rows=[] if config.keep_positions else None, internal_id=req_id,
-            max_rows=max_rows if max_rows is not None else 1 << 30,
+            max_rows=max_rows if max_rows is not None else 1 << 30, attention=attention,
         )  # fmt: skip
         return request
 

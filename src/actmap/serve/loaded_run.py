@@ -133,15 +133,23 @@ def load_detector_run(
     return LoadedDetector(detector, ident, map_config, folder, dtype, store_config.get("model"))
 
 
-def refuse_what_vllm_cannot_read(detector: LoadedDetector, instead: str) -> None:
-    """vLLM's capture (the in-process engine and the plugin) gives maps, scalars and position
-    states, not attention weights: a run that reads them is refused by name before any model
-    loads. ``instead``: what the user can do in that mode."""
-    if "attention" in detector.requires:
-        raise ActmapUserError(
-            f"{detector.id} reads attention weights (actmap-plus:full), which vLLM's capture "
-            f"does not give: {instead}"
-        )
+def refuse_what_vllm_cannot_read(
+    detector: LoadedDetector, instead: str, model_type: str | None = None
+) -> None:
+    """vLLM's capture (the in-process engine and the plugin) gives maps, scalars, position
+    states and, for the families `actmap.capture.vllm_attention` reads, the lookback attention
+    weights: a run that reads attention on another family (``model_type``: the served model's,
+    when known before it loads) is refused by name. ``instead``: what the user can do in that
+    mode. Where the family is not known yet, the engine refuses it once it has loaded."""
+    from actmap.capture.vllm_attention import VLLM_ATTENTION_FAMILIES
+
+    if "attention" in detector.requires and model_type is not None:
+        if model_type not in VLLM_ATTENTION_FAMILIES:
+            raise ActmapUserError(
+                f"{detector.id} reads attention weights (actmap-plus:full), which vLLM's "
+                f"capture reads for {', '.join(sorted(VLLM_ATTENTION_FAMILIES))} models, not "
+                f"{model_type!r}: {instead}"
+            )
 
 
 def generator_problem(detector: LoadedDetector, served: ModelSource) -> str | None:

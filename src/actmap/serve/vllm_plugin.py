@@ -179,7 +179,10 @@ class VllmPlugin:
         if not (detector.generator or {}).get("name"):
             log.warning("actmap: %s records no generator; not checked against %s",
                         detector.id, served.path)  # fmt: skip
-        refuse_what_vllm_cannot_read(detector, "serve a deployable run")
+        refuse_what_vllm_cannot_read(
+            detector, "serve a deployable run",
+            getattr(model_config.hf_text_config, "model_type", None),
+        )  # fmt: skip
         dtype = str(model_config.dtype).removeprefix("torch.")
         if dtype != detector.dtype:
             log.warning("actmap: vLLM runs %s, but %s was fit on %s maps: scores may shift",
@@ -188,6 +191,7 @@ class VllmPlugin:
         worker = {
             "greybox": capture["greybox"],
             "keep_positions": bool(capture.get("keep_positions")),
+            "attention_keys": int(capture.get("attention_keys", 0)),
             "pooled_dim": 128,
             **worker_options,
         }

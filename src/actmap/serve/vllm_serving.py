@@ -255,6 +255,12 @@ def build_vllm_engine(settings, detector, policy, audit, monitor, dtype: str) ->
         greybox=detector.needs_scalars,
         max_context=settings.max_context,  # None: the model's own limit
     )
+    if "attention" in detector.requires:
+        try:
+            capture.keep_attention()  # refused by name for a model it cannot read
+        except ActmapUserError as error:
+            capture.close()
+            raise ActmapUserError(f"{error}; or serve a deployable run") from None
     return VllmServeEngine(
         capture,
         detector,

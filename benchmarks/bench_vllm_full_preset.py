@@ -1,0 +1,111 @@
+"""The full preset's signals inside vLLM against map-only capture: one engine, one run.
+
+One in-process vLLM engine (`actmap.capture.vllm_engine.VllmCapture`, grey-box on, eager on
+CPU), the same chat prompts (built-in arithmetic questions, greedy, at most ``--max-tokens``
+new tokens, SmolLM2 by default, float32), ``c`` requests in flight (a new one added as soon as
+one finishes), each request keeping:
+
+* ``map-only``: the pooled states (``actmap``'s needs);
+* ``deployable``: + the per-step log-probs and entropies and the position states
+  (``actmap-plus:deployable``);
+* ``full``: + the lookback attention of K = 10 previous answer tokens, read inside vLLM's
+  attention path (``actmap-plus:full``, `actmap.capture.vllm_attention`).
+
+The modes are interleaved ``--repeats`` times; each row is a mode's median run. Target
+(issue 54, item 3): ``full`` costs at most +5% over ``map-only``, i.e. throughput ratio
+full / map-only >= 1 / 1.05 = 0.952 (printed beside each ratio). Record the machine's load
+with the figures (printed at start and end); run it alone on the machine:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_vllm_full_preset.py --concurrency 16,64 \\
+        --requests 64 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import questions  # noqa: E402
+from bench_vllm import in_flight  # noqa: E402
+
+TARGET = 1 / 1.05  # full may cost +5% over map-only
+MODES = {"map-only": "actmap", "deployable": "actmap-plus:deployable", "full": "actmap-plus:full"}
+
+
+def run(args) -> list[dict]:
+    from actmap.capture.needs import CAPTURE_NEEDS
+    from actmap.capture.records import CaptureConfig
+    from actmap.capture.vllm_engine import VllmCapture, VllmOptions
+
+    widest = max(args.concurrency)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    options = VllmOptions(max_num_seqs=widest, kv_cache_gib=2, enforce_eager=not args.compiled)
+    capture = VllmCapture(args.model, args.dtype, options, greybox=True, max_context=2048)
+    configs = {
+        mode: CaptureConfig(max_new_tokens=args.max_tokens, **CAPTURE_NEEDS[needs])
+        for mode, needs in MODES.items()
+    }
+    chats = [
+        capture.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in questions(args.prompts)
+    ]
+    ids = capture.encode(chats, configs["map-only"])
+    rows = []
+    for width in args.concurrency:
+        n = max(args.requests, width)
+        batch = (ids * (n // len(ids) + 1))[:n]
+        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for config in configs.values():  # warm-up
+            in_flight(capture, batch[: min(4, n)], width, args.max_tokens, config=config)
+        for _ in range(args.repeats):
+            for mode, config in configs.items():
+                runs[mode].append(in_flight(capture, batch, width, args.max_tokens, config=config))
+        median = {}
+        for mode, results in runs.items():
+            median[mode] = sorted(results, key=lambda r: r["req_per_s"])[len(results) // 2]
+            row = {"mode": mode, "concurrency": width, **median[mode]}
+            row["all_req_per_s"] = [r["req_per_s"] for r in results]
+            rows.append(row)
+        base = median["map-only"]["req_per_s"]
+        for row in rows[-len(MODES) :]:
+            row["ratio_vs_map_only"] = round(row["req_per_s"] / base, 3)
+    capture.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--concurrency", default="16,64")
+    parser.add_argument("--requests", type=int, default=64, help="requests per concurrency")
+    parser.add_argument("--prompts", type=int, default=64, help="distinct questions")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per mode")
+    parser.add_argument("--compiled", action="store_true", help="vLLM's compiled model")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    print(f"load at start: {os.getloadavg()}", flush=True)
+    rows = run(args)
+    print(f"load at end: {os.getloadavg()}")
+    for row in rows:
+        ratio = row["ratio_vs_map_only"]
+        mark = f"  (target >= {TARGET:.3f}: {'met' if ratio >= TARGET else 'NOT met'})"
+        print(
+            f"c={row['concurrency']:>3} {row['mode']:<10} {row['req_per_s']:8.3f} req/s "
+            f"{row['tokens_per_s']:9.2f} tok/s  p50 {row['p50_s']}s  cpu {row['cpu_s']}s  "
+            f"x{ratio:.3f} of map-only" + (mark if row["mode"] == "full" else "")
+        )
+    if args.out is not None:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
