@@ -237,7 +237,8 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block):
     # rows: request 0 at position 69 (row 9) and 35, request 1 at position 39 (row 2)
     batch, positions, rows = [0, 0, 1], [69, 35, 39], [9, 1, 2]
     query = torch.randn(3, heads, dim).to(dtype)
-    logits = row_logits(query, cache, table, torch.tensor(batch), 69 // block + 1, packing, 0.125)
+    tables = table.index_select(0, torch.tensor(batch))[:, : 69 // block + 1].long()
+    logits = row_logits(query, cache, tables, packing, 0.125)
     got = lookback_from_logits(
         logits, torch.tensor(positions), torch.tensor([min(r, keys) for r in rows]), keys
     )

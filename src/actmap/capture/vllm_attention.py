@@ -45,6 +45,8 @@ VLLM_ATTENTION_FAMILIES = frozenset({"llama", "qwen2"})
 # CPU_ATTN's key layout per kernel ISA, (tile, per): a block's keys of one head as
 # (block / tile, head_size / per, tile, per); tile None: the whole block
 _CPU_KEY_PACKING = {"vec": (None, 1), "vec16": (None, 1), "amx": (16, 2)}
+# the logits of the layers computed together at the end of a step stay within this many bytes
+LOGITS_BUDGET = 32 << 20
 
 # the tap reading this process's engine (one per process, as `vllm_engine._ACTIVE`)
 _TAPS: list[AttentionTap] = []
@@ -149,7 +151,10 @@ class AttentionRows:
 
 
 class AttentionTap:
-    """The lookback weights of the planned rows, layer by layer, into one step buffer."""
+    """The lookback weights of the planned rows: each layer's op keeps the rows' queries; once
+    the forward has run (every layer's keys are in the cache, and stay there until the next
+    step), `finish` computes all layers' weights into one step buffer, a few layers at a time
+    (their logits within `LOGITS_BUDGET` bytes)."""
 
     def __init__(self, model: nn.Module, capacity: int) -> None:
         self.modules = model._actmap_attention
@@ -158,12 +163,20 @@ class AttentionTap:
         self.heads, self.kv_heads = int(first.num_heads), int(first.num_kv_heads)
         self.head_size = int(first.head_size)
         self.device = first.kv_cache.device
+        self.packing = [_CPU_KEY_PACKING[m.isa] for m in self.modules]
+        self.scales = [float(m.impl.scale) for m in self.modules]
         self.keys = 1  # K of the buffer: the most any request asked for so far
         self.buffer = torch.zeros(capacity, self.n_layers, self.heads, 1, device=self.device)
+        self.queries = torch.zeros(
+            self.n_layers, capacity, self.heads, self.head_size, device=self.device,
+            dtype=first.kv_cache.dtype,
+        )  # fmt: skip
         self.planned = False
         self._picks: np.ndarray | None = None
         self._select = self._batch = self._position = self._take = None
+        self._tables: torch.Tensor | None = None  # (m, blocks) this step's rows' cache blocks
         self._blocks = 0  # key blocks the furthest row reads
+        self._fired = 0
 
     # -- the recorder's side -----------------------------------------------------------------
     def plan(
@@ -181,6 +194,7 @@ class AttentionTap:
             if row >= 1 and owner.config.attention_keys > 0
         ]  # fmt: skip
         self.planned = bool(picks)
+        self._tables, self._fired = None, 0
         if not picks:
             return
         keys = max(owners[k].config.attention_keys for k in picks)
@@ -190,6 +204,9 @@ class AttentionTap:
             self.buffer = torch.zeros(
                 size, self.n_layers, self.heads, self.keys, device=self.device
             )
+        if len(picks) > self.queries.shape[1]:
+            shape = (self.n_layers, self.buffer.shape[0], self.heads, self.head_size)
+            self.queries = torch.zeros(shape, device=self.device, dtype=self.queries.dtype)
         positions = [rows[k] + owners[k].prompt_tokens - 1 for k in picks]
         takes = [min(rows[k], owners[k].config.attention_keys) for k in picks]
         block = int(self.modules[0].kv_cache.shape[2])
@@ -206,11 +223,28 @@ class AttentionTap:
         self._take = put(takes)
 
     def finish(self) -> AttentionRows | None:
-        """The planned rows' weights on their way to the host (None: none were planned)."""
+        """Every layer's weights of the planned rows, on their way to the host (None: none
+        were planned). Called after the forward, before the next step writes the cache."""
         if not self.planned:
             return None
         self.planned = False
+        if self._fired != self.n_layers:
+            raise RuntimeError(
+                f"lookback attention recorded {self._fired} of {self.n_layers} layers: its "
+                "op did not run at every attention layer"
+            )
         m = len(self._picks)
+        span = self._blocks * int(self.modules[0].kv_cache.shape[2])
+        chunk = max(1, LOGITS_BUDGET // (4 * m * self.heads * span))
+        for lo in range(0, self.n_layers, chunk):
+            layers = range(lo, min(self.n_layers, lo + chunk))
+            logits = torch.stack([
+                row_logits(self.queries[i, :m], self.modules[i].kv_cache, self._tables,
+                           self.packing[i], self.scales[i])
+                for i in layers
+            ])  # fmt: skip  # (layers, m, H, span)
+            weights = lookback_from_logits(logits, self._position, self._take, self.keys)
+            self.buffer[:m, layers.start : layers.stop, :, : self.keys] = weights.transpose(0, 1)
         if self.device.type == "cuda":
             host = torch.empty(self.buffer[:m].shape, pin_memory=True)
             host.copy_(self.buffer[:m], non_blocking=True)  # the step's event follows
@@ -220,19 +254,17 @@ class AttentionTap:
 
     # -- inside the forward ------------------------------------------------------------------
     def record(self, index: int, query: torch.Tensor) -> None:
-        """Layer ``index``: the weights of each planned row to its K newest keys."""
-        from vllm.model_executor.layers.attention.attention import get_attention_context
+        """Layer ``index``'s query at the planned rows (and, at the step's first layer, the
+        rows' block tables)."""
+        if self._tables is None:
+            from vllm.model_executor.layers.attention.attention import get_attention_context
 
-        module = self.modules[index]
-        metadata, _, kv_cache, _ = get_attention_context(module.layer_name)
-        q = query.view(-1, self.heads, self.head_size).index_select(0, self._select)
-        logits = row_logits(
-            q, kv_cache, metadata.block_table, self._batch, self._blocks,
-            _CPU_KEY_PACKING[module.isa], module.impl.scale,
-        )  # fmt: skip
-        self.buffer[: len(q), index, :, : self.keys] = lookback_from_logits(
-            logits, self._position, self._take, self.keys
-        )
+            metadata = get_attention_context(self.modules[index].layer_name)[0]
+            table = metadata.block_table.index_select(0, self._batch)
+            self._tables = table[:, : self._blocks].long()
+        rows = self.queries[index, : len(self._picks)]
+        torch.index_select(query.view(-1, self.heads, self.head_size), 0, self._select, out=rows)
+        self._fired += 1
 
 
 def key_blocks(kv_cache: torch.Tensor, packing: tuple[int | None, int]) -> torch.Tensor:
@@ -252,36 +284,39 @@ def key_blocks(kv_cache: torch.Tensor, packing: tuple[int | None, int]) -> torch
 def row_logits(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    batch_rows: torch.Tensor,
-    n_blocks: int,
+    tables: torch.Tensor,
     packing: tuple[int | None, int],
     scale: float,
 ) -> torch.Tensor:
-    """(m, H, n_blocks * block) float32 logits ``scale * q . k`` of each row's query
-    (``query`` (m, H, d)) to the keys of its request's first ``n_blocks`` cache blocks (query
-    head h reads key head h // G, vLLM's grouping; positions past a row's own are not masked
-    here)."""
+    """(m, H, n * block) float32 logits ``scale * q . k`` of each row's query (``query``
+    (m, H, d)) to the keys of its ``n`` cache blocks (``tables`` (m, n)); query head h reads
+    key head h // G, vLLM's grouping; positions past a row's own are not masked here."""
     m, heads, dim = query.shape
     kv_heads = kv_cache.shape[1]
-    tables = block_table.index_select(0, batch_rows)[:, :n_blocks].long()  # (m, n)
+    groups = heads // kv_heads
     blocks = key_blocks(kv_cache, packing)[tables]  # (m, n, KV, tiles, d / per, tile, per)
-    per = packing[1]
-    q = query.float().view(m, kv_heads, heads // kv_heads, dim // per, per)
-    logits = torch.einsum("rkgpc,rnkjpsc->rkgnjs", q, blocks.float())  # (m, KV, G, n, ...)
+    tile, per = blocks.shape[-2], packing[1]
+    if per == 1:  # (d, tile) matrices as stored: one batched product, no copy of the keys
+        q = query.float().view(m, 1, kv_heads, 1, groups, dim)
+        logits = torch.matmul(q, blocks.float().squeeze(-1))  # (m, n, KV, tiles, G, tile)
+        logits = logits.permute(0, 2, 4, 1, 3, 5)
+    else:
+        q = query.float().view(m, kv_heads, groups, dim // per, per)
+        logits = torch.einsum("rkgpc,rnkjpsc->rkgnjs", q, blocks.float())
     return logits.reshape(m, heads, -1) * scale
 
 
 def lookback_from_logits(
     logits: torch.Tensor, positions: torch.Tensor, takes: torch.Tensor, keys: int
 ) -> torch.Tensor:
-    """(m, H, keys) weights ``exp(z_{p+1-k} - logsumexp_{j <= p} z_j)`` for k = 1..keys, 0
-    where k > take (row r's keys are its positions 0..positions[r])."""
+    """(..., m, H, keys) weights ``exp(z_{p+1-k} - logsumexp_{j <= p} z_j)`` for k = 1..keys,
+    0 where k > take, from logits (..., m, H, span) (row r's keys are its positions
+    0..positions[r]; leading dims, such as layers, are batched)."""
     span = torch.arange(logits.shape[-1], device=logits.device)
     logits = logits.masked_fill((span[None, :] > positions[:, None])[:, None, :], float("-inf"))
-    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # (m, H, 1)
+    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # (..., m, H, 1)
     back = torch.arange(keys, device=logits.device)
     where = (positions[:, None] - back[None, :]).clamp(min=0)  # (m, keys): k = 1 is p itself
-    picked = logits.gather(-1, where[:, None, :].expand(-1, logits.shape[1], -1))
+    picked = logits.gather(-1, where[:, None, :].expand(*logits.shape[:-1], keys))
     weights = torch.exp(picked - normaliser)
     return weights.masked_fill((back[None, :] >= takes[:, None])[:, None, :], 0.0)
