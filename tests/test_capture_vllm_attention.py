@@ -111,35 +111,42 @@ def test_preempted_requests_keep_their_attention(family_engine, word_tokenizer):
     assert_same_attention(got, generate_batch(model, word_tokenizer, prompts, CONFIG))
 
 
-def test_store_attention_table_equals_the_local_engine(family_engine, word_tokenizer, tmp_path):
-    """`run_capture_vllm` (what `actmap capture --engine vllm --attention-keys 10
-    --lookback-attention` runs) writes the local engine's attention side table."""
-    from test_capture_run import SOURCE, WordTask
+def test_cli_capture_writes_the_local_engines_attention_table(
+    family_engine, tmp_path, monkeypatch
+):
+    """`actmap capture --engine vllm --attention-keys 10 --lookback-attention` writes the
+    attention side table `--engine local` writes for the same prompts (the module's engine
+    stands in for the one the command would build: one engine per process)."""
+    import json
 
-    from actmap.capture.run import run_capture, store_config
-    from actmap.capture.vllm_run import run_capture_vllm
-    from actmap.maps import MapConfig
+    from typer.testing import CliRunner
+
+    import actmap.capture.vllm_engine as vllm_engine
+    from actmap.cli import app
     from actmap.store import MapStore
 
     family, model, engine = family_engine
     if family != "llama":
         pytest.skip("the store path does not depend on the family")
-    task = WordTask(6)
-    config = CaptureConfig(**{**CONFIG.__dict__, "batch_size": 3, "keep_positions": True})
+    monkeypatch.setattr(vllm_engine, "VllmCapture", lambda *args, **kwargs: engine)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    common = [
+        "capture", "--prompts", str(prompts), "--model", engine.source.path,
+        "--max-new-tokens", str(CONFIG.max_new_tokens), "--batch-size", "3",
+        "--attention-keys", str(KEYS), "--lookback-attention",
+    ]  # fmt: skip
     stores = {}
     for name in ("vllm", "local"):
-        store = MapStore.create(
-            tmp_path / name, store_config(task, SOURCE, config, MapConfig(), {})
-        )
-        if name == "vllm":
-            run_capture_vllm(engine, word_tokenizer, SOURCE, task, task.examples, store, config)
-        else:
-            run_capture(model, word_tokenizer, SOURCE, task, task.examples, store, config)
+        result = CliRunner().invoke(app, [*common, "--engine", name, "--out", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
         stores[name] = MapStore.open(tmp_path / name)
+    assert stores["vllm"].manifest["runs"][-1]["engine"]["name"] == "vllm"
     ids = sorted(stores["local"].ids())
-    assert ids and sorted(stores["vllm"].ids()) == ids
+    assert len(ids) == 3 and sorted(stores["vllm"].ids()) == ids
     got = stores["vllm"].read_arrays("attention", ids)
     want = stores["local"].read_arrays("attention", ids)
+    assert max(w.shape[0] for w in want.values()) > KEYS
     for key in ids:
         assert got[key].shape == want[key].shape and want[key].shape[1:] == (2, 4, KEYS)
         np.testing.assert_allclose(got[key].astype(np.float32), want[key].astype(np.float32),

@@ -30,7 +30,7 @@ def test_capture_engine_vllm_without_vllm_names_the_extra(monkeypatch, tmp_path,
     assert not (tmp_path / "s").exists()
 
 
-def test_capture_engine_vllm_refuses_attention_keys(tmp_path, tiny_model_dir):
+def test_capture_engine_vllm_refuses_keep_dense(tmp_path, tiny_model_dir):
     pytest.importorskip("vllm", reason="vLLM is not installed")
     from typer.testing import CliRunner
 
@@ -40,7 +40,7 @@ def test_capture_engine_vllm_refuses_attention_keys(tmp_path, tiny_model_dir):
     prompts.write_text('{"prompt": "what is the capital"}\n')
     args = ["capture", "--prompts", str(prompts), "--model", str(tiny_model_dir)]
     result = CliRunner().invoke(
-        app, [*args, "--out", str(tmp_path / "s"), "--engine", "vllm", "--attention-keys", "2"]
+        app, [*args, "--out", str(tmp_path / "s"), "--engine", "vllm", "--keep-dense"]
     )
     assert result.exit_code == 2 and "--engine local" in result.output
     assert not (tmp_path / "s").exists()
