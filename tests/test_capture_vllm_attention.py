@@ -218,7 +218,8 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block):
 
     torch.manual_seed(0)
     n_blocks, kv_heads, heads, dim, keys = 5, 2, 4, 32, 4
-    cache = torch.zeros(n_blocks, kv_heads, block, 2 * dim, dtype=dtype)
+    layers = torch.zeros(2, n_blocks, kv_heads, block, 2 * dim, dtype=dtype)  # two layers
+    cache = layers[0]
     key_cache, value_cache = cache.view(n_blocks, kv_heads, 2 * block, dim).chunk(2, dim=2)
     table = torch.tensor([[3, 0, 4], [1, 2, 0]], dtype=torch.int32)  # two requests
     lengths = [70, 40]
@@ -230,6 +231,11 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block):
     try:
         ops.cpu_attn_reshape_and_cache(
             written, torch.randn_like(written), key_cache, value_cache,
+            torch.tensor(slots, dtype=torch.long), isa,
+        )  # fmt: skip
+        other_keys, other_values = layers[1].view(n_blocks, kv_heads, 2 * block, dim).chunk(2, 2)
+        ops.cpu_attn_reshape_and_cache(
+            torch.randn_like(written), torch.randn_like(written), other_keys, other_values,
             torch.tensor(slots, dtype=torch.long), isa,
         )  # fmt: skip
     except RuntimeError as error:
@@ -259,6 +265,12 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block):
             for k in range(1, min(row, keys) + 1):
                 want[k - 1] = w[p + 1 - k]
             torch.testing.assert_close(got[m, h], want, rtol=1e-5, atol=1e-7)
+    # layers as a leading dim (caches and queries): each layer's logits as alone
+    queries = torch.stack([query, torch.randn_like(query)])
+    both = row_logits(queries, layers, tables, packing, 0.125)
+    for layer in range(2):
+        alone = row_logits(queries[layer], layers[layer], tables, packing, 0.125)
+        torch.testing.assert_close(both[layer], alone, rtol=1e-6, atol=1e-6)
 
 
 def test_what_cannot_be_read_is_refused_by_name():

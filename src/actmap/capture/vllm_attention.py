@@ -45,8 +45,9 @@ VLLM_ATTENTION_FAMILIES = frozenset({"llama", "qwen2"})
 # CPU_ATTN's key layout per kernel ISA, (tile, per): a block's keys of one head as
 # (block / tile, head_size / per, tile, per); tile None: the whole block
 _CPU_KEY_PACKING = {"vec": (None, 1), "vec16": (None, 1), "amx": (16, 2)}
-# the logits of the layers computed together at the end of a step stay within this many bytes
-LOGITS_BUDGET = 32 << 20
+# the keys gathered for the layers computed together at the end of a step stay within this
+# many bytes
+KEYS_BUDGET = 64 << 20
 
 # the tap reading this process's engine (one per process, as `vllm_engine._ACTIVE`)
 _TAPS: list[AttentionTap] = []
@@ -100,7 +101,11 @@ def add_attention_points(model: nn.Module, layers: nn.ModuleList) -> None:
 
 def _attention_hook(index: int):
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        torch.ops.actmap.record_attention(args[0], output, module._actmap_attention_sink, index)
+        if torch.compiler.is_compiling():  # traced: the op call stays in the compiled graph
+            torch.ops.actmap.record_attention(args[0], output, module._actmap_attention_sink,
+                                              index)  # fmt: skip
+        elif _TAPS and _TAPS[0].planned:  # eager: the op's body without its dispatch
+            _TAPS[0].record(index, args[0])
 
     return hook
 
@@ -128,6 +133,8 @@ def attention_problem(model: nn.Module, model_config, parallel_config=None) -> s
                 f"(CPU_ATTN with {'/'.join(_CPU_KEY_PACKING)} kernels), not {backend}"
                 + (f" ({isa})" if isa else "")
             )
+        if float(impl.scale) != float(modules[0].impl.scale):
+            return "lookback attention inside vLLM needs the same attention scale in every layer"
         if str(impl.kv_cache_dtype) != "auto":
             return f"lookback attention inside vLLM needs an unquantized key cache, not {impl.kv_cache_dtype}"
         unsupported = {
@@ -154,7 +161,8 @@ class AttentionTap:
     """The lookback weights of the planned rows: each layer's op keeps the rows' queries; once
     the forward has run (every layer's keys are in the cache, and stay there until the next
     step), `finish` computes all layers' weights into one step buffer, a few layers at a time
-    (their logits within `LOGITS_BUDGET` bytes)."""
+    (their gathered keys within `KEYS_BUDGET` bytes). (One view over every layer's cache, which
+    vLLM's CPU worker keeps in one buffer, gathered no faster here than layer by layer.)"""
 
     def __init__(self, model: nn.Module, capacity: int) -> None:
         self.modules = model._actmap_attention
@@ -164,7 +172,7 @@ class AttentionTap:
         self.head_size = int(first.head_size)
         self.device = first.kv_cache.device
         self.packing = [_CPU_KEY_PACKING[m.isa] for m in self.modules]
-        self.scales = [float(m.impl.scale) for m in self.modules]
+        self.scale = float(first.impl.scale)  # the same in every layer (`attention_problem`)
         self.keys = 1  # K of the buffer: the most any request asked for so far
         self.buffer = torch.zeros(capacity, self.n_layers, self.heads, 1, device=self.device)
         self.queries = torch.zeros(
@@ -235,12 +243,13 @@ class AttentionTap:
             )
         m = len(self._picks)
         span = self._blocks * int(self.modules[0].kv_cache.shape[2])
-        chunk = max(1, LOGITS_BUDGET // (4 * m * self.heads * span))
+        per_layer = 4 * m * span * self.kv_heads * self.head_size  # float32 keys gathered
+        chunk = max(1, KEYS_BUDGET // per_layer)
         for lo in range(0, self.n_layers, chunk):
             layers = range(lo, min(self.n_layers, lo + chunk))
             logits = torch.stack([
                 row_logits(self.queries[i, :m], self.modules[i].kv_cache, self._tables,
-                           self.packing[i], self.scales[i])
+                           self.packing[i], self.scale)
                 for i in layers
             ])  # fmt: skip  # (layers, m, H, span)
             weights = lookback_from_logits(logits, self._position, self._take, self.keys)
@@ -268,16 +277,18 @@ class AttentionTap:
 
 
 def key_blocks(kv_cache: torch.Tensor, packing: tuple[int | None, int]) -> torch.Tensor:
-    """The CPU backend's key cache as a view ``(blocks, KV, block / tile, head_size / per,
+    """The CPU backend's key cache as a view ``(..., blocks, KV, block / tile, head_size / per,
     tile, per)`` (``packing`` = (tile, per), `_CPU_KEY_PACKING`): position ``j`` of a block
     is tile ``j // tile``, entry ``j % tile``.
 
-    ``kv_cache`` is ``(blocks, KV, block, 2 * head_size)``; each (block, head) holds its keys
-    in the first ``block * head_size`` elements, then its values."""
-    n_blocks, kv_heads, block, twice = kv_cache.shape
+    ``kv_cache`` is ``(..., blocks, KV, block, 2 * head_size)`` (leading dims: layers); each
+    (block, head) holds its keys in the first ``block * head_size`` elements, then its
+    values."""
+    *lead, n_blocks, kv_heads, block, twice = kv_cache.shape
     tile, per = packing
     tile = tile or block
-    keys = kv_cache.view(n_blocks, kv_heads, 2, block * (twice // 2))[:, :, 0]
+    size = block * (twice // 2)
+    keys = kv_cache.flatten(-2).unflatten(-1, (2, size)).select(-2, 0)  # a view
     return keys.unflatten(-1, (block // tile, twice // 2 // per, tile, per))
 
 
@@ -288,22 +299,25 @@ def row_logits(
     packing: tuple[int | None, int],
     scale: float,
 ) -> torch.Tensor:
-    """(m, H, n * block) float32 logits ``scale * q . k`` of each row's query (``query``
-    (m, H, d)) to the keys of its ``n`` cache blocks (``tables`` (m, n)); query head h reads
-    key head h // G, vLLM's grouping; positions past a row's own are not masked here."""
-    m, heads, dim = query.shape
-    kv_heads = kv_cache.shape[1]
+    """(..., m, H, n * block) float32 logits ``scale * q . k`` of each row's query (``query``
+    (..., m, H, d); leading dims: layers, as the cache's) to the keys of its ``n`` cache blocks
+    (``tables`` (m, n)); query head h reads key head h // G, vLLM's grouping; positions past a
+    row's own are not masked here."""
+    *lead, m, heads, dim = query.shape
+    kv_heads = kv_cache.shape[-3]
     groups = heads // kv_heads
-    blocks = key_blocks(kv_cache, packing)[tables]  # (m, n, KV, tiles, d / per, tile, per)
-    tile, per = blocks.shape[-2], packing[1]
+    index = (slice(None),) * len(lead) + (tables,)
+    blocks = key_blocks(kv_cache, packing)[index]  # (..., m, n, KV, tiles, d / per, tile, per)
+    per = packing[1]
+    order = [*range(len(lead)), *(len(lead) + i for i in (0, 2, 4, 1, 3, 5))]
     if per == 1:  # (d, tile) matrices as stored: one batched product, no copy of the keys
-        q = query.float().view(m, 1, kv_heads, 1, groups, dim)
-        logits = torch.matmul(q, blocks.float().squeeze(-1))  # (m, n, KV, tiles, G, tile)
-        logits = logits.permute(0, 2, 4, 1, 3, 5)
+        q = query.float().view(*lead, m, 1, kv_heads, 1, groups, dim)
+        logits = torch.matmul(q, blocks.float().squeeze(-1))  # (..., m, n, KV, tiles, G, tile)
+        logits = logits.permute(order)
     else:
-        q = query.float().view(m, kv_heads, groups, dim // per, per)
-        logits = torch.einsum("rkgpc,rnkjpsc->rkgnjs", q, blocks.float())
-    return logits.reshape(m, heads, -1) * scale
+        q = query.float().view(*lead, m, kv_heads, groups, dim // per, per)
+        logits = torch.einsum("...rkgpc,...rnkjpsc->...rkgnjs", q, blocks.float())
+    return logits.reshape(*lead, m, heads, -1) * scale
 
 
 def lookback_from_logits(
