@@ -11,7 +11,10 @@ one finishes), each request keeping:
 * ``full``: + the lookback attention of K = 10 previous answer tokens, read inside vLLM's
   attention path (``actmap-plus:full``, `actmap.capture.vllm_attention`).
 
-The modes are interleaved ``--repeats`` times; each row is a mode's median run. Target
+The modes are interleaved ``--repeats`` times; each row is a mode's median run. ``full`` rows
+also give ``attention_cpu_share``: the CPU time spent in the attention tap (its per-layer
+record and its per-step weights, `AttentionTap.record` / `finish`) over the run's CPU time,
+a figure less sensitive to the machine's load than the throughput ratio. Target
 (issue 54, item 3): ``full`` costs at most +5% over ``map-only``, i.e. throughput ratio
 full / map-only >= 1 / 1.05 = 0.952 (printed beside each ratio). Record the machine's load
 with the figures (printed at start and end); run it alone on the machine:
@@ -36,6 +39,27 @@ TARGET = 1 / 1.05  # full may cost +5% over map-only
 MODES = {"map-only": "actmap", "deployable": "actmap-plus:deployable", "full": "actmap-plus:full"}
 
 
+def timed_tap() -> dict[str, float]:
+    """Thread CPU seconds spent in the attention tap's record and finish, accumulated."""
+    import time
+
+    from actmap.capture.vllm_attention import AttentionTap
+
+    spent = {"seconds": 0.0}
+    for name in ("record", "finish"):
+        original = getattr(AttentionTap, name)
+
+        def timed(self, *args, _original=original, **kwargs):
+            tick = time.thread_time()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                spent["seconds"] += time.thread_time() - tick
+
+        setattr(AttentionTap, name, timed)
+    return spent
+
+
 def run(args) -> list[dict]:
     from actmap.capture.needs import CAPTURE_NEEDS
     from actmap.capture.records import CaptureConfig
@@ -45,6 +69,7 @@ def run(args) -> list[dict]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     options = VllmOptions(max_num_seqs=widest, kv_cache_gib=2, enforce_eager=not args.compiled)
     capture = VllmCapture(args.model, args.dtype, options, greybox=True, max_context=2048)
+    spent = timed_tap()
     configs = {
         mode: CaptureConfig(max_new_tokens=args.max_tokens, **CAPTURE_NEEDS[needs])
         for mode, needs in MODES.items()
@@ -65,7 +90,12 @@ def run(args) -> list[dict]:
             in_flight(capture, batch[: min(4, n)], width, args.max_tokens, config=config)
         for _ in range(args.repeats):
             for mode, config in configs.items():
-                runs[mode].append(in_flight(capture, batch, width, args.max_tokens, config=config))
+                before = spent["seconds"]
+                result = in_flight(capture, batch, width, args.max_tokens, config=config)
+                result["attention_cpu_share"] = round(
+                    (spent["seconds"] - before) / result["cpu_s"], 4
+                )
+                runs[mode].append(result)
         median = {}
         for mode, results in runs.items():
             median[mode] = sorted(results, key=lambda r: r["req_per_s"])[len(results) // 2]
@@ -101,7 +131,12 @@ def main() -> None:
         print(
             f"c={row['concurrency']:>3} {row['mode']:<10} {row['req_per_s']:8.3f} req/s "
             f"{row['tokens_per_s']:9.2f} tok/s  p50 {row['p50_s']}s  cpu {row['cpu_s']}s  "
-            f"x{ratio:.3f} of map-only" + (mark if row["mode"] == "full" else "")
+            f"x{ratio:.3f} of map-only"
+            + (
+                f"{mark}; attention tap {row['attention_cpu_share']:.1%} of CPU"
+                if row["mode"] == "full"
+                else ""
+            )
         )
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=1))

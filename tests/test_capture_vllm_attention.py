@@ -66,9 +66,7 @@ def family_engine(request, word_tokenizer, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"tiny-{family}")
     model.save_pretrained(folder)
     word_tokenizer.save_pretrained(folder)
-    options = VllmOptions(
-        max_num_seqs=8, max_num_batched_tokens=32, block_size=32, num_kv_blocks=6
-    )
+    options = VllmOptions(max_num_seqs=8, max_num_batched_tokens=32, block_size=32, num_kv_blocks=6)
     engine = VllmCapture(str(folder), options=options, max_context=128)
     # transformers reads a qwen2 folder's tokenizer as Qwen2's BPE; the word tokenizer is the
     # one the model and the reference use (vLLM itself reads only token ids here)
@@ -111,9 +109,7 @@ def test_preempted_requests_keep_their_attention(family_engine, word_tokenizer):
     assert_same_attention(got, generate_batch(model, word_tokenizer, prompts, CONFIG))
 
 
-def test_cli_capture_writes_the_local_engines_attention_table(
-    family_engine, tmp_path, monkeypatch
-):
+def test_cli_capture_writes_the_local_engines_attention_table(family_engine, tmp_path, monkeypatch):
     """`actmap capture --engine vllm --attention-keys 10 --lookback-attention` writes the
     attention side table `--engine local` writes for the same prompts (the module's engine
     stands in for the one the command would build: one engine per process)."""
@@ -281,7 +277,9 @@ def test_what_cannot_be_read_is_refused_by_name():
 
     assert "not 'gpt2'" in attention_problem(SimpleNamespace(), config("gpt2"))
     parallel = SimpleNamespace(tensor_parallel_size=2)
-    assert "tensor_parallel_size=1" in attention_problem(SimpleNamespace(), config("llama"), parallel)
+    assert "tensor_parallel_size=1" in attention_problem(
+        SimpleNamespace(), config("llama"), parallel
+    )
     assert "without actmap's attention points" in attention_problem(
         SimpleNamespace(_actmap_attention=None), config("qwen2")
     )

@@ -36,8 +36,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from actmap.errors import ActmapUserError
-
 ATTENTION_OP = "actmap::record_attention"
 # model_type of the families whose lookback weights from vLLM equal the transformers
 # capture's (tests/test_capture_vllm_attention.py)
