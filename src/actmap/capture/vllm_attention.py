@@ -9,22 +9,25 @@ every head of every layer to the K previous generated tokens (`actmap.capture.lo
 
 Here the same numbers come from inside vLLM's attention path. Every vLLM ``Attention`` module
 of a decoder layer gets a forward hook (put in while the model loads, before vLLM compiles it,
-beside `actmap.capture.vllm_engine`'s record points) whose only work is one call of the opaque
-custom op ``actmap::record_attention`` on the module's post-RoPE query and its output (the
-output makes the op run after vLLM's attention, so this step's keys are in the cache). For the
-rows the recorder planned (generated tokens of requests that keep attention), the op reads the
-keys of positions ``0..p`` from the paged cache through the layer's block table (whole blocks,
-one gather), takes one ``(H, p+1)`` float32 logit vector per row, and writes the K weights
-into a step buffer ``(rows, L, H, K)`` that leaves the device with the step's other rows. Only
-the planned rows are computed (nothing of size queries x keys), and vLLM's own attention output
-is untouched. Under piecewise CUDA graphs the op is a splitting op, like ``record_layer``.
+beside `actmap.capture.vllm_engine`'s record points). In a compiled model the hook is one call
+of the opaque custom op ``actmap::record_attention`` on the module's post-RoPE query and its
+output (the output orders the op after vLLM's attention; under piecewise CUDA graphs the op is
+a splitting op, like ``record_layer``); in an eager model it calls the op's body directly.
+Either way it keeps the query of each row the recorder planned (generated tokens of requests
+that keep attention). Once the forward has run, every layer's keys are in the paged cache and
+stay there until the next step: `AttentionTap.finish` then reads, layer by layer, the keys of
+positions ``0..p`` of each row through its block table (whole blocks, one gather), takes one
+``(H, p+1)`` float32 logit vector per row, and writes the K weights into a step buffer
+``(rows, L, H, K)`` that leaves the device with the step's other rows. Only the planned rows
+are computed (nothing of size queries x keys), and vLLM's own attention output is untouched.
 
 What it reads must be how vLLM stored the keys: the CPU backend (``CPU_ATTN``) stores each
 block's keys of one head transposed, ``(head_size, block)``, for its ``vec``/``vec16`` kernels,
 and in tiles of 16 positions with the head size in pairs, ``(block / 16, head_size / 2, 16,
-2)``, for ``amx`` (bfloat16); tested against vLLM's cache writer. Other backends (the GPU ones), fp8 key caches, sliding windows, soft-capped logits,
-ALiBi, attention sinks and tensor parallel (each rank holds some heads) are refused by name,
-as are model families whose attention this has not been tested against
+2)``, for ``amx`` (bfloat16); tested against vLLM's cache writer. Other backends (the GPU
+ones), fp8 key caches, sliding windows, soft-capped logits, ALiBi, attention sinks, layers
+with different scales and tensor parallel (each rank holds some heads) are refused by name, as
+are model families whose attention this has not been tested against
 (`VLLM_ATTENTION_FAMILIES`).
 """
 
@@ -93,17 +96,20 @@ def add_attention_points(model: nn.Module, layers: nn.ModuleList) -> None:
         device = next(layer.parameters()).device
         module.register_buffer("_actmap_attention_sink", torch.zeros(1, device=device),
                                persistent=False)  # fmt: skip
-        module.register_forward_hook(_attention_hook(index))
+        module.register_forward_hook(_attention_hook(index), with_kwargs=True)
     model._actmap_attention = modules
 
 
 def _attention_hook(index: int):
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+        query = args[0] if args else kwargs.get("query")
+        if query is None:
+            return
         if torch.compiler.is_compiling():  # traced: the op call stays in the compiled graph
-            torch.ops.actmap.record_attention(args[0], output, module._actmap_attention_sink,
-                                              index)  # fmt: skip
+            sink = module._actmap_attention_sink
+            torch.ops.actmap.record_attention(query, output, sink, index)
         elif _TAPS and _TAPS[0].planned:  # eager: the op's body without its dispatch
-            _TAPS[0].record(index, args[0])
+            _TAPS[0].record(index, query)
 
     return hook
 

@@ -50,6 +50,11 @@ a request that keeps them is in the step; the host keeps those rows per request 
 `actmap.capture.positions.position_states` picks the named positions once the answer's end
 is known, as the transformers capture does.
 
+Lookback attention (``attention_keys``, the full preset): the recorder's `AttentionTap`
+(`actmap.capture.vllm_attention`) keeps the planned rows' queries at every attention layer and
+computes their weights to the K previous answer tokens from vLLM's paged key cache after the
+forward; they travel with the step's rows into ``_Request.attention``.
+
 The vLLM plugin (vLLM's own server and worker processes) records with this module's recorder,
 row plan, record op and cut: `actmap.capture.vllm_worker`, `actmap.serve.vllm_plugin`.
 """
