@@ -281,19 +281,33 @@ class AttentionTap:
 
 
 def key_blocks(kv_cache: torch.Tensor, packing: tuple[int | None, int]) -> torch.Tensor:
-    """The CPU backend's key cache as a view ``(..., blocks, KV, block / tile, head_size / per,
+    """The CPU backend's key cache as a view ``(blocks, KV, block / tile, head_size / per,
     tile, per)`` (``packing`` = (tile, per), `_CPU_KEY_PACKING`): position ``j`` of a block
     is tile ``j // tile``, entry ``j % tile``.
 
-    ``kv_cache`` is ``(..., blocks, KV, block, 2 * head_size)`` (leading dims: layers); each
-    (block, head) holds its keys in the first ``block * head_size`` elements, then its
-    values."""
-    *lead, n_blocks, kv_heads, block, twice = kv_cache.shape
+    ``kv_cache`` is ``(blocks, KV, block, 2 * head_size)``; each (block, head) holds its keys
+    in the first ``block * head_size`` elements, then its values."""
+    n_blocks, kv_heads, block, twice = kv_cache.shape
     tile, per = packing
     tile = tile or block
-    size = block * (twice // 2)
-    keys = kv_cache.flatten(-2).unflatten(-1, (2, size)).select(-2, 0)  # a view
+    keys = kv_cache.flatten(-2).unflatten(-1, (2, block * (twice // 2))).select(-2, 0)  # a view
     return keys.unflatten(-1, (block // tile, twice // 2 // per, tile, per))
+
+
+def gather_key_blocks(
+    kv_cache: torch.Tensor, tables: torch.Tensor, packing: tuple[int | None, int]
+) -> torch.Tensor:
+    """``key_blocks(kv_cache, packing)[tables]``, (m, n, KV, tiles, d / per, tile, per): each
+    (block, head)'s keys are one contiguous run, copied whole (`index_select` on rows: about
+    2.5x faster here than indexing the 6-d view)."""
+    n_blocks, kv_heads, block, twice = kv_cache.shape
+    if not kv_cache.is_contiguous():
+        return key_blocks(kv_cache, packing)[tables]
+    runs = kv_cache.view(n_blocks * kv_heads, 2, block * (twice // 2)).select(1, 0)
+    heads = torch.arange(kv_heads, device=tables.device)
+    picked = runs.index_select(0, (tables[..., None] * kv_heads + heads).flatten())
+    layout = key_blocks(kv_cache[:1], packing).shape[2:]  # (tiles, d / per, tile, per)
+    return picked.view(*tables.shape, kv_heads, *layout)
 
 
 def row_logits(
@@ -303,25 +317,21 @@ def row_logits(
     packing: tuple[int | None, int],
     scale: float,
 ) -> torch.Tensor:
-    """(..., m, H, n * block) float32 logits ``scale * q . k`` of each row's query (``query``
-    (..., m, H, d); leading dims: layers, as the cache's) to the keys of its ``n`` cache blocks
-    (``tables`` (m, n)); query head h reads key head h // G, vLLM's grouping; positions past a
-    row's own are not masked here."""
-    *lead, m, heads, dim = query.shape
-    kv_heads = kv_cache.shape[-3]
+    """(m, H, n * block) float32 logits ``scale * q . k`` of each row's query (``query``
+    (m, H, d)) to the keys of its ``n`` cache blocks (``tables`` (m, n)); query head h reads
+    key head h // G, vLLM's grouping; positions past a row's own are not masked here."""
+    m, heads, dim = query.shape
+    kv_heads = kv_cache.shape[1]
     groups = heads // kv_heads
-    index = (slice(None),) * len(lead) + (tables,)
-    blocks = key_blocks(kv_cache, packing)[index]  # (..., m, n, KV, tiles, d / per, tile, per)
-    per = packing[1]
-    order = [*range(len(lead)), *(len(lead) + i for i in (0, 2, 4, 1, 3, 5))]
-    if per == 1:  # (d, tile) matrices as stored: one batched product, no copy of the keys
-        q = query.float().view(*lead, m, 1, kv_heads, 1, groups, dim)
-        logits = torch.matmul(q, blocks.float().squeeze(-1))  # (..., m, n, KV, tiles, G, tile)
-        logits = logits.permute(order)
+    blocks = gather_key_blocks(kv_cache, tables, packing)  # (m, n, KV, tiles, d/per, tile, per)
+    if packing[1] == 1:  # (d, tile) matrices as stored: one batched product, no copy
+        q = query.float().view(m, 1, kv_heads, 1, groups, dim)
+        logits = torch.matmul(q, blocks.float().squeeze(-1))  # (m, n, KV, tiles, G, tile)
+        logits = logits.permute(0, 2, 4, 1, 3, 5)
     else:
-        q = query.float().view(*lead, m, kv_heads, groups, dim // per, per)
-        logits = torch.einsum("...rkgpc,...rnkjpsc->...rkgnjs", q, blocks.float())
-    return logits.reshape(*lead, m, heads, -1) * scale
+        q = query.float().view(m, kv_heads, groups, dim // packing[1], packing[1])
+        logits = torch.einsum("rkgpc,rnkjpsc->rkgnjs", q, blocks.float())
+    return logits.reshape(m, heads, -1) * scale
 
 
 def lookback_from_logits(
