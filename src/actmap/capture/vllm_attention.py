@@ -324,14 +324,15 @@ def row_logits(
     kv_heads = kv_cache.shape[1]
     groups = heads // kv_heads
     blocks = gather_key_blocks(kv_cache, tables, packing)  # (m, n, KV, tiles, d/per, tile, per)
+    scaled = query.float() * scale  # (q * scale) . k: m x H x d multiplications, not m x H x S
     if packing[1] == 1:  # (d, tile) matrices as stored: one batched product, no copy
-        q = query.float().view(m, 1, kv_heads, 1, groups, dim)
+        q = scaled.view(m, 1, kv_heads, 1, groups, dim)
         logits = torch.matmul(q, blocks.float().squeeze(-1))  # (m, n, KV, tiles, G, tile)
         logits = logits.permute(0, 2, 4, 1, 3, 5)
     else:
-        q = query.float().view(m, kv_heads, groups, dim // packing[1], packing[1])
+        q = scaled.view(m, kv_heads, groups, dim // packing[1], packing[1])
         logits = torch.einsum("rkgpc,rnkjpsc->rkgnjs", q, blocks.float())
-    return logits.reshape(m, heads, -1) * scale
+    return logits.reshape(m, heads, -1)
 
 
 def lookback_from_logits(
