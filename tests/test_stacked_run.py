@@ -86,46 +86,38 @@ def test_train_evaluate_and_serve_a_preset(preset, store_path, tmp_path):
 
 
 def assert_vllm_serving_takes(preset, detector):
-    """`--engine vllm` captures maps, scalars and position states: a run is served with what it
-    reads, and one that reads attention weights is refused by name before any model loads."""
-    from types import SimpleNamespace
-
+    """`--engine vllm` (vLLM's server with the actmap plugin) captures maps, scalars and
+    position states: a run is served with what it reads, and one that reads attention weights
+    is refused by name before any model loads (by the launcher and the plugin alike)."""
     from actmap.errors import ActmapUserError
-    from actmap.serve.vllm_serving import VllmServeEngine, build_vllm_engine
+    from actmap.serve.loaded_run import refuse_what_vllm_cannot_read
+    from actmap.serve.vllm_plugin import worker_settings
 
     if "attention" in detector.requires:
         with pytest.raises(ActmapUserError, match="reads attention weights"):
-            build_vllm_engine(
-                SimpleNamespace(model="unused"), detector, None, None, None, "float32"
-            )
+            refuse_what_vllm_cannot_read(detector, "serve a deployable run")
         return
-    engine = SimpleNamespace(detector=detector, max_context=64)
-    job = SimpleNamespace(max_tokens=5, stop=())
-    config = VllmServeEngine.config_for(engine, job)
+    refuse_what_vllm_cannot_read(detector, "serve a deployable run")
+    worker = worker_settings(detector, {"hold_s": 5})
     # position states exactly when the fit reads them (not when map+scalars replaced the stack)
-    assert config.keep_positions == ("positions" in detector.requires)
-    assert config.greybox and not config.attention_keys
+    assert worker == {"greybox": True, "keep_positions": "positions" in detector.requires,
+                      "pooled_dim": 128, "hold_s": 5}  # fmt: skip
 
 
 def test_vllm_serving_refuses_a_full_fit_that_reads_attention(tmp_path):
     """The tiny store's full fit may fall back to map+scalars (then vLLM serves it); one that
     stacks the attention blocks is refused."""
-    from types import SimpleNamespace
-
     from test_stacked import KEYS, synthetic_rows
 
     from actmap.detectors.stacked import StackConfig, StackedPlus
-    from actmap.errors import ActmapUserError
     from actmap.serve.loaded_run import LoadedDetector
-    from actmap.serve.vllm_serving import build_vllm_engine
 
     (train, y), (val, y_val) = synthetic_rows(120, 0), synthetic_rows(60, 1)
     config = StackConfig(preset="full", map_components=8, tad_previous=KEYS, fallback=False)
     fit = StackedPlus(config).fit(train, y, val, y_val)
     detector = LoadedDetector(fit, "actmap-plus:full", MapConfig(), tmp_path)
     assert "attention" in detector.requires
-    with pytest.raises(ActmapUserError, match="reads attention weights"):
-        build_vllm_engine(SimpleNamespace(model="unused"), detector, None, None, None, "float32")
+    assert_vllm_serving_takes("full", detector)
 
 
 def test_the_comparison_reads_only_rows_with_positions(store_path, tmp_path):

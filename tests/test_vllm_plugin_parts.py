@@ -65,6 +65,7 @@ class Blocks:
 
     settings = ServeSettings(model="tiny")
     gives_running_scores = True
+    limits_tokens = False
 
     def __init__(self) -> None:
         self.asked = []
@@ -91,8 +92,8 @@ def vllm_like(status: int, parts: list[bytes], content_type: bytes):
     return app, seen
 
 
-def call(app, body: bytes, headers=()):
-    plugin = Blocks()
+def call(app, body: bytes, headers=(), plugin=None):
+    plugin = plugin or Blocks()
     middleware = ActmapMiddleware(app)
     middleware.plugin = plugin
     sent = []
@@ -132,6 +133,36 @@ def test_a_clients_request_id_is_kept_and_errors_pass_untouched():
     start, out, plugin = call(app, b'{"n": 2, "temperature": 0}', [(b"x-request-id", b"mine")])
     assert start["status"] == 400 and out == error and plugin.asked == []
     assert seen["headers"][b"x-request-id"] == b"mine"
+
+
+def test_max_tokens_get_actmap_serves_default_and_cap_when_configured():
+    """With ``default_max_tokens`` / ``max_tokens_cap`` in the plugin's settings (``actmap
+    serve --engine vllm`` passes both), vLLM gets the default when a request names none and a
+    request over the cap is refused as ``actmap serve`` refuses it; without them vLLM's rules."""
+    limited = Blocks()
+    limited.limits_tokens = True
+    limited.settings = ServeSettings(model="tiny", default_max_tokens=12, max_tokens_cap=20)
+    answer = b'{"choices": [{"index": 0}]}'
+    sent = {}
+    for name, body, plugin in [
+        ("default", {"messages": []}, limited),
+        ("given", {"messages": [], "max_completion_tokens": 5}, limited),
+        ("vllm's", {"messages": []}, Blocks()),
+    ]:
+        app, seen = vllm_like(200, [answer], b"application/json")
+        start, _, _ = call(app, json.dumps(body).encode(), plugin=plugin)
+        assert start["status"] == 200
+        sent[name] = json.loads(seen["body"])
+    assert sent == {"default": {"messages": [], "max_tokens": 12},
+                    "given": {"messages": [], "max_completion_tokens": 5},
+                    "vllm's": {"messages": []}}  # fmt: skip
+    app, seen = vllm_like(200, [answer], b"application/json")
+    start, out, _ = call(app, b'{"messages": [], "max_tokens": 21}', plugin=limited)
+    assert start["status"] == 400 and seen == {}  # never reached vLLM
+    error = json.loads(out)["error"]
+    assert (error["message"], error["param"]) == (
+        "max_tokens=21 exceeds this server's cap of 20", "max_tokens",
+    )  # fmt: skip
 
 
 def test_a_stream_gets_one_more_chunk_before_done():

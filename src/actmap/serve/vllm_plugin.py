@@ -53,7 +53,7 @@ from actmap.serve.app import actmap_info, audit_trail, load_scoring, serve_metri
 from actmap.serve.engine import Engine, Job
 from actmap.serve.loaded_run import generator_problem, refuse_what_vllm_cannot_read
 from actmap.serve.protocol import ActmapOptions
-from actmap.serve.request_path import APIError, validation_error
+from actmap.serve.request_path import APIError, limit_max_tokens, validation_error
 from actmap.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,11 @@ CONFIG_KEY = "actmap"
 # ServeSettings fields the plugin reads from additional_config["actmap"]
 SETTINGS = (
     "detector", "seed", "policy", "audit", "audit_text", "audit_max_rows",
-    "audit_max_age_days", "monitor", "monitor_window", "device", "stream_scores", "score_every",
-    "max_score_items",
+    "audit_max_age_days", "review_sample", "monitor", "monitor_window", "device",
+    "stream_scores", "score_every", "max_score_items", "default_max_tokens", "max_tokens_cap",
 )  # fmt: skip
+# given either, a request's max_tokens gets actmap serve's default and cap (else vLLM's rules)
+TOKEN_LIMITS = ("default_max_tokens", "max_tokens_cap")
 # the plugin's own: check the detector's generator or not; serve /v1/actmap/score
 PLUGIN_SETTINGS = ("allow_generator_mismatch", "score_route")
 WORKER_EXTENSION = "actmap.capture.vllm_worker.ActmapWorker"
@@ -90,6 +92,19 @@ def plugin_settings(options: object, model: str) -> tuple[ServeSettings, dict]:
     values = {k: Path(v) if k in paths and v is not None else v for k, v in options.items()
               if k in SETTINGS}  # fmt: skip
     return ServeSettings(model=model, **values), worker
+
+
+def worker_settings(detector, options: dict) -> dict:
+    """What the workers record for ``detector`` (``actmap_configure``): the scalars' log-probs
+    and entropies when it reads them, position states when it reads those (a stacked
+    actmap-plus), the map rows always; ``options``: the worker's own (``hold_s``, ``max_held``)."""
+    capture = detector.capture_settings()
+    return {
+        "greybox": capture["greybox"],
+        "keep_positions": bool(capture.get("keep_positions")),
+        "pooled_dim": 128,
+        **options,
+    }
 
 
 class _Rows:
@@ -131,6 +146,8 @@ class _Rows:
 
 class VllmPlugin:
     """The scoring side: an `Engine` without a generator, fed with the workers' rows."""
+
+    limits_tokens = False  # max_tokens: actmap serve's default and cap (TOKEN_LIMITS given)
 
     def __init__(
         self, engine: Engine, client, ends: set[int], settings: ServeSettings | None = None
@@ -184,13 +201,7 @@ class VllmPlugin:
         if dtype != detector.dtype:
             log.warning("actmap: vLLM runs %s, but %s was fit on %s maps: scores may shift",
                         dtype, detector.id, detector.dtype)  # fmt: skip
-        capture = detector.capture_settings()
-        worker = {
-            "greybox": capture["greybox"],
-            "keep_positions": bool(capture.get("keep_positions")),
-            "pooled_dim": 128,
-            **worker_options,
-        }
+        worker = worker_settings(detector, worker_options)
         client = app_state.engine_client
         try:
             infos = await client.collective_rpc("actmap_configure", args=(worker,))
@@ -221,6 +232,7 @@ class VllmPlugin:
         )  # fmt: skip
         log.info("actmap: scoring vLLM's answers with %s (workers: %s)", detector.id, infos)
         plugin = cls(engine, client, end_ids(model_config.tokenizer, tokenizer), settings)
+        plugin.limits_tokens = any(k in options for k in TOKEN_LIMITS)
         plugin.expose_metrics()
         if model is not None:
             names = model_config.served_model_name
@@ -491,12 +503,17 @@ class ActmapMiddleware:
         """The request as the middleware sees it, and the body vLLM gets (without ``actmap``,
         actmap's own per-request options: ``stream_scores``, ``abort_below``)."""
         options = ActmapOptions()
+        changed = False
         if "actmap" in body:
             try:
                 options = ActmapOptions.model_validate(body.pop("actmap") or {})
             except ValidationError as error:  # named as actmap.<field>
                 errors = [{**e, "loc": ("actmap", *e.get("loc", ()))} for e in error.errors()]
                 raise validation_error(errors) from None
+            changed = True
+        if self.plugin.limits_tokens:
+            changed = self._limit_tokens(body, endpoint) or changed
+        if changed:
             raw = json.dumps(body).encode()
         n = body.get("n")
         n = n if isinstance(n, int) and n > 1 else 1
@@ -521,6 +538,19 @@ class ActmapMiddleware:
             abort_below=options.abort_below if running else None,
         )  # fmt: skip
         return request, raw
+
+    def _limit_tokens(self, body: dict, endpoint: str) -> bool:
+        """``max_tokens`` as ``actmap serve`` has it (`limit_max_tokens`: its default filled in,
+        refused above its cap); a value that is not a number is left to vLLM's own check."""
+        key = "max_tokens"
+        if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+            key = "max_completion_tokens"
+        given = body.get(key)
+        if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
+            return False
+        settings = self.plugin.settings
+        body[key] = limit_max_tokens(given, settings.default_max_tokens, settings.max_tokens_cap)
+        return given is None
 
 
 @dataclass(frozen=True)
