@@ -334,7 +334,9 @@ def test_the_score_route_builds_the_scoring_side_alone(tmp_path, monkeypatch):
     """`VllmPlugin.start_score_route`: a `ServerState` with the plugin's own metrics (those on
     vLLM's /metrics) and no generation batcher (vLLM generates); a score request through its
     app is counted there (the teacher-forced batch too). With a shift monitor the plugin's
-    metrics carry its gauges, so the answers' shift state can be copied into them."""
+    metrics carry its gauges, so the answers' shift state can be copied into them. The route
+    sits outside vLLM's own key check: it checks vLLM's keys itself."""
+    pytest.importorskip("vllm", reason="the route's key check is vLLM's own middleware")
     import httpx
     from serve_helpers import save_tiny_detector, tiny_engine
 
@@ -354,16 +356,22 @@ def test_the_score_route_builds_the_scoring_side_alone(tmp_path, monkeypatch):
     plugin = VllmPlugin(engine, None, set(), ServeSettings(model="tiny", detector=run))
 
     async def main():
-        await plugin.start_score_route("tiny")
+        await plugin.start_score_route("tiny", ["the-key"])
         transport = httpx.ASGITransport(app=plugin.score_app)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://plugin") as client:
                 items = [{"prompt": "what is the capital", "answer": "paris"}]
-                return await client.post("/v1/actmap/score", json={"items": items})
+                wrong = await client.post("/v1/actmap/score", json={"items": items},
+                                          headers={"Authorization": "Bearer nope"})  # fmt: skip
+                right = await client.post("/v1/actmap/score", json={"items": items},
+                                          headers={"Authorization": "Bearer the-key"})  # fmt: skip
+                return wrong, right
         finally:
             await plugin.close()
 
-    reply = asyncio.run(main())
+    # vLLM's --api-key / VLLM_API_KEY guards the route as it guards vLLM's own /v1 paths
+    wrong, reply = asyncio.run(main())
+    assert wrong.status_code == 401 and wrong.json() == {"error": "Unauthorized"}
     assert reply.status_code == 200, reply.text
     state = plugin.score_state
     assert state.batcher is None and state.metrics is plugin.metrics

@@ -236,12 +236,15 @@ class VllmPlugin:
         plugin.expose_metrics()
         if model is not None:
             names = model_config.served_model_name
-            await plugin.start_score_route(names[0] if isinstance(names, list) else names)
+            name = names[0] if isinstance(names, list) else names
+            await plugin.start_score_route(name, _api_keys(app_state))
         return plugin
 
-    async def start_score_route(self, model_name: str) -> None:
+    async def start_score_route(self, model_name: str, api_keys: list[str] = ()) -> None:
         """``POST /v1/actmap/score`` (`actmap.serve.score_endpoint`, ``actmap serve``'s route and
-        scoring batcher) on a small app of its own, over this plugin's engine and metrics."""
+        scoring batcher) on a small app of its own, over this plugin's engine and metrics.
+        ``api_keys``: vLLM's own (`_api_keys`), checked by vLLM's own middleware, which sits
+        inside this one and so never sees the route's requests."""
         from fastapi import FastAPI
         from fastapi.exceptions import RequestValidationError
 
@@ -260,6 +263,10 @@ class VllmPlugin:
             RequestValidationError,
             lambda request, error: validation_error(error.errors()).response(),
         )
+        if api_keys:
+            from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+            app = AuthenticationMiddleware(app, tokens=list(api_keys))
         self.score_app, self.score_state = app, state
 
     async def close(self) -> None:
@@ -350,6 +357,15 @@ class VllmPlugin:
             prefixes.append((states, item["logprobs"], entropies, t))
         p = engine.prefix_scores(prefixes)  # the running scorer of both vLLM step loops
         return {item["index"]: (float(v), t) for (item, t), v in zip(chosen, p, strict=True)}
+
+
+def _api_keys(app_state) -> list[str]:
+    """The keys vLLM's server wants on ``/v1`` paths, read as vLLM reads them: its
+    ``--api-key`` values, else ``VLLM_API_KEY`` (``actmap serve --engine vllm`` sets that)."""
+    from vllm import envs
+
+    keys = getattr(getattr(app_state, "args", None), "api_key", None) or [envs.VLLM_API_KEY]
+    return [key for key in keys if key]
 
 
 def _served_source(model_config) -> ModelSource:
