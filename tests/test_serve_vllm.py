@@ -59,6 +59,7 @@ def test_the_command_is_vllms_server_with_the_plugin(model_and_run, tmp_path):
         "detector": str(run), "audit": str(tmp_path / "audit"), "audit_text": False,
         "review_sample": 0.0, "monitor_window": 50, "device": "cpu", "stream_scores": True,
         "score_every": 2, "max_score_items": 64, "default_max_tokens": 12, "max_tokens_cap": 512,
+        "score_route": True,
     }}  # fmt: skip
     # the key goes in vLLM's environment, never on the command line (ps shows that)
     assert command.env == {"VLLM_API_KEY": "secret"}
@@ -84,6 +85,29 @@ def replace_vllm(settings: ServeSettings, **kwargs) -> ServeSettings:
     from dataclasses import replace
 
     return replace(settings, vllm=VllmSettings(**kwargs))
+
+
+def test_a_gguf_model_is_served_from_its_de_quantized_folder(model_and_run, embedded_gguf):
+    """vLLM loads the folder actmap de-quantizes a GGUF file into; the model keeps its name
+    for clients, and a detector trained on that GGUF file matches it."""
+    from actmap.llm.models import cache_dir, resolve_model
+
+    _, run = model_and_run
+    source = resolve_model(str(embedded_gguf))
+    path = run / "seed-0" / "config.json"
+    config = json.loads(path.read_text())
+    generator = {"name": source.name, "revision": source.revision, "gguf_file": source.gguf_file}
+    config.setdefault("metadata", {}).setdefault("inputs", {})["store_config"] = {
+        "model": generator
+    }
+    path.write_text(json.dumps(config))
+    argv = vllm_server_command(ServeSettings(model=str(embedded_gguf), detector=run)).argv
+    folder = cache_dir() / f"{embedded_gguf.stem}-{source.revision}"
+    assert argv[argv.index("--model") + 1] == str(folder)
+    assert (folder / "config.json").is_file() and "quantization_config" not in json.loads(
+        (folder / "config.json").read_text()
+    )
+    assert argv[argv.index("--served-model-name") + 1] == str(embedded_gguf)
 
 
 def test_every_serve_setting_is_carried_mapped_or_refused():

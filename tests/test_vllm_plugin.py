@@ -697,9 +697,13 @@ def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     empty = httpx.post(url + "/v1/actmap/score", json={"items": []}, timeout=60)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "items"
-    # a server started without score_route says how to turn it on
-    off = httpx.post(servers["url_tp"] + "/v1/actmap/score", json={"items": items[:1]}, timeout=60)
-    assert off.status_code == 400 and "score_route" in off.json()["error"]["message"]
+    # `actmap serve --engine vllm` (the TP server) serves the route, behind vLLM's API key
+    # (a server without score_route: tests/test_vllm_plugin_parts.py)
+    route = servers["url_tp"] + "/v1/actmap/score"
+    assert httpx.post(route, json={"items": items[:1]}, timeout=60).status_code == 401
+    keyed = httpx.post(route, json={"items": items[:1]}, timeout=300,
+                       headers={"Authorization": f"Bearer {TP_KEY}"})  # fmt: skip
+    assert keyed.status_code == 200 and keyed.json()["results"][0]["map_id"], keyed.text
 
 
 def test_actmap_serve_engine_vllm_stops_on_sigterm(servers):

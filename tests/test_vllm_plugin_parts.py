@@ -330,6 +330,26 @@ def test_one_client_id_sent_twice_at_once_names_two_requests():
     assert a["actmap"] == b["actmap"] == {"p_correct": 0.25}
 
 
+def test_a_server_without_the_score_route_says_how_to_turn_it_on():
+    plugin = Blocks()
+    plugin.score_app = None
+    middleware = ActmapMiddleware(lambda *args: pytest.fail("reached vLLM"))
+    middleware.plugin = plugin
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"items": []}', "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/actmap/score", "headers": []}
+    asyncio.run(middleware(scope, receive, send))
+    assert sent[0]["status"] == 400
+    error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert error["param"] == "score_route" and '"score_route": true' in error["message"]
+
+
 def test_the_score_route_builds_the_scoring_side_alone(tmp_path, monkeypatch):
     """`VllmPlugin.start_score_route`: a `ServerState` with the plugin's own metrics (those on
     vLLM's /metrics) and no generation batcher (vLLM generates); a score request through its

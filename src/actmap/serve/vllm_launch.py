@@ -79,12 +79,14 @@ def refused_flags(
 
 def plugin_options(settings: ServeSettings) -> dict:
     """``additional_config["actmap"]``: the plugin's settings (`actmap.serve.vllm_plugin`)
-    from ``actmap serve``'s, those not at None, paths as text."""
+    from ``actmap serve``'s, those not at None, paths as text; ``score_route`` on, as
+    ``actmap serve`` always serves ``POST /v1/actmap/score``."""
     out = {}
     for name in SETTINGS:
         value = getattr(settings, name)
         if value is not None:
             out[name] = str(value) if isinstance(value, Path) else value
+    out["score_route"] = True
     return out
 
 
