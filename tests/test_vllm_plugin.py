@@ -168,7 +168,8 @@ def wait_up(process: subprocess.Popen, url: str, log: Path, deadline: float) -> 
         if process.poll() is not None:
             return f"vLLM with the plugin exited: {log.read_text()[-3000:]}"
         try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+            # /health: served once the app started, and outside vLLM's API-key check
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return None
         except httpx.TransportError:
             time.sleep(2)
