@@ -1,9 +1,10 @@
 """The one request path of every server mode: request checks, message flattening and errors.
 
-The plain server (`actmap.serve.app`, transformers engine), the vLLM server (the same routes
-over `actmap.serve.vllm_serving`) and the proxy (`actmap.serve.proxy`) read a request with
-the same pydantic models (`actmap.serve.protocol`) and the same functions here, so the same
-malformed request gets the same OpenAI-shaped error (`APIError`) in every mode:
+The plain server (`actmap.serve.app`, transformers engine) and the proxy (`actmap.serve.proxy`)
+read a request with the same pydantic models (`actmap.serve.protocol`) and the same functions
+here, so the same malformed request gets the same OpenAI-shaped error (`APIError`) in every
+mode (``--engine vllm`` is vLLM's own server: vLLM checks requests; the plugin takes
+`limit_max_tokens` and `validation_error` from here):
 
 * `validation_error`: a body the models refuse -> 400 naming the field;
 * `check_request`: the model name (404 ``model_not_found``) and ``n`` (one answer is scored);
