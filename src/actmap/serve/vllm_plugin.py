@@ -8,8 +8,9 @@ vLLM's server, started with three flags (docs/vllm.md)::
         --additional-config '{"actmap": {"detector": "runs/plus"}}'
 
 (the command ``actmap serve --engine vllm`` builds from its flags and runs:
-`actmap.serve.vllm_launch`) captures every generated token's map in vLLM's worker processes (`actmap.capture.vllm_worker`)
-and adds the ``actmap`` block of ``actmap serve`` to vLLM's own chat and completion responses.
+`actmap.serve.vllm_launch`) captures every generated token's map in vLLM's worker processes
+(`actmap.capture.vllm_worker`) and adds the ``actmap`` block of ``actmap serve`` to vLLM's own
+chat and completion responses.
 `ActmapMiddleware` is plain ASGI middleware on vLLM's app:
 
 * at start-up (the ASGI lifespan) it loads the detector, policy, audit trail and shift monitor
