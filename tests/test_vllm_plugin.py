@@ -462,6 +462,13 @@ def test_client_request_id_and_metrics(servers):
     # `actmap serve --engine vllm --api-key` (ACTMAP_API_KEY): vLLM's server wants that key
     url = servers["url_tp"] + "/v1/chat/completions"
     assert httpx.post(url, json=body, timeout=120).status_code == 401
+    # actmap serve's feedback route: a label for the answer just served (behind the key)
+    feedback = servers["url_tp"] + "/v1/actmap/feedback"
+    label = {"map_id": out["actmap"]["map_id"], "label": 1, "source": "test"}
+    assert httpx.post(feedback, json=label, timeout=60).status_code == 401
+    labelled = httpx.post(feedback, json=label, timeout=60,
+                          headers={"Authorization": f"Bearer {TP_KEY}"})  # fmt: skip
+    assert labelled.status_code == 200 and labelled.json()["map_id"] == label["map_id"]
     # and actmap serve's --max-tokens-cap: over it, the same 400 as actmap serve's
     over = httpx.post(url, json={**body, "max_tokens": 256}, timeout=120,
                       headers={"Authorization": f"Bearer {TP_KEY}"})  # fmt: skip

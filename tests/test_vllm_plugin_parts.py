@@ -400,3 +400,59 @@ def test_the_score_route_builds_the_scoring_side_alone(tmp_path, monkeypatch):
     assert registry.get_sample_value("actmap_batch_forced_size_count") == 1
     plugin.metrics.observe_shift(engine.monitor.state())  # the gauges exist
     assert registry.get_sample_value("actmap_shift_alarm") == 0
+
+
+def test_feedback_and_the_review_queue_on_vllms_server(tmp_path):
+    """`VllmPlugin.start_label_routes`: ``actmap serve``'s feedback route and review queue
+    over the plugin's audit store, reached through the middleware (not vLLM's app), behind
+    vLLM's API key (the middleware sits outside vLLM's own key check)."""
+    pytest.importorskip("vllm", reason="the routes' key check is vLLM's own middleware")
+    import httpx
+    from serve_helpers import save_tiny_detector, tiny_engine
+    from test_serve_audit import entries
+
+    from actmap.serve.audit import AuditTrail
+    from actmap.serve.vllm_plugin import VllmPlugin
+
+    run = save_tiny_detector(tmp_path / "run")
+    trail = AuditTrail(tmp_path / "audit", flush_interval_s=60)
+    trail.append(entries(0, size=3, decision="review"))
+    trail.flush()
+    plugin = VllmPlugin(tiny_engine(run, audit=trail), None, set(), ServeSettings(model="tiny"))
+    plugin.start_label_routes(["the-key"])
+    middleware = ActmapMiddleware(lambda *args: pytest.fail("reached vLLM's app"))
+    middleware.plugin = plugin
+    key = {"Authorization": "Bearer the-key"}
+
+    async def main():
+        transport = httpx.ASGITransport(app=middleware)
+        async with httpx.AsyncClient(transport=transport, base_url="http://vllm") as client:
+            feedback = "/v1/actmap/feedback"
+            return (
+                await client.post(feedback, json={"map_id": "b-0-1", "label": 1}),
+                await client.post(
+                    feedback, json={"map_id": "b-0-1", "label": 0, "source": "thumbs"}, headers=key
+                ),  # fmt: skip
+                await client.post(feedback, json={"map_id": "nope", "label": 1}, headers=key),
+                await client.post(feedback, json={"map_id": "b-0-1", "label": 2}, headers=key),
+                await client.get("/v1/actmap/review/queue", headers=key),
+                await client.get("/review"),
+            )
+
+    try:
+        no_key, labelled, unknown, bad, queue, page = asyncio.run(main())
+    finally:
+        asyncio.run(plugin.close())
+    assert no_key.status_code == 401
+    assert labelled.status_code == 200, labelled.text
+    assert (labelled.json()["map_id"], labelled.json()["label"]) == ("b-0-1", 0)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "map_not_found"
+    assert bad.status_code == 400 and "label must be 0" in bad.json()["error"]["message"]
+    assert queue.status_code == 200, queue.text
+    # decided review: queued until labelled (b-0-1 now is)
+    assert sorted(item["map_id"] for item in queue.json()["items"]) == ["b-0-0", "b-0-2"]
+    assert page.status_code == 200 and "actmap review" in page.text
+    from actmap.serve.audit import open_audit_store
+
+    labels = open_audit_store(tmp_path / "audit").read_table("labels").to_pandas()
+    assert labels[["id", "label", "source"]].values.tolist() == [["b-0-1", 0, "thumbs"]]

@@ -44,6 +44,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from pydantic import ValidationError
 
@@ -56,12 +57,15 @@ from actmap.serve.engine import Engine, Job
 from actmap.serve.loaded_run import generator_problem, refuse_what_vllm_cannot_read
 from actmap.serve.protocol import ActmapOptions
 from actmap.serve.request_path import APIError, limit_max_tokens, validation_error
+from actmap.serve.review import REVIEW_PAGE
 from actmap.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 SCORE_PATH = "/v1/actmap/score"
+# actmap serve's feedback route and review queue (`VllmPlugin.start_label_routes`)
+LABEL_PATHS = ("/v1/actmap/feedback", "/v1/actmap/review/queue", REVIEW_PAGE)
 CONFIG_KEY = "actmap"
 # ServeSettings fields the plugin reads from additional_config["actmap"]
 SETTINGS = (
@@ -157,6 +161,7 @@ class VllmPlugin:
         self.engine, self.ends = engine, ends
         self.settings = settings if settings is not None else ServeSettings(model="")
         self.score_app = self.score_state = None  # POST /v1/actmap/score (score_route)
+        self.label_app = None  # feedback and review queue (`start_label_routes`)
         self.taker = _Rows(client, "actmap_take")
         self.peeker = _Rows(client, "actmap_peek")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="actmap-score")
@@ -236,20 +241,18 @@ class VllmPlugin:
         plugin = cls(engine, client, end_ids(model_config.tokenizer, tokenizer), settings)
         plugin.limits_tokens = any(k in options for k in TOKEN_LIMITS)
         plugin.expose_metrics()
+        keys = _api_keys(app_state)
+        plugin.start_label_routes(keys)
         if model is not None:
             names = model_config.served_model_name
             name = names[0] if isinstance(names, list) else names
-            await plugin.start_score_route(name, _api_keys(app_state))
+            await plugin.start_score_route(name, keys)
         return plugin
 
     async def start_score_route(self, model_name: str, api_keys: list[str] = ()) -> None:
         """``POST /v1/actmap/score`` (`actmap.serve.score_endpoint`, ``actmap serve``'s route and
         scoring batcher) on a small app of its own, over this plugin's engine and metrics.
-        ``api_keys``: vLLM's own (`_api_keys`), checked by vLLM's own middleware, which sits
-        inside this one and so never sees the route's requests."""
-        from fastapi import FastAPI
-        from fastapi.exceptions import RequestValidationError
-
+        ``api_keys``: vLLM's own (`_api_keys`), checked as vLLM checks them (`_actmap_app`)."""
         from actmap.serve.app import ServerState
         from actmap.serve.score_endpoint import install_score_route
 
@@ -257,19 +260,26 @@ class VllmPlugin:
         # the scoring side alone (vLLM generates), counting into the metrics on vLLM's /metrics
         state = ServerState(settings, self.engine, metrics=self.metrics, generate=False)
         await state.scorer.start()
-        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-        app.state.actmap = state
-        install_score_route(app)
-        app.add_exception_handler(APIError, lambda request, error: error.response())
-        app.add_exception_handler(
-            RequestValidationError,
-            lambda request, error: validation_error(error.errors()).response(),
-        )
-        if api_keys:
-            from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+        self.score_app = _actmap_app(state, install_score_route, api_keys)
+        self.score_state = state
 
-            app = AuthenticationMiddleware(app, tokens=list(api_keys))
-        self.score_app, self.score_state = app, state
+    def start_label_routes(self, api_keys: list[str] = ()) -> None:
+        """``actmap serve``'s feedback route (``POST /v1/actmap/feedback``, a label for a served
+        answer into the audit store: `actmap.serve.feedback`) and review queue (``GET
+        /v1/actmap/review/queue`` and its page, `actmap.serve.review`) over this plugin's audit
+        store, on a small app of their own. With several API-server processes each serves its
+        own store (``AUDIT/api-<rank>``): a label for an answer another process served is a 404
+        there."""
+        from actmap.serve.feedback import install_feedback_route
+        from actmap.serve.review import install_review_routes
+
+        def install(app) -> None:
+            install_feedback_route(app)
+            install_review_routes(app)
+
+        # what these routes read of a server's state: its engine's audit trail (and fallback)
+        state = SimpleNamespace(settings=self.settings, engine=self.engine)
+        self.label_app = _actmap_app(state, install, api_keys)
 
     async def close(self) -> None:
         if self.score_state is not None:
@@ -361,6 +371,28 @@ class VllmPlugin:
         return {item["index"]: (float(v), t) for (item, t), v in zip(chosen, p, strict=True)}
 
 
+def _actmap_app(state, install, api_keys: list[str] = ()):
+    """A small FastAPI app of ``actmap serve``'s routes (``install(app)``) over ``state``, with
+    its error handling; behind vLLM's own API-key check (``api_keys``: `_api_keys`), which
+    sits inside this middleware and so never sees these routes' requests."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.actmap = state
+    install(app)
+    app.add_exception_handler(APIError, lambda request, error: error.response())
+    app.add_exception_handler(
+        RequestValidationError,
+        lambda request, error: validation_error(error.errors()).response(),
+    )
+    if not api_keys:
+        return app
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    return AuthenticationMiddleware(app, tokens=list(api_keys))
+
+
 def _api_keys(app_state) -> list[str]:
     """The keys vLLM's server wants on ``/v1`` paths, read as vLLM reads them: its
     ``--api-key`` values, else ``VLLM_API_KEY`` (``actmap serve --engine vllm`` sets that)."""
@@ -419,6 +451,13 @@ class ActmapMiddleware:
             return await self._lifespan(scope, receive, send)
         if scope["type"] == "http" and scope.get("path") == SCORE_PATH and self.plugin is not None:
             return await self._score_route(scope, receive, send)
+        if (
+            scope["type"] == "http"
+            and scope.get("path") in LABEL_PATHS
+            and self.plugin is not None
+            and self.plugin.label_app is not None
+        ):
+            return await self.plugin.label_app(scope, receive, send)
         endpoint = ENDPOINTS.get(scope.get("path", ""))
         if (
             scope["type"] != "http"
