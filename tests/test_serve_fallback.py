@@ -48,6 +48,21 @@ def map_temperature(p_raw, y, train_prevalence=0.5, sigma=0.5):
     return math.exp(u[int(np.argmin(loss)), 0])
 
 
+def send_labels(client, blocks, labels, in_domain_block) -> np.ndarray:
+    """Labels of the generalist's answers ``blocks`` through ``POST /v1/actmap/feedback``, and
+    one of an answer the in-domain run scored (it must not count); returns the answers' raw
+    p(correct)."""
+    for block, label in zip(blocks, labels, strict=True):
+        reply = client.post("/v1/actmap/feedback",
+                            json={"map_id": block["map_id"], "label": int(label)})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+    reply = client.post(
+        "/v1/actmap/feedback", json={"map_id": in_domain_block["map_id"], "label": 1}
+    )
+    assert reply.status_code == 200, reply.text
+    return np.array([block["p_correct_raw"] for block in blocks])
+
+
 @pytest.fixture
 def runs(tmp_path):
     primary, generalist = tmp_path / "in-domain", tmp_path / "generalist"
@@ -93,13 +108,7 @@ def test_the_generalist_scores_on_the_alarm_and_learns_from_labels(runs, tmp_pat
         assert later[0]["p_correct"] == pytest.approx(later[0]["p_correct_raw"], abs=1e-9)
         # labels of the generalist's answers (feedback API): its recalibration is refit
         labels = np.array([1, 0, 1, 1, 0, 0, 1])
-        for block, label in zip(later, labels, strict=True):
-            reply = client.post("/v1/actmap/feedback",
-                                json={"map_id": block["map_id"], "label": int(label)})  # fmt: skip
-            assert reply.status_code == 200, reply.text
-        # a label of an in-domain answer does not count
-        client.post("/v1/actmap/feedback", json={"map_id": first[0]["map_id"], "label": 1})
-        p_raw = np.array([a["p_correct_raw"] for a in later])
+        p_raw = send_labels(client, later, labels, first[0])
         assert fallback.fitted["labels"] == len(labels) and fallback.fitted["correct"] == 4
         want_t = map_temperature(p_raw, labels)
         assert fallback.fitted["temperature"] == pytest.approx(want_t, rel=1e-3)

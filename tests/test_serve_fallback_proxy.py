@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 from serve_helpers import ServerThread, reference, tiny_engine  # noqa: E402
-from test_serve_fallback import WINDOW, map_temperature, runs  # noqa: E402, F401
+from test_serve_fallback import WINDOW, map_temperature, runs, send_labels  # noqa: E402, F401
 from test_serve_proxy import chat_body, plain_upstream  # noqa: E402
 
 from actmap.errors import ActmapUserError  # noqa: E402
@@ -102,12 +102,7 @@ def test_the_proxy_reads_the_upstreams_answers_with_the_generalist_on_the_alarm(
             assert streamed["p_correct_raw"] == pytest.approx(p_gen, abs=1e-5)
             # labels of its answers, through the proxy's feedback API, refit its recalibration
             labels = np.array([1, 0, 0, 1, 1])[: len(later)]
-            for a, label in zip(later, labels, strict=True):
-                reply = client.post("/v1/actmap/feedback",
-                                    json={"map_id": a["map_id"], "label": int(label)})  # fmt: skip
-                assert reply.status_code == 200, reply.text
-            client.post("/v1/actmap/feedback", json={"map_id": first[0]["map_id"], "label": 1})
-            p_raw = np.array([a["p_correct_raw"] for a in later])
+            p_raw = send_labels(client, later, labels, first[0])
             n_pos = int(labels.sum())
             assert fallback.fitted["labels"] == len(labels) and fallback.fitted["correct"] == n_pos
             want_t = map_temperature(p_raw, labels)
