@@ -63,8 +63,11 @@ def send_labels(client, blocks, labels, in_domain_block) -> np.ndarray:
     return np.array([block["p_correct_raw"] for block in blocks])
 
 
-@pytest.fixture
-def runs(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(in-domain run, generalist run, a fitted shift monitor), shared by a module's tests
+    (none changes them)."""
+    tmp_path = tmp_path_factory.mktemp("runs")
     primary, generalist = tmp_path / "in-domain", tmp_path / "generalist"
     save_tiny_detector(primary, seed=0)
     save_tiny_detector(generalist, seed=1)

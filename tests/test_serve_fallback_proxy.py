@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-from serve_helpers import ServerThread, reference, tiny_engine  # noqa: E402
+from serve_helpers import ServerThread, reference, tiny_engine, tiny_generator  # noqa: E402
 from test_serve_fallback import WINDOW, map_temperature, runs, send_labels  # noqa: E402, F401
 from test_serve_proxy import chat_body, plain_upstream  # noqa: E402
 
@@ -113,6 +113,49 @@ def test_the_proxy_reads_the_upstreams_answers_with_the_generalist_on_the_alarm(
             want = 1 / (1 + math.exp(-(z / want_t + math.log(prior / (1 - prior)))))
             assert after["detector"] == generalist_id
             assert after["p_correct"] == pytest.approx(want, rel=1e-3)
+
+
+def test_actmap_serve_upstream_with_fallback_run_from_the_command_line(runs, tmp_path, monkeypatch):  # noqa: F811
+    """The command a user types (``actmap serve --upstream URL --monitor ... --fallback-run
+    RUN``): the app it would serve, run here on loopback, reads the upstream's answers with
+    the in-domain run, then with the generalist once the monitor alarms."""
+    from typer.testing import CliRunner
+
+    import actmap.serve.lifecycle as lifecycle
+    from actmap.cli import app
+    from actmap.serve.loaded_run import load_detector_run
+
+    primary, generalist, monitor = runs
+    model_dir = tmp_path / "tiny"  # the upstream's weights (the start-up probe checks them)
+    for part in tiny_generator():
+        part.save_pretrained(model_dir)
+    monitor.save(tmp_path / "monitor")
+    served = {}
+    monkeypatch.setattr(lifecycle, "run_server", lambda app, *a: served.setdefault("app", app))
+    with ServerThread(plain_upstream()) as upstream:
+        args = ["serve", "--model", str(model_dir), "--served-model-name", "tiny",
+                "--detector", str(primary), "--monitor", str(tmp_path / "monitor"),
+                "--monitor-window", str(WINDOW), "--fallback-run", str(generalist),
+                "--upstream", upstream.url + "/v1", "--audit", str(tmp_path / "audit"),
+                "--max-tokens", "5"]  # fmt: skip
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert f"answers from {upstream.url}/v1" in result.output
+        with (
+            ServerThread(served["app"]) as proxy,
+            httpx.Client(base_url=proxy.url, timeout=60) as client,
+        ):
+            fallback = proxy.app.state.actmap.engine.fallback
+            ids = [load_detector_run(run).id for run in (primary, generalist)]
+            assert [fallback.primary[0].id, fallback.generalist.id] == ids
+            first = [client.post("/v1/chat/completions", json=chat_body(q)).json()["actmap"]
+                     for q in QUESTIONS[:WINDOW]]  # fmt: skip
+            assert [a["detector"] for a in first] == [ids[0]] * WINDOW and first[-1]["shift"][
+                "alarm"
+            ]
+            assert fallback.swapped.wait(30)
+            later = client.post("/v1/chat/completions", json=chat_body(QUESTIONS[WINDOW])).json()
+            assert later["actmap"]["detector"] == ids[1]
 
 
 def test_the_vllm_plugin_refuses_a_fallback_by_name():
