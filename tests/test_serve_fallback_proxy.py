@@ -3,8 +3,8 @@ a real uvicorn upstream on 127.0.0.1 answers (a plain `actmap serve` over the sa
 weights), the proxy reads its answers with the in-domain run until the shift monitor alarms,
 then with the generalist; its raw p(correct) equals the generalist scoring the upstream's
 answer directly, streamed answers say so too, and labels through the proxy's feedback API
-refit its recalibration (the documented MAP fit, minimised on a grid). The vLLM plugin takes
-no fallback: it refuses the setting by name."""
+refit its recalibration (the documented MAP fit, minimised on a grid); the command line
+builds the same. The vLLM plugin takes no fallback: it refuses the setting by name."""
 
 from __future__ import annotations
 
