@@ -79,6 +79,12 @@ def plugin_settings(options: object, model: str) -> tuple[ServeSettings, dict]:
             f"""--additional-config needs '{{"{CONFIG_KEY}": {{"detector": "RUN"}}}}' """
             "(a run folder from `actmap train`)"
         )
+    for key in ("fallback_run", "fallback-run"):  # no feedback route here to recalibrate one
+        if key in options:
+            raise ActmapUserError(
+                f"{key}: the vLLM plugin takes no fallback detector (it serves no feedback "
+                "route to recalibrate one); use `actmap serve --fallback-run` (docs/out_of_domain.md)"
+            )
     worker = {k: options[k] for k in ("hold_s", "max_held") if k in options}
     unknown = sorted(set(options) - set(SETTINGS) - set(worker) - set(PLUGIN_SETTINGS))
     if unknown:
