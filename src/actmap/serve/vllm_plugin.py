@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
 from actmap.capture.vllm_engine import end_ids
@@ -210,6 +210,12 @@ class VllmPlugin:
             ["way"],
             registry=self.metrics.registry,
         )
+        self.rows_wait = Histogram(
+            "actmap_vllm_rows_wait_seconds",
+            "How long an answer vLLM finished waited for its rows from the workers",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4),
+            registry=self.metrics.registry,
+        )
 
     def expose_metrics(self) -> None:
         """Serve the ``actmap_*`` metrics from vLLM's own ``/metrics`` (its registry). With
@@ -351,16 +357,18 @@ class VllmPlugin:
     async def rows(self, base: str, count: int) -> list[dict]:
         """The ``count`` answers' rows of the request named after ``base``: pushed ones at
         once; what has not come within ``push_wait_s`` by RPC (``actmap_take``)."""
-        pushed = []
+        started, pushed = time.perf_counter(), []
         if self.pushed is not None:
             pushed = await self.pushed.take(base, count, self.push_wait_s)
             if len(pushed) >= count:
                 self.forgetter.add([item["req_id"] for item in pushed])
                 self.rows_by.labels("push").inc(len(pushed))
+                self.rows_wait.observe(time.perf_counter() - started)
                 return pushed
         taken = await self.taker.take(base)
         have = {item["req_id"] for item in taken}
         self.rows_by.labels("rpc").inc(len(taken))
+        self.rows_wait.observe(time.perf_counter() - started)
         return taken + [item for item in pushed if item["req_id"] not in have]
 
     async def close(self) -> None:
