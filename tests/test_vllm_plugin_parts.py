@@ -527,13 +527,16 @@ def test_pushed_rows_reach_the_request_that_expects_them_and_the_rpc_takes_the_r
         client = FakeClient([_pushed_item(first, 4)])
         plugin.pushed, plugin.push_wait_s = subscriber, 0.3
         plugin.taker, plugin.forgetter = _Rows(client, "actmap_take"), _Forget(client)
-        from prometheus_client import CollectorRegistry, Counter
+        from prometheus_client import CollectorRegistry, Counter, Histogram
 
-        plugin.rows_by = Counter("rows", "", ["way"], registry=CollectorRegistry())
+        registry = CollectorRegistry()
+        plugin.rows_by = Counter("rows", "", ["way"], registry=registry)
+        plugin.rows_wait = Histogram("rows_wait", "", registry=registry)
         publisher.send(_pushed_item(second, 5))
         rows = await plugin.rows(BASE, 2)
         assert sorted(i["req_id"] for i in rows) == sorted([first, second])
         assert client.calls == [("actmap_take", [BASE])]
+        assert registry.get_sample_value("rows_wait_count") == 1  # the answer's wait, once
         # both pushed: no RPC waits, and the worker is told to drop them
         publisher.send(_pushed_item(first, 6))
         publisher.send(_pushed_item(second, 7))
