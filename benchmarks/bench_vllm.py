@@ -10,7 +10,8 @@ Two parts, one run, same prompts (built-in arithmetic questions, greedy, at most
    as soon as one finishes). Target: capture >= 0.97x plain throughput at 16 in flight.
 2. Servers on loopback, driven by ``c`` concurrent HTTP clients: vLLM's own OpenAI server
    (``python -m vllm.entrypoints.openai.api_server``, ``--enforce-eager`` like the capture),
-   ``actmap serve --engine vllm`` (capture + detector + policy + audit) and ``actmap serve``
+   ``actmap serve --engine vllm`` (vLLM's own server with the actmap plugin: capture +
+   detector + policy + audit; before issue 54 item 5 an in-process server) and ``actmap serve``
    (transformers, micro-batches). Target: ``actmap serve --engine vllm`` >= 0.9x vLLM's server.
 
 Every figure: requests/s, completion tokens/s, p50/p99 latency, peak RSS (servers: the sum of
@@ -215,13 +216,14 @@ def start(kind: str, args, port: int, folder: str, audit: Path) -> subprocess.Po
         command = [
             sys.executable, "-m", "actmap.cli", "serve", "--model", args.model,
             "--served-model-name", "bench", "--detector", str(args.detector),
-            "--port", str(port), "--max-tokens", str(args.max_tokens), "--timeout", "1200",
-            "--queue-size", "1024", "--audit", str(audit), "--dtype", args.dtype,
+            "--port", str(port), "--max-tokens", str(args.max_tokens),
+            "--audit", str(audit), "--dtype", args.dtype,
         ]  # fmt: skip
-        if kind == "actmap-vllm":
-            command += ["--engine", "vllm", "--batch-size", widest, "--max-context", "2048"]
-        else:
-            command += ["--batch-size", "16"]  # today's server caps a batch at 16
+        if kind == "actmap-vllm":  # vLLM's own server with the actmap plugin (docs/vllm.md)
+            command += ["--engine", "vllm", "--batch-size", widest, "--max-context", "2048",
+                        "--vllm-eager"]  # fmt: skip
+        else:  # today's server caps a batch at 16
+            command += ["--batch-size", "16", "--timeout", "1200", "--queue-size", "1024"]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

@@ -57,9 +57,44 @@ def command(args, folder: str, port: int, plugin: bool, audit: Path) -> list[str
         out.append("--enforce-eager")
     out += shlex.split(args.vllm_args)
     if plugin:
-        settings = {"actmap": {"detector": str(args.detector), "audit": str(audit)}}
+        settings = {"actmap": {"detector": str(args.detector), "audit": str(audit),
+                               **json.loads(args.plugin_settings)}}  # fmt: skip
         out += [*PLUGIN, "--additional-config", json.dumps(settings)]
     return out
+
+
+def tree_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) spent so far by a server's processes, by process title
+    (vLLM names its engine core ``VLLM::EngineCore``; the API server is the parent): which
+    process the plugin's cost lands in, a figure other jobs on the machine barely move."""
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        parent = psutil.Process(pid)
+        for proc in [parent, *parent.children(recursive=True)]:
+            try:
+                title = "api-server" if proc.pid == pid else " ".join(proc.cmdline()[:1])
+                times = proc.cpu_times()
+                out[title] = out.get(title, 0.0) + times.user + times.system
+            except psutil.NoSuchProcess:
+                continue
+    except psutil.NoSuchProcess:
+        pass
+    return out
+
+
+def rows_wait(base: str) -> tuple[float, float]:
+    """(sum, count) of ``actmap_vllm_rows_wait_seconds`` on the server's ``/metrics``."""
+    import httpx
+
+    text = httpx.get(base + "/metrics", timeout=60).text
+    got = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        for key in got:
+            if line.startswith(f"actmap_vllm_rows_wait_seconds_{key}"):
+                got[key] += float(line.split()[-1])
+    return got["sum"], got["count"]
 
 
 def one_server(args, folder: str, prompts: list[str], plugin: bool) -> list[dict]:
@@ -80,9 +115,16 @@ def one_server(args, folder: str, prompts: list[str], plugin: bool) -> list[dict
             for width in args.concurrency:
                 n = max(args.requests, width)
                 batch = (prompts * (n // len(prompts) + 1))[:n]
+                before, waited = tree_cpu_s(process.pid), rows_wait(base)
                 result = asyncio.run(http_load(base, "bench", batch, width, args.max_tokens))
+                if plugin:  # mean wait of an answer for its rows (push, or RPC)
+                    (s1, c1), (s0, c0) = rows_wait(base), waited
+                    result["rows_wait_mean_s"] = round((s1 - s0) / max(c1 - c0, 1), 4)
+                spent = {name: round(1e3 * (s - before.get(name, 0.0)) / n, 2)
+                         for name, s in tree_cpu_s(process.pid).items()}  # fmt: skip
                 rows.append({"mode": "plugin" if plugin else "plain", "concurrency": width,
-                             "load": os.getloadavg()[0], **result})  # fmt: skip
+                             "load": os.getloadavg()[0], **result,
+                             "cpu_ms_per_request": spent})  # fmt: skip
             peak = tree_peak_rss_mib(process.pid)
             for row in rows:
                 row["peak_rss_mib"] = round(peak, 1) if peak else None
@@ -105,6 +147,10 @@ def main() -> None:
     parser.add_argument(
         "--vllm-args", default="", help='more flags for both servers, e.g. "--load-format dummy"'
     )
+    parser.add_argument(
+        "--plugin-settings", default="{}",
+        help='more plugin settings as JSON, e.g. \'{"push": false}\' (rows by RPC only)',
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -135,6 +181,18 @@ def main() -> None:
         print(f"{width:<4} {rate['plain']:>7.2f} {[r['req_per_s'] for r in got['plain']]!s:<22}"
               f"{rate['plugin']:>7.2f} {[r['req_per_s'] for r in got['plugin']]!s:<22}"
               f"{ratio:>6.3f} {p50_ratio:>6.3f}")  # fmt: skip
+    print("CPU ms per request by process (median over repeats):")
+    for width in args.concurrency:
+        for mode in ("plain", "plugin"):
+            got = [r["cpu_ms_per_request"] for r in rows
+                   if r["mode"] == mode and r["concurrency"] == width]  # fmt: skip
+            names = sorted({k for g in got for k in g})
+            cells = [f"{k} {np.median([g.get(k, 0.0) for g in got]):.1f}" for k in names]
+            print(f"  {width:<4} {mode:<7} " + ", ".join(cells))
+    for width in args.concurrency:
+        waits = [r["rows_wait_mean_s"] for r in rows
+                 if r["mode"] == "plugin" and r["concurrency"] == width]  # fmt: skip
+        print(f"  {width:<4} plugin: an answer's mean wait for its rows {waits} s")
     errors = [e for r in rows for e in r["errors"]]
     if errors:
         print("errors:", errors[:3])

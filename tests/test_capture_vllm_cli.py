@@ -1,4 +1,5 @@
-"""`--engine vllm` without vLLM installed: a clear error naming the extra, nothing written."""
+"""`--engine vllm` without vLLM installed: a clear error naming the extra, nothing written
+or started."""
 
 from __future__ import annotations
 
@@ -44,3 +45,18 @@ def test_capture_engine_vllm_refuses_keep_dense(tmp_path, tiny_model_dir):
     )
     assert result.exit_code == 2 and "--engine local" in result.output
     assert not (tmp_path / "s").exists()
+
+
+def test_serve_engine_vllm_without_vllm_names_the_extra(monkeypatch, tmp_path, tiny_model_dir):
+    from serve_helpers import save_tiny_detector
+    from typer.testing import CliRunner
+
+    from actmap.cli import app
+    from actmap.serve import vllm_launch
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setattr(vllm_launch, "exec_vllm_server", lambda command: pytest.fail("ran"))
+    run = save_tiny_detector(tmp_path / "run").parent
+    args = ["serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--detector", str(run)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "pip install 'actmap[vllm]'" in result.output

@@ -231,19 +231,19 @@ def test_policy_fit_calibrates_from_the_prior_the_detector_holds_at(tmp_path):
 def test_serve_flags_land_in_their_mode_groups(monkeypatch, tmp_path):
     """Every mode flag of `actmap serve` reaches its settings group (`actmap.serve.settings`):
     the flags are read back from the settings `build_engine` is given."""
-    import actmap.capture.vllm_engine as vllm_engine
     import actmap.serve.app as serve_app
+    import actmap.serve.vllm_launch as vllm_launch
     from actmap.errors import ActmapUserError
     from actmap.serve.settings import ActionSettings, ProxySettings, VllmSettings
 
     given = []
 
-    def build_engine(settings):
+    def build_engine(settings, *args, **kwargs):
         given.append(settings)
         raise ActmapUserError("stop here")
 
     monkeypatch.setattr(serve_app, "build_engine", build_engine)
-    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: None)
+    monkeypatch.setattr(vllm_launch, "vllm_server_command", build_engine)  # --engine vllm
     base = ["serve", "--model", "tiny", "--detector", str(tmp_path), "--batch-size", "3"]
     proxy = [
         "--upstream", "http://127.0.0.1:9/v1", "--upstream-model", "big", "--upstream-timeout",
@@ -254,7 +254,8 @@ def test_serve_flags_land_in_their_mode_groups(monkeypatch, tmp_path):
         "--route-to", "http://127.0.0.1:8/v1", "--route-model", "huge", "--route-api-key", "r",
         "--route-timeout", "3", "--abstain-message", "no",
     ]  # fmt: skip
-    for extra in (proxy, ["--engine", "vllm", "--vllm-compile"], actions, []):
+    vllm = ["--engine", "vllm", "--vllm-compile", "--tensor-parallel-size", "2"]
+    for extra in (proxy, vllm, actions, []):
         result = runner.invoke(app, [*base, *extra])
         assert result.exit_code == 2 and "stop here" in result.output, result.output
     as_proxy, as_vllm, acting, plain = given
@@ -263,7 +264,9 @@ def test_serve_flags_land_in_their_mode_groups(monkeypatch, tmp_path):
         dtype="bfloat16", allow_weights_mismatch=True, allow_dtype_mismatch=True,
     )  # fmt: skip
     assert (as_proxy.mode, as_proxy.vllm, as_proxy.actions) == ("proxy", None, ActionSettings())
-    assert (as_vllm.mode, as_vllm.vllm, as_vllm.proxy) == ("vllm", VllmSettings(compile=True), None)
+    assert (as_vllm.mode, as_vllm.vllm, as_vllm.proxy) == (
+        "vllm", VllmSettings(compile=True, tensor_parallel_size=2), None,
+    )  # fmt: skip
     assert acting.actions == ActionSettings(
         route_to="http://127.0.0.1:8/v1", route_model="huge", route_api_key="r",
         route_timeout_s=3.0, abstain_message="no",

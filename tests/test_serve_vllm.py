@@ -1,121 +1,180 @@
-"""`actmap serve --engine vllm`: one real server process (vLLM in-process, SmolLM2 float32) on
-loopback, driven by the official openai client; answers, maps and scores checked against the
-transformers capture of the same prompt."""
+"""`actmap serve --engine vllm`: a launcher of vLLM's own server with the actmap plugin
+(`actmap.serve.vllm_launch`). Here: the command built from actmap serve's flags against a
+hand-written one, the settings the plugin reads back from it, and the flags refused by name.
+The launched server itself (a real start through this command, answers, maps, SIGTERM) is in
+tests/test_vllm_plugin.py."""
 
 from __future__ import annotations
 
-import signal
-import threading
-import time
+import json
+import sys
+from dataclasses import fields
 
-import httpx
 import pytest
-from test_serve_real import KEY, reference, start_actmap_serve, trained_run
+from serve_helpers import save_tiny_detector
+from typer.testing import CliRunner
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'actmap[vllm]')")
-pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
-MODEL = "smollm2"
-QUESTION = "What is the capital of France?"
+import actmap.capture.vllm_engine as vllm_engine
+from actmap.cli import app
+from actmap.errors import ActmapUserError
+from actmap.serve import vllm_launch
+from actmap.serve.settings import ServeSettings, VllmSettings
+from actmap.serve.vllm_launch import NOT_CARRIED, vllm_server_command
+from actmap.serve.vllm_plugin import SETTINGS, plugin_settings
+
+runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, embedded_gguf):
-    root = tmp_path_factory.mktemp("vllm-serve")
-    run = trained_run(root)
-    base, stop = start_actmap_serve(
-        ["--engine", "vllm", "--detector", str(run), "--model", str(embedded_gguf),
-         "--served-model-name", MODEL, "--max-tokens", "12", "--audit", str(root / "audit"),
-         "--batch-size", "8", "--dtype", "float32"],
-        "actmap serve --engine vllm", limit_s=400,
+@pytest.fixture
+def model_and_run(tmp_path, monkeypatch):
+    """A model folder (vLLM is not started: only a config) and a detector run; vLLM's import
+    check passes, so that these tests run where vLLM is not installed too."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    run = tmp_path / "run"
+    save_tiny_detector(run)
+    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: None)
+    return folder, run
+
+
+def test_the_command_is_vllms_server_with_the_plugin(model_and_run, tmp_path):
+    folder, run = model_and_run
+    settings = ServeSettings(
+        model=str(folder), detector=run, audit=tmp_path / "audit", served_model_name="tiny",
+        api_key="secret", max_context=256, max_batch=8, default_max_tokens=12,
+        stream_scores=True, score_every=2, vllm=VllmSettings(tensor_parallel_size=2),
     )  # fmt: skip
-    yield base, run, root, stop
-    stop()
+    command = vllm_server_command(settings, "0.0.0.0", 8123, gpu=False)
+    assert command.argv[:-1] == [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+        "--served-model-name", "tiny", "--host", "0.0.0.0", "--port", "8123",
+        "--dtype", "float32", "--max-num-seqs", "8", "--tensor-parallel-size", "2",
+        "--max-model-len", "256", "--enforce-eager",
+        "--worker-extension-cls", "actmap.capture.vllm_worker.ActmapWorker",
+        "--middleware", "actmap.serve.vllm_plugin.ActmapMiddleware", "--additional-config",
+    ]  # fmt: skip
+    options = json.loads(command.argv[-1])
+    assert options == {"actmap": {
+        "detector": str(run), "audit": str(tmp_path / "audit"), "audit_text": False,
+        "review_sample": 0.0, "monitor_window": 50, "device": "cpu", "stream_scores": True,
+        "score_every": 2, "max_score_items": 64, "default_max_tokens": 12, "max_tokens_cap": 512,
+        "score_route": True,
+    }}  # fmt: skip
+    # the key goes in vLLM's environment, never on the command line (ps shows that)
+    assert command.env == {"VLLM_API_KEY": "secret"}
+    assert not any("secret" in part for part in command.argv)
+    # the plugin reads back the settings it was given
+    read, worker = plugin_settings(options["actmap"], str(folder))
+    assert worker == {}
+    for name in SETTINGS:
+        assert getattr(read, name) == getattr(settings, name), name
+
+    # compiled by default on a GPU; --vllm-eager / --vllm-compile choose; no optional flags
+    plain = ServeSettings(model=str(folder), detector=run)
+    on_gpu = vllm_server_command(plain, gpu=True).argv
+    assert "--enforce-eager" not in on_gpu and "--max-model-len" not in on_gpu
+    assert on_gpu[on_gpu.index("--served-model-name") + 1] == str(folder)
+    eager = replace_vllm(plain, compile=False)
+    assert "--enforce-eager" in vllm_server_command(eager, gpu=True).argv
+    assert "--enforce-eager" not in vllm_server_command(replace_vllm(plain, compile=True)).argv
+    assert vllm_server_command(plain, gpu=True).env == {}
 
 
-def test_openai_client_plain_stream_errors_and_audit(server, smollm2):
-    base, run, root, stop = server
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=300)
-    messages = [{"role": "user", "content": QUESTION}]
-    prompt = smollm2[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    gen, p_raw = reference(smollm2, run, prompt)
+def replace_vllm(settings: ServeSettings, **kwargs) -> ServeSettings:
+    from dataclasses import replace
 
-    response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
-    assert response.choices[0].message.content == gen.answer == "The capital of France is Paris."
-    assert response.usage.completion_tokens == gen.n_tokens
-    block = response.actmap
-    # the map from vLLM's pass scores like the transformers capture's (float16 map rounding)
-    assert block["p_correct_raw"] == pytest.approx(p_raw, abs=1e-3)
-    assert block["decision"] in ("accept", "abstain") and block["map_id"]
+    return replace(settings, vllm=VllmSettings(**kwargs))
 
-    stream = client.chat.completions.create(
-        model=MODEL, messages=messages, stream=True, extra_body={"actmap": {"stream_scores": True}}
+
+def test_a_gguf_model_is_served_from_its_de_quantized_folder(model_and_run, embedded_gguf):
+    """vLLM loads the folder actmap de-quantizes a GGUF file into; the model keeps its name
+    for clients, and a detector trained on that GGUF file matches it."""
+    from actmap.llm.models import cache_dir, resolve_model
+
+    _, run = model_and_run
+    source = resolve_model(str(embedded_gguf))
+    path = run / "seed-0" / "config.json"
+    config = json.loads(path.read_text())
+    generator = {"name": source.name, "revision": source.revision, "gguf_file": source.gguf_file}
+    config.setdefault("metadata", {}).setdefault("inputs", {})["store_config"] = {
+        "model": generator
+    }
+    path.write_text(json.dumps(config))
+    argv = vllm_server_command(ServeSettings(model=str(embedded_gguf), detector=run)).argv
+    folder = cache_dir() / f"{embedded_gguf.stem}-{source.revision}"
+    assert argv[argv.index("--model") + 1] == str(folder)
+    assert (folder / "config.json").is_file() and "quantization_config" not in json.loads(
+        (folder / "config.json").read_text()
     )
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == gen.answer
-    running = [c.actmap for c in chunks if getattr(c, "actmap", None) and "n_tokens" in c.actmap]
-    assert [r["n_tokens"] for r in running] == list(range(1, gen.n_tokens + 1))
-    assert chunks[-1].actmap["p_correct"] == pytest.approx(block["p_correct"], abs=1e-6)
-    assert running[-1]["p_correct"] == pytest.approx(block["p_correct"], abs=1e-5)
+    assert argv[argv.index("--served-model-name") + 1] == str(embedded_gguf)
 
-    # abort_below above any score: ended after the first scored token, abstain_early
-    early = client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        extra_body={"actmap": {"abort_below": 1.0}},
+
+def test_every_serve_setting_is_carried_mapped_or_refused():
+    mapped = {"model", "served_model_name", "api_key", "max_context", "max_batch", "dtype", "vllm"}
+    refused = {name for name, _, _ in NOT_CARRIED}
+    assert not (set(SETTINGS) & refused) and not (mapped & (set(SETTINGS) | refused))
+    assert {f.name for f in fields(ServeSettings)} == set(SETTINGS) | refused | mapped
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--queue-size", "3"], "--queue-size"),
+        (["--timeout", "5"], "--timeout"),
+        (["--batch-window-ms", "1"], "--batch-window-ms"),
+        (["--max-body-bytes", "9"], "--max-body-bytes"),
+        (["--audit-sync"], "--audit-sync"),
+        (["--abstain-message", "no"], "--route-to / --abstain-message"),
+        (["--route-to", "http://127.0.0.1:9/v1"], "--route-to / --abstain-message"),
+        (["--upstream", "http://127.0.0.1:9/v1"], "--upstream"),
+        (["--shutdown-grace", "1"], "--shutdown-grace / --drain-timeout"),
+    ],
+)
+def test_a_flag_the_plugin_does_not_carry_is_refused_by_name(model_and_run, flags, named):
+    folder, run = model_and_run
+    result = runner.invoke(
+        app, ["serve", "--engine", "vllm", "--model", str(folder), "--detector", str(run), *flags]
     )
-    assert early.actmap["decision"] == "abstain_early" and early.usage.completion_tokens == 1
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and "actmap plugin" in lines[0], result.output
 
-    completion = client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=6, stop=["."]
-    )
-    assert completion.choices[0].text.strip() and "." not in completion.choices[0].text
 
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
-        client.chat.completions.create(model="gpt-4o", messages=messages)
-    with pytest.raises(openai.BadRequestError, match="temperature must be 0"):
-        client.chat.completions.create(model=MODEL, messages=messages, temperature=0.8)
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10_000)
-    # the one rule of every mode (`actmap.serve.request_path`): a conversation without text
-    with pytest.raises(openai.BadRequestError, match="messages hold no text"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": " "}])
+def test_refusals_before_vllm_starts(model_and_run, tmp_path):
+    folder, run = model_and_run
+    with pytest.raises(ActmapUserError, match="--fallback-run"):
+        vllm_server_command(ServeSettings(model=str(folder), detector=run), fallback_run=run)
+    with pytest.raises(ActmapUserError, match="needs --detector RUN"):
+        vllm_server_command(ServeSettings(model=str(folder)))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        vllm_server_command(ServeSettings(model=str(folder), detector=tmp_path / "nowhere"))
+    # a detector trained on another generator: refused before vLLM loads anything
+    path = run / "seed-0" / "config.json"
+    config = json.loads(path.read_text())
+    other = {"name": str(tmp_path / "another-model"), "revision": "local", "gguf_file": None}
+    config.setdefault("metadata", {}).setdefault("inputs", {})["store_config"] = {"model": other}
+    path.write_text(json.dumps(config))
+    with pytest.raises(ActmapUserError, match="another-model.*generates with"):
+        vllm_server_command(ServeSettings(model=str(folder), detector=run))
+    refused = runner.invoke(app, ["serve", "--model", str(folder), "--tensor-parallel-size", "2"])
+    assert refused.exit_code == 2 and "--tensor-parallel-size needs --engine vllm" in refused.output
 
-    # given answers are read by the transformers engine's teacher-forced pass: a clear 400 here
-    scored = httpx.post(
-        f"{base}/v1/actmap/score",
-        json={"items": [{"prompt": "2 + 2 =", "answer": " 4"}]},
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=60,
-    )
-    assert scored.status_code == 400, scored.text
-    assert "--engine local" in scored.json()["error"]["message"]
 
-    # requests arriving while others run join the running batch; each gets its own answer
-    questions = [f"What is {a} plus {a}?" for a in range(2, 8)]
-    answers: dict[int, str] = {}
-
-    def ask(i: int) -> None:
-        time.sleep(0.2 * i)  # staggered: later requests arrive mid-generation
-        r = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": questions[i]}]
-        )
-        answers[i] = r.choices[0].message.content
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for i, q in enumerate(questions):
-        p = smollm2[1].apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        assert answers[i] == reference(smollm2, run, p)[0].answer
-
-    assert stop() in (0, -signal.SIGTERM)
-    from actmap.serve.audit import open_audit_store, read_audit
-
-    audited = read_audit(open_audit_store(root / "audit")).set_index("id")
-    assert audited.loc[block["map_id"], "p_correct_raw"] == block["p_correct_raw"]
+def test_the_cli_becomes_vllms_server(model_and_run, monkeypatch):
+    """`actmap serve --engine vllm` prints the command and replaces itself with it."""
+    folder, run = model_and_run
+    ran = []
+    monkeypatch.setattr(vllm_launch, "exec_vllm_server", ran.append)
+    result = runner.invoke(
+        app, ["serve", "--engine", "vllm", "--model", str(folder), "--detector", str(run),
+              "--port", "8123", "--max-tokens", "12", "--vllm-eager", "--api-key", "secret"],
+        env={"COLUMNS": "40"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    want = vllm_server_command(
+        ServeSettings(model=str(folder), detector=run, default_max_tokens=12, api_key="secret",
+                      vllm=VllmSettings(compile=False)), port=8123,
+    )  # fmt: skip
+    assert [c.argv for c in ran] == [want.argv] and ran[0].env == {"VLLM_API_KEY": "secret"}
+    assert want.shown() in result.output.splitlines()  # one line, as a shell takes it

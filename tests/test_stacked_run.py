@@ -86,22 +86,14 @@ def test_train_evaluate_and_serve_a_preset(preset, store_path, tmp_path):
 
 
 def assert_vllm_serving_takes(preset, detector):
-    """`--engine vllm` and the plugin capture maps, scalars, position states and (for the
-    families `actmap.capture.vllm_attention` reads) the lookback attention: a run is served
-    with what it reads, and one that reads attention on another family is refused by name."""
-    from types import SimpleNamespace
-
+    """`--engine vllm` (vLLM's server with the actmap plugin) captures maps, scalars, position
+    states and (for the families `actmap.capture.vllm_attention` reads) the lookback
+    attention: a run is served with what it reads, and one that reads attention on another
+    family is refused by name (by the launcher and the plugin alike)."""
     from actmap.errors import ActmapUserError
     from actmap.serve.loaded_run import refuse_what_vllm_cannot_read
-    from actmap.serve.vllm_serving import VllmServeEngine
+    from actmap.serve.vllm_plugin import worker_settings
 
-    engine = SimpleNamespace(detector=detector, max_context=64)
-    job = SimpleNamespace(max_tokens=5, stop=())
-    config = VllmServeEngine.config_for(engine, job)
-    # position states exactly when the fit reads them (not when map+scalars replaced the stack)
-    assert config.keep_positions == ("positions" in detector.requires)
-    assert config.greybox
-    assert (config.attention_keys > 0) == ("attention" in detector.requires)
     for family in ("llama", "qwen2", None):  # None: not known before the model loads
         refuse_what_vllm_cannot_read(detector, "serve a deployable run", family)
     if "attention" in detector.requires:
@@ -109,26 +101,30 @@ def assert_vllm_serving_takes(preset, detector):
             refuse_what_vllm_cannot_read(detector, "serve a deployable run", "gpt2")
     else:
         refuse_what_vllm_cannot_read(detector, "serve a deployable run", "gpt2")
+    worker = worker_settings(detector, {"hold_s": 5})
+    # position states and attention exactly when the fit reads them (not when map+scalars
+    # replaced the stack)
+    keys = detector.capture_settings().get("attention_keys", 0)
+    assert (keys > 0) == ("attention" in detector.requires)
+    assert worker == {"greybox": True, "keep_positions": "positions" in detector.requires,
+                      "attention_keys": keys, "pooled_dim": 128, "hold_s": 5}  # fmt: skip
 
 
-def test_vllm_serving_refuses_a_full_fit_on_a_family_it_cannot_read(tmp_path):
+def test_vllm_serving_takes_a_full_fit_that_reads_attention(tmp_path):
     """The tiny store's full fit may fall back to map+scalars (then vLLM serves it on any
     family); one that stacks the attention blocks is served where vLLM's attention is read
-    and refused by name elsewhere."""
+    (its workers record the K keys it reads) and refused by name elsewhere."""
     from test_stacked import KEYS, synthetic_rows
 
     from actmap.detectors.stacked import StackConfig, StackedPlus
-    from actmap.errors import ActmapUserError
-    from actmap.serve.loaded_run import LoadedDetector, refuse_what_vllm_cannot_read
+    from actmap.serve.loaded_run import LoadedDetector
 
     (train, y), (val, y_val) = synthetic_rows(120, 0), synthetic_rows(60, 1)
     config = StackConfig(preset="full", map_components=8, tad_previous=KEYS, fallback=False)
     fit = StackedPlus(config).fit(train, y, val, y_val)
     detector = LoadedDetector(fit, "actmap-plus:full", MapConfig(), tmp_path)
     assert "attention" in detector.requires
-    refuse_what_vllm_cannot_read(detector, "serve a deployable run", "llama")
-    with pytest.raises(ActmapUserError, match="reads attention weights.*not 'gemma3'"):
-        refuse_what_vllm_cannot_read(detector, "serve a deployable run", "gemma3")
+    assert_vllm_serving_takes("full", detector)
 
 
 def test_the_comparison_reads_only_rows_with_positions(store_path, tmp_path):

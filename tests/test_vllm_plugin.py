@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -46,6 +47,7 @@ ADAPTER = "tiny-lora"  # the LoRA adapter's model name on the plugin server
 MESSAGES = [{"role": "user", "content": "what is the capital city"}]
 MAX_TOKENS = 6
 START_S = 900
+TP_KEY = "tp-key"  # the TP server is started by `actmap serve --engine vllm --api-key`
 
 
 def tiny_folder(folder: Path, seed: int = 0, heads: int = 2) -> Path:
@@ -110,6 +112,28 @@ def start_vllm(
     return process, f"http://127.0.0.1:{port}"
 
 
+def start_actmap_serve(
+    folder: Path, run: Path, audit: Path, log: Path, tensor_parallel: int
+) -> tuple[subprocess.Popen, str]:
+    """The same server started as ``actmap serve --engine vllm`` (`actmap.serve.vllm_launch`:
+    the process becomes vLLM's server with the plugin), with an API key."""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(actmap.__file__).parents[1]), "ACTMAP_API_KEY": TP_KEY}  # fmt: skip
+    if tensor_parallel == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "actmap.cli", "serve", "--engine", "vllm", "--model",
+             str(folder), "--detector", str(run), "--audit", str(audit), "--served-model-name",
+             MODEL, "--dtype", "float32", "--port", str(port), "--max-context", "256",
+             "--vllm-eager", "--batch-size", "8", "--tensor-parallel-size", str(tensor_parallel),
+             "--max-tokens-cap", "255"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    return process, f"http://127.0.0.1:{port}"
+
+
 def lora_adapter(base: Path, adapter: Path, merged: Path, rank: int = 4) -> None:
     """A LoRA adapter of every layer's q_proj and v_proj in PEFT's layout (random A and B, so
     that it changes the model), and, as the reference, ``base`` with the adapter merged in."""
@@ -144,7 +168,8 @@ def wait_up(process: subprocess.Popen, url: str, log: Path, deadline: float) -> 
         if process.poll() is not None:
             return f"vLLM with the plugin exited: {log.read_text()[-3000:]}"
         try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+            # /health: served once the app started, and outside vLLM's API-key check
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return None
         except httpx.TransportError:
             time.sleep(2)
@@ -155,7 +180,8 @@ def wait_up(process: subprocess.Popen, url: str, log: Path, deadline: float) -> 
 def servers(tmp_path_factory):
     """Three vLLM servers started side by side: the plugin (vLLM's CLI with two API-server
     processes, a LoRA adapter and /v1/actmap/score), the plugin at tensor parallel 2 (a 4-head
-    model, one API-server process), and a start the plugin refuses."""
+    model, one API-server process, started by ``actmap serve --engine vllm`` with an API key),
+    and a start the plugin refuses."""
     root = tmp_path_factory.mktemp("vllm-plugin")
     folder, folder_tp = tiny_folder(root / "tiny"), tiny_folder(root / "tiny-tp", heads=4)
     run, run_tp = detector_for(root / "run", folder), detector_for(root / "run-tp", folder_tp)
@@ -165,7 +191,7 @@ def servers(tmp_path_factory):
             f"{ADAPTER}={root / 'adapter'}")  # fmt: skip
     good, url = start_vllm(folder, run, root / "audit", root / "vllm.log", api_servers=2,
                            flags=lora, score_route=True)  # fmt: skip
-    tp, url_tp = start_vllm(folder_tp, run_tp, root / "audit-tp", root / "tp.log", 2)
+    tp, url_tp = start_actmap_serve(folder_tp, run_tp, root / "audit-tp", root / "tp.log", 2)
     refused, _ = start_vllm(folder, other, root / "audit-other", root / "refused.log")
     deadline = time.time() + START_S
     problem = wait_up(good, url, root / "vllm.log", deadline) or wait_up(
@@ -175,7 +201,7 @@ def servers(tmp_path_factory):
         stop(good), stop(tp), stop(refused)
         pytest.fail(problem)
     yield {"url": url, "url_tp": url_tp, "root": root, "folder": folder, "run": run,
-           "folder_tp": folder_tp, "run_tp": run_tp, "refused": refused,
+           "folder_tp": folder_tp, "run_tp": run_tp, "refused": refused, "tp": tp,
            "merged": root / "tiny-lora-merged"}  # fmt: skip
     stop(good), stop(tp), stop(refused)
 
@@ -423,15 +449,41 @@ def requests_total(url: str) -> float:
                and 'endpoint="chat"' in line and 'status="200"' in line)  # fmt: skip
 
 
+def rows_by_way(url: str) -> dict[str, float]:
+    """``actmap_vllm_rows_total`` by way (push, rpc) on vLLM's ``/metrics``."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    out = {"push": 0.0, "rpc": 0.0}
+    for line in text.splitlines():
+        if line.startswith("actmap_vllm_rows_total{"):
+            out[line.split('way="')[1].split('"')[0]] += float(line.split()[-1])
+    return out
+
+
 def test_client_request_id_and_metrics(servers):
     """On the server with two API-server processes (vLLM's multiprocess metrics) and on the one
     with one (actmap's registry added to vLLM's)."""
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
     for url in (servers["url"], servers["url_tp"]):
-        out = httpx.post(url + "/v1/chat/completions", json=body,
-                         headers={"X-Request-Id": "client-chose-this"}, timeout=120).json()  # fmt: skip
+        headers = {"X-Request-Id": "client-chose-this", "Authorization": f"Bearer {TP_KEY}"}
+        out = httpx.post(url + "/v1/chat/completions", json=body, headers=headers,
+                         timeout=120).json()  # fmt: skip
         assert out["id"] == "chatcmpl-client-chose-this" and out["actmap"]["map_id"]
         assert requests_total(url) >= 1
+    # `actmap serve --engine vllm --api-key` (ACTMAP_API_KEY): vLLM's server wants that key
+    url = servers["url_tp"] + "/v1/chat/completions"
+    assert httpx.post(url, json=body, timeout=120).status_code == 401
+    # actmap serve's feedback route: a label for the answer just served (behind the key)
+    feedback = servers["url_tp"] + "/v1/actmap/feedback"
+    label = {"map_id": out["actmap"]["map_id"], "label": 1, "source": "test"}
+    assert httpx.post(feedback, json=label, timeout=60).status_code == 401
+    labelled = httpx.post(feedback, json=label, timeout=60,
+                          headers={"Authorization": f"Bearer {TP_KEY}"})  # fmt: skip
+    assert labelled.status_code == 200 and labelled.json()["map_id"] == label["map_id"]
+    # and actmap serve's --max-tokens-cap: over it, the same 400 as actmap serve's
+    over = httpx.post(url, json={**body, "max_tokens": 256}, timeout=120,
+                      headers={"Authorization": f"Bearer {TP_KEY}"})  # fmt: skip
+    assert over.status_code == 400, over.text
+    assert over.json()["error"]["message"] == "max_tokens=256 exceeds this server's cap of 255"
 
 
 def test_two_api_server_processes_lose_and_double_no_row(servers):
@@ -440,7 +492,7 @@ def test_two_api_server_processes_lose_and_double_no_row(servers):
     answered it: ``AUDIT/api-<rank>``), and vLLM's ``/metrics`` counts each answer once, from
     whichever process serves the scrape."""
     url = servers["url"]
-    before = requests_total(url)
+    before, ways = requests_total(url), rows_by_way(url)
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
 
     def one(i: int) -> str:
@@ -464,6 +516,9 @@ def test_two_api_server_processes_lose_and_double_no_row(servers):
     assert held[0] | held[1] == set(ids) and not held[0] & held[1]
     assert held[0] and held[1], "one process answered all 16"
     assert [requests_total(url) - before for _ in range(4)] == [16] * 4
+    # every answer's rows came by the worker's socket, to the process that served it
+    after = rows_by_way(url)
+    assert (after["push"] - ways["push"], after["rpc"] - ways["rpc"]) == (16, 0)
 
 
 def test_a_lora_request_gets_the_block_of_the_adapted_model(servers, reference_model):
@@ -504,7 +559,7 @@ def test_tensor_parallel_2_gives_the_reference_maps(servers):
     """TP=2 (two worker processes, rank 0 records): the blocks and audit maps of greedy and
     sampled answers equal the single-device transformers reference."""
     reference = load_reference(servers["folder_tp"], servers["run_tp"])
-    client = openai.OpenAI(base_url=servers["url_tp"] + "/v1", api_key="none", max_retries=0,
+    client = openai.OpenAI(base_url=servers["url_tp"] + "/v1", api_key=TP_KEY, max_retries=0,
                            timeout=300)  # fmt: skip
     wanted = {}
     for block, token_ids in greedy_and_sampled(client, seed=3):
@@ -663,6 +718,35 @@ def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     empty = httpx.post(url + "/v1/actmap/score", json={"items": []}, timeout=60)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "items"
-    # a server started without score_route says how to turn it on
-    off = httpx.post(servers["url_tp"] + "/v1/actmap/score", json={"items": items[:1]}, timeout=60)
-    assert off.status_code == 400 and "score_route" in off.json()["error"]["message"]
+    # `actmap serve --engine vllm` (the TP server) serves the route, behind vLLM's API key
+    # (a server without score_route: tests/test_vllm_plugin_parts.py)
+    route = servers["url_tp"] + "/v1/actmap/score"
+    assert httpx.post(route, json={"items": items[:1]}, timeout=60).status_code == 401
+    keyed = httpx.post(route, json={"items": items[:1]}, timeout=300,
+                       headers={"Authorization": f"Bearer {TP_KEY}"})  # fmt: skip
+    assert keyed.status_code == 200 and keyed.json()["results"][0]["map_id"], keyed.text
+
+
+def test_actmap_serve_engine_vllm_stops_on_sigterm(servers):
+    """SIGTERM to the process ``actmap serve --engine vllm`` started (it became vLLM's API
+    server) stops vLLM and every process it started (engine core, two workers). Last in the
+    module: it ends the TP server."""
+    tp = servers["tp"]
+    assert tp.poll() is None
+    os.kill(tp.pid, signal.SIGTERM)
+    try:
+        code = tp.wait(120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("vLLM's server did not stop on SIGTERM")
+    assert code in (0, -signal.SIGTERM), code
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            os.killpg(tp.pid, 0)  # any process of the group left?
+        except ProcessLookupError:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("vLLM's engine core or workers outlived its API server")
+    log = (servers["root"] / "tp.log").read_text()
+    assert "starting vLLM's server with the actmap plugin:" in log

@@ -65,9 +65,16 @@ class Blocks:
 
     settings = ServeSettings(model="tiny")
     gives_running_scores = True
+    limits_tokens = False
 
     def __init__(self) -> None:
         self.asked = []
+
+    def expect(self, base) -> None:  # the push socket's registration: none here
+        pass
+
+    def release(self, base) -> None:
+        pass
 
     async def blocks(self, base, body, endpoint, arrived, tokens=None):
         self.asked.append((base, endpoint))
@@ -91,8 +98,8 @@ def vllm_like(status: int, parts: list[bytes], content_type: bytes):
     return app, seen
 
 
-def call(app, body: bytes, headers=()):
-    plugin = Blocks()
+def call(app, body: bytes, headers=(), plugin=None):
+    plugin = plugin or Blocks()
     middleware = ActmapMiddleware(app)
     middleware.plugin = plugin
     sent = []
@@ -132,6 +139,36 @@ def test_a_clients_request_id_is_kept_and_errors_pass_untouched():
     start, out, plugin = call(app, b'{"n": 2, "temperature": 0}', [(b"x-request-id", b"mine")])
     assert start["status"] == 400 and out == error and plugin.asked == []
     assert seen["headers"][b"x-request-id"] == b"mine"
+
+
+def test_max_tokens_get_actmap_serves_default_and_cap_when_configured():
+    """With ``default_max_tokens`` / ``max_tokens_cap`` in the plugin's settings (``actmap
+    serve --engine vllm`` passes both), vLLM gets the default when a request names none and a
+    request over the cap is refused as ``actmap serve`` refuses it; without them vLLM's rules."""
+    limited = Blocks()
+    limited.limits_tokens = True
+    limited.settings = ServeSettings(model="tiny", default_max_tokens=12, max_tokens_cap=20)
+    answer = b'{"choices": [{"index": 0}]}'
+    sent = {}
+    for name, body, plugin in [
+        ("default", {"messages": []}, limited),
+        ("given", {"messages": [], "max_completion_tokens": 5}, limited),
+        ("vllm's", {"messages": []}, Blocks()),
+    ]:
+        app, seen = vllm_like(200, [answer], b"application/json")
+        start, _, _ = call(app, json.dumps(body).encode(), plugin=plugin)
+        assert start["status"] == 200
+        sent[name] = json.loads(seen["body"])
+    assert sent == {"default": {"messages": [], "max_tokens": 12},
+                    "given": {"messages": [], "max_completion_tokens": 5},
+                    "vllm's": {"messages": []}}  # fmt: skip
+    app, seen = vllm_like(200, [answer], b"application/json")
+    start, out, _ = call(app, b'{"messages": [], "max_tokens": 21}', plugin=limited)
+    assert start["status"] == 400 and seen == {}  # never reached vLLM
+    error = json.loads(out)["error"]
+    assert (error["message"], error["param"]) == (
+        "max_tokens=21 exceeds this server's cap of 20", "max_tokens",
+    )  # fmt: skip
 
 
 def test_a_stream_gets_one_more_chunk_before_done():
@@ -299,11 +336,33 @@ def test_one_client_id_sent_twice_at_once_names_two_requests():
     assert a["actmap"] == b["actmap"] == {"p_correct": 0.25}
 
 
+def test_a_server_without_the_score_route_says_how_to_turn_it_on():
+    plugin = Blocks()
+    plugin.score_app = None
+    middleware = ActmapMiddleware(lambda *args: pytest.fail("reached vLLM"))
+    middleware.plugin = plugin
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"items": []}', "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/actmap/score", "headers": []}
+    asyncio.run(middleware(scope, receive, send))
+    assert sent[0]["status"] == 400
+    error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert error["param"] == "score_route" and '"score_route": true' in error["message"]
+
+
 def test_the_score_route_builds_the_scoring_side_alone(tmp_path, monkeypatch):
     """`VllmPlugin.start_score_route`: a `ServerState` with the plugin's own metrics (those on
     vLLM's /metrics) and no generation batcher (vLLM generates); a score request through its
     app is counted there (the teacher-forced batch too). With a shift monitor the plugin's
-    metrics carry its gauges, so the answers' shift state can be copied into them."""
+    metrics carry its gauges, so the answers' shift state can be copied into them. The route
+    sits outside vLLM's own key check: it checks vLLM's keys itself."""
+    pytest.importorskip("vllm", reason="the route's key check is vLLM's own middleware")
     import httpx
     from serve_helpers import save_tiny_detector, tiny_engine
 
@@ -323,16 +382,22 @@ def test_the_score_route_builds_the_scoring_side_alone(tmp_path, monkeypatch):
     plugin = VllmPlugin(engine, None, set(), ServeSettings(model="tiny", detector=run))
 
     async def main():
-        await plugin.start_score_route("tiny")
+        await plugin.start_score_route("tiny", ["the-key"])
         transport = httpx.ASGITransport(app=plugin.score_app)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://plugin") as client:
                 items = [{"prompt": "what is the capital", "answer": "paris"}]
-                return await client.post("/v1/actmap/score", json={"items": items})
+                wrong = await client.post("/v1/actmap/score", json={"items": items},
+                                          headers={"Authorization": "Bearer nope"})  # fmt: skip
+                right = await client.post("/v1/actmap/score", json={"items": items},
+                                          headers={"Authorization": "Bearer the-key"})  # fmt: skip
+                return wrong, right
         finally:
             await plugin.close()
 
-    reply = asyncio.run(main())
+    # vLLM's --api-key / VLLM_API_KEY guards the route as it guards vLLM's own /v1 paths
+    wrong, reply = asyncio.run(main())
+    assert wrong.status_code == 401 and wrong.json() == {"error": "Unauthorized"}
     assert reply.status_code == 200, reply.text
     state = plugin.score_state
     assert state.batcher is None and state.metrics is plugin.metrics
@@ -341,3 +406,156 @@ def test_the_score_route_builds_the_scoring_side_alone(tmp_path, monkeypatch):
     assert registry.get_sample_value("actmap_batch_forced_size_count") == 1
     plugin.metrics.observe_shift(engine.monitor.state())  # the gauges exist
     assert registry.get_sample_value("actmap_shift_alarm") == 0
+
+
+def test_feedback_and_the_review_queue_on_vllms_server(tmp_path):
+    """`VllmPlugin.start_label_routes`: ``actmap serve``'s feedback route and review queue
+    over the plugin's audit store, reached through the middleware (not vLLM's app), behind
+    vLLM's API key (the middleware sits outside vLLM's own key check)."""
+    pytest.importorskip("vllm", reason="the routes' key check is vLLM's own middleware")
+    import httpx
+    from serve_helpers import save_tiny_detector, tiny_engine
+    from test_serve_audit import entries
+
+    from actmap.serve.audit import AuditTrail
+    from actmap.serve.vllm_plugin import VllmPlugin
+
+    run = save_tiny_detector(tmp_path / "run")
+    trail = AuditTrail(tmp_path / "audit", flush_interval_s=60)
+    trail.append(entries(0, size=3, decision="review"))
+    trail.flush()
+    plugin = VllmPlugin(tiny_engine(run, audit=trail), None, set(), ServeSettings(model="tiny"))
+    plugin.start_label_routes(["the-key"])
+    middleware = ActmapMiddleware(lambda *args: pytest.fail("reached vLLM's app"))
+    middleware.plugin = plugin
+    key = {"Authorization": "Bearer the-key"}
+
+    async def main():
+        transport = httpx.ASGITransport(app=middleware)
+        async with httpx.AsyncClient(transport=transport, base_url="http://vllm") as client:
+            feedback = "/v1/actmap/feedback"
+            return (
+                await client.post(feedback, json={"map_id": "b-0-1", "label": 1}),
+                await client.post(
+                    feedback, json={"map_id": "b-0-1", "label": 0, "source": "thumbs"}, headers=key
+                ),  # fmt: skip
+                await client.post(feedback, json={"map_id": "nope", "label": 1}, headers=key),
+                await client.post(feedback, json={"map_id": "b-0-1", "label": 2}, headers=key),
+                await client.get("/v1/actmap/review/queue", headers=key),
+                await client.get("/review"),
+            )
+
+    try:
+        no_key, labelled, unknown, bad, queue, page = asyncio.run(main())
+    finally:
+        asyncio.run(plugin.close())
+    assert no_key.status_code == 401
+    assert labelled.status_code == 200, labelled.text
+    assert (labelled.json()["map_id"], labelled.json()["label"]) == ("b-0-1", 0)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "map_not_found"
+    assert bad.status_code == 400 and "label must be 0" in bad.json()["error"]["message"]
+    assert queue.status_code == 200, queue.text
+    # decided review: queued until labelled (b-0-1 now is)
+    assert sorted(item["map_id"] for item in queue.json()["items"]) == ["b-0-0", "b-0-2"]
+    assert page.status_code == 200 and "actmap review" in page.text
+    from actmap.serve.audit import open_audit_store
+
+    labels = open_audit_store(tmp_path / "audit").read_table("labels").to_pandas()
+    assert labels[["id", "label", "source"]].values.tolist() == [["b-0-1", 0, "thumbs"]]
+
+
+def _pushed_item(req_id: str, seed: int) -> dict:
+    torch.manual_seed(seed)
+    config = CaptureConfig(max_new_tokens=4)
+    request = _Request(req_id, "", [5, 6], config, torch.randn(2, 3, 128), None,
+                       token_ids=[7, 8, 9], recorded=3)  # fmt: skip
+    return payload(request, 0)
+
+
+class FakeClient:
+    """vLLM's engine client as the plugin calls it: ``actmap_take`` returns ``held`` rows of the
+    asked bases (taken once); every call is recorded."""
+
+    def __init__(self, held: list[dict]) -> None:
+        self.held, self.calls = held, []
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append((method, list(args[0])))
+        if method != "actmap_take":
+            return [len(args[0])]
+        found = [
+            dict(i, base=b)
+            for b in args[0]
+            for i in self.held
+            if child_index(i["req_id"], b) is not None
+        ]
+        self.held = [
+            i for i in self.held if all(child_index(i["req_id"], b) is None for b in args[0])
+        ]
+        return [found]
+
+
+def test_pushed_rows_reach_the_request_that_expects_them_and_the_rpc_takes_the_rest(tmp_path):
+    """The worker's socket brings each finished answer's rows to the API server that expects
+    its request (another request's rows are not kept); when fewer than the request's answers
+    come within ``push_wait_s``, the rest are taken by RPC, and rows that came by the socket
+    are forgotten in the worker."""
+    from actmap.capture.vllm_push import RowPublisher, RowSubscriber
+    from actmap.serve.vllm_plugin import VllmPlugin, _answers, _Forget, _Rows
+
+    assert _answers({"n": 3}, "chat") == 3 and _answers({}, "chat") == 1
+    assert _answers({"prompt": ["a", "b"], "n": 2}, "completion") == 4
+    assert _answers({"prompt": [1, 2, 3]}, "completion") == 1  # one prompt of token ids
+    first, second = f"chatcmpl-{BASE}-aaaa1111", f"1_chatcmpl-{BASE}-bbbb2222"
+    other = "chatcmpl-actmap-other-cccc3333"
+    publisher = RowPublisher(str(tmp_path))
+
+    async def scenario():
+        subscriber = RowSubscriber(publisher.address, child_index)
+        subscriber.expect(BASE)
+        await asyncio.sleep(0.3)  # the subscription reaches the publisher
+        for req_id, seed in ((second, 1), (other, 2), (first, 3)):
+            publisher.send(_pushed_item(req_id, seed))
+        got = await subscriber.take(BASE, 2, wait_s=10)
+        assert sorted((i["index"], i["req_id"]) for i in got) == [(0, first), (1, second)]
+        want = _pushed_item(second, 1)
+        assert next(i for i in got if i["index"] == 1)["states"] == want["states"]
+        assert await subscriber.take(BASE, 1, wait_s=0.2) == []  # nothing more came
+
+        # the plugin: one answer pushed, its sibling only in the worker (RPC)
+        plugin = object.__new__(VllmPlugin)
+        client = FakeClient([_pushed_item(first, 4)])
+        plugin.pushed, plugin.push_wait_s = subscriber, 0.3
+        plugin.taker, plugin.forgetter = _Rows(client, "actmap_take"), _Forget(client)
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        registry = CollectorRegistry()
+        plugin.rows_by = Counter("rows", "", ["way"], registry=registry)
+        plugin.rows_wait = Histogram("rows_wait", "", registry=registry)
+        publisher.send(_pushed_item(second, 5))
+        rows = await plugin.rows(BASE, 2)
+        assert sorted(i["req_id"] for i in rows) == sorted([first, second])
+        assert client.calls == [("actmap_take", [BASE])]
+        assert registry.get_sample_value("rows_wait_count") == 1  # the answer's wait, once
+        # both pushed: no RPC waits, and the worker is told to drop them
+        publisher.send(_pushed_item(first, 6))
+        publisher.send(_pushed_item(second, 7))
+        rows = await plugin.rows(BASE, 2)
+        assert sorted(i["req_id"] for i in rows) == sorted([first, second])
+        await plugin.forgetter.task
+        assert client.calls[1:] == [("actmap_forget", [i["req_id"] for i in rows])]
+        assert plugin.rows_by.labels("push")._value.get() == 2
+        assert plugin.rows_by.labels("rpc")._value.get() == 1
+        subscriber.expect("actmap-late")
+        publisher.send(_pushed_item("chatcmpl-actmap-late-dddd4444", 8))
+        await asyncio.sleep(0.3)
+        assert [i["req_id"] for i in subscriber.release("actmap-late")] == [
+            "chatcmpl-actmap-late-dddd4444"
+        ]
+        await subscriber.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.close()
+    assert not list(tmp_path.iterdir())  # the socket's path is removed

@@ -122,9 +122,12 @@ def serve(
     ),
     engine: str = typer.Option(
         "local",
-        help="local (transformers, micro-batches of --batch-size) | vllm (vLLM's scheduler in "
-        "this process, --batch-size requests in flight, a new request joins the running "
-        "batch; pip install 'actmap[vllm]').",
+        help="local (transformers, micro-batches of --batch-size) | vllm (starts vLLM's own "
+        "OpenAI server with the actmap plugin, --batch-size requests in flight; pip install "
+        "'actmap[vllm]'; docs/vllm.md).",
+    ),
+    tensor_parallel_size: int = typer.Option(
+        1, min=1, help="--engine vllm: vLLM's tensor parallel size (one worker per device)."
     ),
     max_score_items: int = typer.Option(64, min=1, help="Answers per /v1/actmap/score request."),
     vllm_compile: bool = vllm_compile_option(),
@@ -202,7 +205,8 @@ def serve(
             batch_window_ms=batch_window_ms, max_queue=queue_size, timeout_s=timeout,
             stream_scores=stream_scores, score_every=score_every, device=device, dtype=dtype,
             monitor=monitor, monitor_window=monitor_window, max_score_items=max_score_items,
-            vllm=VllmSettings(compile=vllm_compile) if engine == "vllm" else None,
+            vllm=VllmSettings(compile=vllm_compile, tensor_parallel_size=tensor_parallel_size)
+            if engine == "vllm" else None,
             proxy=proxy,
             actions=ActionSettings(
                 route_to=route_to, route_model=route_model, route_api_key=route_api_key,
@@ -212,11 +216,22 @@ def serve(
         if fallback_run is not None and (detector is None or monitor is None):
             raise ActmapUserError("--fallback-run needs --detector and --monitor (its alarm)")
         if engine == "vllm":
-            from actmap.capture.vllm_engine import require_vllm
+            from actmap.serve.vllm_launch import exec_vllm_server, vllm_server_command
 
-            require_vllm()
-        if host not in LOOPBACK and not settings.api_key:
-            console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")
+            command = vllm_server_command(
+                settings, host, port, fallback_run=fallback_run, shutdown_grace=shutdown_grace,
+                drain_timeout=drain_timeout,
+            )  # fmt: skip
+        elif tensor_parallel_size != 1:
+            raise ActmapUserError("--tensor-parallel-size needs --engine vllm")
+    if host not in LOOPBACK and not settings.api_key:
+        console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")
+    if engine == "vllm":  # this process becomes vLLM's server (signals reach vLLM)
+        console.print("starting vLLM's server with the actmap plugin:")
+        console.print(command.shown(), soft_wrap=True, markup=False, highlight=False)
+        exec_vllm_server(command)
+        return
+    with user_errors():
         console.print(f"loading {model}" + (f" and {detector}" if detector else "") + " ...")
         engine = build_engine(settings)  # bad paths fail here, as one line
         if fallback_run is not None:

@@ -84,6 +84,11 @@ def build_engine(settings: ServeSettings) -> Engine:
     """Load generator, detector, policy and audit trail (the server's lifespan calls this once)."""
     from actmap.llm.models import load_model
 
+    if settings.vllm is not None:
+        raise ActmapUserError(
+            "--engine vllm is served by vLLM's own server with the actmap plugin "
+            "(actmap.serve.vllm_launch), not by this app"
+        )
     if settings.detector is None:  # a plain generator: nothing to score, decide or audit
         given = {
             "policy": settings.policy, "audit": settings.audit, "monitor": settings.monitor,
@@ -116,17 +121,6 @@ def build_engine(settings: ServeSettings) -> Engine:
     if settings.actions.acting and proxy is not None:
         raise ActmapUserError(
             "--route-to and --abstain-message act on answers generated here, not --upstream's"
-        )
-    if settings.vllm is not None and proxy is not None:
-        raise ActmapUserError(
-            "--upstream reads the upstream's answers with the transformers engine: "
-            "leave --engine at local"
-        )
-    if settings.vllm is not None:
-        from actmap.serve.vllm_serving import build_vllm_engine
-
-        return build_vllm_engine(
-            settings, detector, policy, audit_trail(settings, detector), monitor, dtype
         )
     # no remote code
     model, tokenizer, source = load_model(settings.model, device=settings.device, dtype=dtype)
@@ -256,8 +250,6 @@ class ServerState:
 
     def _generation_batcher(self):
         settings, engine = self.settings, self.engine
-        if hasattr(engine, "make_batcher"):  # vLLM: its scheduler batches
-            return engine.make_batcher(settings.max_queue, self._on_batch)
         return MicroBatcher(
             engine.run,
             max_batch=settings.max_batch,

@@ -146,11 +146,10 @@ class PrevalenceTracker:
 
 
 class StreamEmitter:
-    """The text deltas of one streamed answer, as both engines send them (the transformers
-    step watch here, `actmap.serve.vllm_serving.StepLoop`): the tokens so far are decoded, cut
-    at a stop string, and what may be the start of a stop string or of a multi-byte character
-    is held back; each call sends the new text (and the running score, with
-    ``stream_scores``) to the job's sink."""
+    """The text deltas of one streamed answer, as the transformers step watch sends them: the
+    tokens so far are decoded, cut at a stop string, and what may be the start of a stop string
+    or of a multi-byte character is held back; each call sends the new text (and the running
+    score, with ``stream_scores``) to the job's sink."""
 
     def __init__(self, tokenizer, job: Job) -> None:
         self.tokenizer, self.job = tokenizer, job
@@ -358,8 +357,8 @@ class Engine:
     def prefix_scores(self, rows: Sequence[tuple[torch.Tensor, Any, Any, int]]) -> list[float]:
         """`running_scores` of answers so far, each given as (its layer states, log-probs and
         entropies as recorded, the t tokens to read; the statistics may be None when the
-        detector reads no scalars): the running scorer of both vLLM step loops (`actmap serve
-        --engine vllm` and the plugin), whose rows arrive one by one."""
+        detector reads no scalars): the running scorer of the vLLM plugin
+        (`actmap.serve.vllm_plugin`), whose rows arrive one by one."""
         with self.swap_lock:
             maps = build_maps_from_list(
                 [states[:, :t] for states, _, _, t in rows], self.map_config

@@ -1,9 +1,10 @@
 """The one request path of every server mode: request checks, message flattening and errors.
 
-The plain server (`actmap.serve.app`, transformers engine), the vLLM server (the same routes
-over `actmap.serve.vllm_serving`) and the proxy (`actmap.serve.proxy`) read a request with
-the same pydantic models (`actmap.serve.protocol`) and the same functions here, so the same
-malformed request gets the same OpenAI-shaped error (`APIError`) in every mode:
+The plain server (`actmap.serve.app`, transformers engine) and the proxy (`actmap.serve.proxy`)
+read a request with the same pydantic models (`actmap.serve.protocol`) and the same functions
+here, so the same malformed request gets the same OpenAI-shaped error (`APIError`) in every
+mode (``--engine vllm`` is vLLM's own server: vLLM checks requests; the plugin takes
+`limit_max_tokens` and `validation_error` from here):
 
 * `validation_error`: a body the models refuse -> 400 naming the field;
 * `check_request`: the model name (404 ``model_not_found``) and ``n`` (one answer is scored);
@@ -103,6 +104,22 @@ def check_request(request, model_name: str) -> None:
         raise APIError(400, f"n must be 1, got {request.n}: one answer is scored", param="n")
 
 
+def limit_max_tokens(max_tokens: int | None, default_max_tokens: int, max_tokens_cap: int) -> int:
+    """A request's ``max_tokens`` with the server's default filled in (``--max-tokens``),
+    refused below 1 or above ``--max-tokens-cap`` (also the vLLM plugin's rule)."""
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, max_tokens_cap)
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens > max_tokens_cap:
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens} exceeds this server's cap of {max_tokens_cap}",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
 def check_generation(request, default_max_tokens: int, max_tokens_cap: int) -> int:
     """What a server that generates the answer itself checks (the proxy leaves these to its
     upstream): greedy decoding, ``max_tokens`` (returned, the default filled in), stop
@@ -119,16 +136,7 @@ def check_generation(request, default_max_tokens: int, max_tokens_cap: int) -> i
     max_tokens = request.max_tokens
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens or request.max_tokens
-    if max_tokens is None:
-        max_tokens = min(default_max_tokens, max_tokens_cap)
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if max_tokens > max_tokens_cap:
-        raise APIError(
-            400,
-            f"max_tokens={max_tokens} exceeds this server's cap of {max_tokens_cap}",
-            param="max_tokens",
-        )
+    max_tokens = limit_max_tokens(max_tokens, default_max_tokens, max_tokens_cap)
     stops = request.stop_strings()
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise APIError(

@@ -5,8 +5,8 @@ trail, shift monitor, request limits, batching, streaming); a mode's own setting
 group, None when the mode is off:
 
 * plain server: ``vllm`` and ``proxy`` both None (transformers + the micro-batcher);
-* ``vllm``: `VllmSettings` (``--engine vllm``: vLLM's scheduler in this process,
-  `actmap.serve.vllm_serving`; ``max_batch`` = requests in flight);
+* ``vllm``: `VllmSettings` (``--engine vllm``: vLLM's own server with the actmap plugin,
+  started by `actmap.serve.vllm_launch`; ``max_batch`` = requests in flight);
 * ``proxy``: `ProxySettings` (``--upstream URL``: answers come from that OpenAI-compatible
   server, `actmap.serve.proxy`);
 
@@ -25,9 +25,10 @@ MODES = ("local", "vllm", "proxy")
 
 @dataclass(frozen=True)
 class VllmSettings:
-    """``--engine vllm``: vLLM's scheduler in this process."""
+    """``--engine vllm``: vLLM's own server with the actmap plugin (`actmap.serve.vllm_launch`)."""
 
     compile: bool | None = None  # compiled model (``--vllm-compile``; None: on a GPU only)
+    tensor_parallel_size: int = 1  # vLLM's workers, one per device (``--tensor-parallel-size``)
 
 
 @dataclass(frozen=True)

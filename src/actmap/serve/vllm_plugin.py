@@ -7,8 +7,10 @@ vLLM's server, started with three flags (docs/vllm.md)::
         --middleware actmap.serve.vllm_plugin.ActmapMiddleware \\
         --additional-config '{"actmap": {"detector": "runs/plus"}}'
 
-captures every generated token's map in vLLM's worker processes (`actmap.capture.vllm_worker`)
-and adds the ``actmap`` block of ``actmap serve`` to vLLM's own chat and completion responses.
+(the command ``actmap serve --engine vllm`` builds from its flags and runs:
+`actmap.serve.vllm_launch`) captures every generated token's map in vLLM's worker processes
+(`actmap.capture.vllm_worker`) and adds the ``actmap`` block of ``actmap serve`` to vLLM's own
+chat and completion responses.
 `ActmapMiddleware` is plain ASGI middleware on vLLM's app:
 
 * at start-up (the ASGI lifespan) it loads the detector, policy, audit trail and shift monitor
@@ -42,33 +44,45 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
+from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
 from actmap.capture.vllm_engine import end_ids
-from actmap.capture.vllm_rows import generation_from_payload, payload_arrays
+from actmap.capture.vllm_push import RowSubscriber, same_host
+from actmap.capture.vllm_rows import child_index, generation_from_payload, payload_arrays
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, resolve_model
 from actmap.serve.app import actmap_info, audit_trail, load_scoring, serve_metrics
 from actmap.serve.engine import Engine, Job
 from actmap.serve.loaded_run import generator_problem, refuse_what_vllm_cannot_read
 from actmap.serve.protocol import ActmapOptions
-from actmap.serve.request_path import APIError, validation_error
+from actmap.serve.request_path import APIError, limit_max_tokens, validation_error
+from actmap.serve.review import REVIEW_PAGE
 from actmap.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 SCORE_PATH = "/v1/actmap/score"
+# actmap serve's feedback route and review queue (`VllmPlugin.start_label_routes`)
+LABEL_PATHS = ("/v1/actmap/feedback", "/v1/actmap/review/queue", REVIEW_PAGE)
 CONFIG_KEY = "actmap"
 # ServeSettings fields the plugin reads from additional_config["actmap"]
 SETTINGS = (
     "detector", "seed", "policy", "audit", "audit_text", "audit_max_rows",
-    "audit_max_age_days", "monitor", "monitor_window", "device", "stream_scores", "score_every",
-    "max_score_items",
+    "audit_max_age_days", "review_sample", "monitor", "monitor_window", "device",
+    "stream_scores", "score_every", "max_score_items", "default_max_tokens", "max_tokens_cap",
 )  # fmt: skip
-# the plugin's own: check the detector's generator or not; serve /v1/actmap/score
-PLUGIN_SETTINGS = ("allow_generator_mismatch", "score_route")
+# given either, a request's max_tokens gets actmap serve's default and cap (else vLLM's rules)
+TOKEN_LIMITS = ("default_max_tokens", "max_tokens_cap")
+# the plugin's own: check the detector's generator or not; serve /v1/actmap/score; how long
+# an answer waits for its pushed rows before it takes them by RPC (actmap.capture.vllm_push)
+PLUGIN_SETTINGS = ("allow_generator_mismatch", "score_route", "push_wait_s")
+# the workers': how long / how many finished answers' rows wait to be taken; push them or not
+WORKER_SETTINGS = ("hold_s", "max_held", "push")
+PUSH_WAIT_S = 2.0
 WORKER_EXTENSION = "actmap.capture.vllm_worker.ActmapWorker"
 
 
@@ -79,17 +93,37 @@ def plugin_settings(options: object, model: str) -> tuple[ServeSettings, dict]:
             f"""--additional-config needs '{{"{CONFIG_KEY}": {{"detector": "RUN"}}}}' """
             "(a run folder from `actmap train`)"
         )
-    worker = {k: options[k] for k in ("hold_s", "max_held") if k in options}
+    for key in ("fallback_run", "fallback-run"):  # not built here (docs/out_of_domain.md)
+        if key in options:
+            raise ActmapUserError(
+                f"{key}: the vLLM plugin takes no fallback detector; use `actmap serve "
+                "--fallback-run` with the transformers engine (docs/out_of_domain.md)"
+            )
+    worker = {k: options[k] for k in WORKER_SETTINGS if k in options}
     unknown = sorted(set(options) - set(SETTINGS) - set(worker) - set(PLUGIN_SETTINGS))
     if unknown:
         raise ActmapUserError(
-            f"unknown actmap settings {unknown}; known: {', '.join(SETTINGS)}, hold_s, "
-            f"max_held, {', '.join(PLUGIN_SETTINGS)}"
+            f"unknown actmap settings {unknown}; known: {', '.join(SETTINGS)}, "
+            f"{', '.join(WORKER_SETTINGS)}, {', '.join(PLUGIN_SETTINGS)}"
         )
     paths = {f.name for f in fields(ServeSettings) if "Path" in str(f.type)}
     values = {k: Path(v) if k in paths and v is not None else v for k, v in options.items()
               if k in SETTINGS}  # fmt: skip
     return ServeSettings(model=model, **values), worker
+
+
+def worker_settings(detector, options: dict) -> dict:
+    """What the workers record for ``detector`` (``actmap_configure``): the scalars' log-probs
+    and entropies when it reads them, position states when it reads those (a stacked
+    actmap-plus), the lookback attention when it reads that (a full one), the map rows always; ``options``: the worker's own (``hold_s``, ``max_held``)."""
+    capture = detector.capture_settings()
+    return {
+        "greybox": capture["greybox"],
+        "keep_positions": bool(capture.get("keep_positions")),
+        "attention_keys": int(capture.get("attention_keys", 0)),
+        "pooled_dim": 128,
+        **options,
+    }
 
 
 class _Rows:
@@ -129,8 +163,32 @@ class _Rows:
                     future.set_result(found.get(base, []))
 
 
+class _Forget:
+    """Drops rows that came by the push socket from the workers: one ``actmap_forget`` RPC per
+    batch, in the background (no answer waits for it)."""
+
+    def __init__(self, engine_client) -> None:
+        self.client, self.ids = engine_client, []
+        self.task: asyncio.Task | None = None
+
+    def add(self, req_ids: list[str]) -> None:
+        self.ids += req_ids
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while self.ids:
+            batch, self.ids = self.ids, []
+            try:
+                await self.client.collective_rpc("actmap_forget", args=(batch,))
+            except Exception as error:  # they expire after hold_s anyway
+                log.debug("actmap: forgetting %d pushed rows failed: %s", len(batch), error)
+
+
 class VllmPlugin:
     """The scoring side: an `Engine` without a generator, fed with the workers' rows."""
+
+    limits_tokens = False  # max_tokens: actmap serve's default and cap (TOKEN_LIMITS given)
 
     def __init__(
         self, engine: Engine, client, ends: set[int], settings: ServeSettings | None = None
@@ -138,10 +196,27 @@ class VllmPlugin:
         self.engine, self.ends = engine, ends
         self.settings = settings if settings is not None else ServeSettings(model="")
         self.score_app = self.score_state = None  # POST /v1/actmap/score (score_route)
+        self.label_app = None  # feedback and review queue (`start_label_routes`)
         self.taker = _Rows(client, "actmap_take")
         self.peeker = _Rows(client, "actmap_peek")
+        self.pushed: RowSubscriber | None = None  # rows the recording worker pushes
+        self.push_wait_s = PUSH_WAIT_S
+        self.forgetter = _Forget(client)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="actmap-score")
         self.metrics = serve_metrics(engine)  # actmap serve's metrics, on vLLM's /metrics
+        self.rows_by = Counter(
+            "actmap_vllm_rows",
+            "Answers whose rows came from vLLM's workers, by the way they came (push: the "
+            "recording worker's socket; rpc: collective_rpc, after push_wait_s or without push)",
+            ["way"],
+            registry=self.metrics.registry,
+        )
+        self.rows_wait = Histogram(
+            "actmap_vllm_rows_wait_seconds",
+            "How long an answer vLLM finished waited for its rows from the workers",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4),
+            registry=self.metrics.registry,
+        )
 
     def expose_metrics(self) -> None:
         """Serve the ``actmap_*`` metrics from vLLM's own ``/metrics`` (its registry). With
@@ -187,14 +262,7 @@ class VllmPlugin:
         if dtype != detector.dtype:
             log.warning("actmap: vLLM runs %s, but %s was fit on %s maps: scores may shift",
                         dtype, detector.id, detector.dtype)  # fmt: skip
-        capture = detector.capture_settings()
-        worker = {
-            "greybox": capture["greybox"],
-            "keep_positions": bool(capture.get("keep_positions")),
-            "attention_keys": int(capture.get("attention_keys", 0)),
-            "pooled_dim": 128,
-            **worker_options,
-        }
+        worker = worker_settings(detector, worker_options)
         client = app_state.engine_client
         try:
             infos = await client.collective_rpc("actmap_configure", args=(worker,))
@@ -225,18 +293,22 @@ class VllmPlugin:
         )  # fmt: skip
         log.info("actmap: scoring vLLM's answers with %s (workers: %s)", detector.id, infos)
         plugin = cls(engine, client, end_ids(model_config.tokenizer, tokenizer), settings)
+        plugin.limits_tokens = any(k in options for k in TOKEN_LIMITS)
         plugin.expose_metrics()
+        plugin.push_wait_s = float(options.get("push_wait_s", PUSH_WAIT_S))
+        plugin.subscribe(infos)
+        keys = _api_keys(app_state)
+        plugin.start_label_routes(keys)
         if model is not None:
             names = model_config.served_model_name
-            await plugin.start_score_route(names[0] if isinstance(names, list) else names)
+            name = names[0] if isinstance(names, list) else names
+            await plugin.start_score_route(name, keys)
         return plugin
 
-    async def start_score_route(self, model_name: str) -> None:
+    async def start_score_route(self, model_name: str, api_keys: list[str] = ()) -> None:
         """``POST /v1/actmap/score`` (`actmap.serve.score_endpoint`, ``actmap serve``'s route and
-        scoring batcher) on a small app of its own, over this plugin's engine and metrics."""
-        from fastapi import FastAPI
-        from fastapi.exceptions import RequestValidationError
-
+        scoring batcher) on a small app of its own, over this plugin's engine and metrics.
+        ``api_keys``: vLLM's own (`_api_keys`), checked as vLLM checks them (`_actmap_app`)."""
         from actmap.serve.app import ServerState
         from actmap.serve.score_endpoint import install_score_route
 
@@ -244,17 +316,68 @@ class VllmPlugin:
         # the scoring side alone (vLLM generates), counting into the metrics on vLLM's /metrics
         state = ServerState(settings, self.engine, metrics=self.metrics, generate=False)
         await state.scorer.start()
-        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-        app.state.actmap = state
-        install_score_route(app)
-        app.add_exception_handler(APIError, lambda request, error: error.response())
-        app.add_exception_handler(
-            RequestValidationError,
-            lambda request, error: validation_error(error.errors()).response(),
-        )
-        self.score_app, self.score_state = app, state
+        self.score_app = _actmap_app(state, install_score_route, api_keys)
+        self.score_state = state
+
+    def start_label_routes(self, api_keys: list[str] = ()) -> None:
+        """``actmap serve``'s feedback route (``POST /v1/actmap/feedback``, a label for a served
+        answer into the audit store: `actmap.serve.feedback`) and review queue (``GET
+        /v1/actmap/review/queue`` and its page, `actmap.serve.review`) over this plugin's audit
+        store, on a small app of their own. With several API-server processes each serves its
+        own store (``AUDIT/api-<rank>``): a label for an answer another process served is a 404
+        there."""
+        from actmap.serve.feedback import install_feedback_route
+        from actmap.serve.review import install_review_routes
+
+        def install(app) -> None:
+            install_feedback_route(app)
+            install_review_routes(app)
+
+        # what these routes read of a server's state: its engine's audit trail (and fallback)
+        state = SimpleNamespace(settings=self.settings, engine=self.engine)
+        self.label_app = _actmap_app(state, install, api_keys)
+
+    def subscribe(self, infos: list[dict]) -> None:
+        """Receive the rows the recording worker pushes, when it pushes and runs on this host
+        (else every answer's rows come by RPC)."""
+        for info in infos:
+            if info.get("rows_address") and same_host(info.get("rows_host")):
+                self.pushed = RowSubscriber(info["rows_address"], child_index)
+                return
+        log.info("actmap: no pushed rows on this host; answers' rows come by RPC")
+
+    def expect(self, base: str) -> None:
+        """A request named after ``base`` goes to vLLM: keep its pushed rows."""
+        if self.pushed is not None:
+            self.pushed.expect(base)
+
+    def release(self, base: str) -> None:
+        """The request ended: rows still kept for it are dropped here and in the worker."""
+        if self.pushed is not None:
+            left = self.pushed.release(base)
+            if left:
+                self.forgetter.add([item["req_id"] for item in left])
+
+    async def rows(self, base: str, count: int) -> list[dict]:
+        """The ``count`` answers' rows of the request named after ``base``: pushed ones at
+        once; what has not come within ``push_wait_s`` by RPC (``actmap_take``)."""
+        started, pushed = time.perf_counter(), []
+        if self.pushed is not None:
+            pushed = await self.pushed.take(base, count, self.push_wait_s)
+            if len(pushed) >= count:
+                self.forgetter.add([item["req_id"] for item in pushed])
+                self.rows_by.labels("push").inc(len(pushed))
+                self.rows_wait.observe(time.perf_counter() - started)
+                return pushed
+        taken = await self.taker.take(base)
+        have = {item["req_id"] for item in taken}
+        self.rows_by.labels("rpc").inc(len(taken))
+        self.rows_wait.observe(time.perf_counter() - started)
+        return taken + [item for item in pushed if item["req_id"] not in have]
 
     async def close(self) -> None:
+        if self.pushed is not None:
+            await self.pushed.close()
         if self.score_state is not None:
             await self.score_state.scorer.stop()
         self.pool.shutdown(wait=True)
@@ -267,7 +390,7 @@ class VllmPlugin:
         """choice index -> its ``actmap`` block, for the request vLLM named after ``base``
         (``arrived``: `time.perf_counter` when the request came in, for the latency metric;
         ``tokens``: the answer was ended after its first ``tokens`` tokens by ``abort_below``)."""
-        items = await self.taker.take(base)
+        items = await self.rows(base, _answers(body, endpoint))
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self.pool, self._score, items, body, endpoint, arrived, tokens
@@ -344,6 +467,37 @@ class VllmPlugin:
         return {item["index"]: (float(v), t) for (item, t), v in zip(chosen, p, strict=True)}
 
 
+def _actmap_app(state, install, api_keys: list[str] = ()):
+    """A small FastAPI app of ``actmap serve``'s routes (``install(app)``) over ``state``, with
+    its error handling; behind vLLM's own API-key check (``api_keys``: `_api_keys`), which
+    sits inside this middleware and so never sees these routes' requests."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.actmap = state
+    install(app)
+    app.add_exception_handler(APIError, lambda request, error: error.response())
+    app.add_exception_handler(
+        RequestValidationError,
+        lambda request, error: validation_error(error.errors()).response(),
+    )
+    if not api_keys:
+        return app
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    return AuthenticationMiddleware(app, tokens=list(api_keys))
+
+
+def _api_keys(app_state) -> list[str]:
+    """The keys vLLM's server wants on ``/v1`` paths, read as vLLM reads them: its
+    ``--api-key`` values, else ``VLLM_API_KEY`` (``actmap serve --engine vllm`` sets that)."""
+    from vllm import envs
+
+    keys = getattr(getattr(app_state, "args", None), "api_key", None) or [envs.VLLM_API_KEY]
+    return [key for key in keys if key]
+
+
 def _served_source(model_config) -> ModelSource:
     try:
         return resolve_model(model_config.model, model_config.revision or "main")
@@ -372,6 +526,17 @@ def _audit_text(body: dict, endpoint: str) -> str:
     return "\n".join(lines)
 
 
+def _answers(body: dict, endpoint: str) -> int:
+    """How many answers vLLM makes for a request: ``n`` per prompt (a completion may give a
+    list of prompts)."""
+    n = body.get("n")
+    n = n if isinstance(n, int) and n > 1 else 1
+    prompt = body.get("prompt") if endpoint == "completion" else None
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return n * len(prompt)
+    return n
+
+
 def _missing(index: int) -> dict:
     return {"error": f"no map was recorded for choice {index}"}
 
@@ -393,6 +558,13 @@ class ActmapMiddleware:
             return await self._lifespan(scope, receive, send)
         if scope["type"] == "http" and scope.get("path") == SCORE_PATH and self.plugin is not None:
             return await self._score_route(scope, receive, send)
+        if (
+            scope["type"] == "http"
+            and scope.get("path") in LABEL_PATHS
+            and self.plugin is not None
+            and self.plugin.label_app is not None
+        ):
+            return await self.plugin.label_app(scope, receive, send)
         endpoint = ENDPOINTS.get(scope.get("path", ""))
         if (
             scope["type"] != "http"
@@ -481,6 +653,7 @@ class ActmapMiddleware:
         if request is None:
             return await self.app(scope, replay, send)
         self.in_flight.add(request.base)
+        self.plugin.expect(request.base)
         try:
             if request.stream:
                 sender = _StreamSender(send, self.plugin, request)
@@ -490,17 +663,23 @@ class ActmapMiddleware:
                 await self.app(scope, replay, _JsonSender(send, self.plugin, request))
         finally:
             self.in_flight.discard(request.base)
+            self.plugin.release(request.base)
 
     def _read(self, body: dict, raw: bytes, endpoint: str) -> tuple[_Request, bytes]:
         """The request as the middleware sees it, and the body vLLM gets (without ``actmap``,
         actmap's own per-request options: ``stream_scores``, ``abort_below``)."""
         options = ActmapOptions()
+        changed = False
         if "actmap" in body:
             try:
                 options = ActmapOptions.model_validate(body.pop("actmap") or {})
             except ValidationError as error:  # named as actmap.<field>
                 errors = [{**e, "loc": ("actmap", *e.get("loc", ()))} for e in error.errors()]
                 raise validation_error(errors) from None
+            changed = True
+        if self.plugin.limits_tokens:
+            changed = self._limit_tokens(body, endpoint) or changed
+        if changed:
             raw = json.dumps(body).encode()
         n = body.get("n")
         n = n if isinstance(n, int) and n > 1 else 1
@@ -525,6 +704,19 @@ class ActmapMiddleware:
             abort_below=options.abort_below if running else None,
         )  # fmt: skip
         return request, raw
+
+    def _limit_tokens(self, body: dict, endpoint: str) -> bool:
+        """``max_tokens`` as ``actmap serve`` has it (`limit_max_tokens`: its default filled in,
+        refused above its cap); a value that is not a number is left to vLLM's own check."""
+        key = "max_tokens"
+        if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+            key = "max_completion_tokens"
+        given = body.get(key)
+        if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
+            return False
+        settings = self.plugin.settings
+        body[key] = limit_max_tokens(given, settings.default_max_tokens, settings.max_tokens_cap)
+        return given is None
 
 
 @dataclass(frozen=True)
