@@ -305,7 +305,7 @@ def test_the_plugins_worker_sends_the_same_attention(family_engine, word_tokeniz
     engine.recorder.remove()
     try:
         info = worker.actmap_configure(
-            {"greybox": True, "keep_positions": False, "attention_keys": KEYS}
+            {"greybox": True, "keep_positions": False, "attention_keys": KEYS, "push": False}
         )
         assert info["recording"]
         params = SamplingParams(
