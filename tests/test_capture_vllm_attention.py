@@ -270,8 +270,19 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block):
         )  # fmt: skip
 
 
-def test_what_cannot_be_read_is_refused_by_name():
+def test_what_cannot_be_read_is_refused_by_name(tmp_path):
+    import json
+
     from actmap.capture.vllm_attention import attention_problem
+    from actmap.serve.vllm_launch import model_type
+
+    # the launcher reads the family from the folder before vLLM loads it
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert model_type(str(tmp_path)) == "llama"
+    both = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}
+    (tmp_path / "config.json").write_text(json.dumps(both))
+    assert model_type(str(tmp_path)) == "gemma3_text"
+    assert model_type(str(tmp_path / "absent")) is None
 
     def config(family):
         return SimpleNamespace(hf_text_config=SimpleNamespace(model_type=family))
