@@ -342,3 +342,57 @@ def test_a_step_whose_record_points_do_not_run_raises(engine):
     with pytest.raises(RuntimeError, match="recorded 29 of 30 layers"):
         while engine.busy:
             engine.step()
+
+
+def test_teacher_forced_reading_equals_capture_answers(engine, smollm2):
+    """`VllmCapture.read`: a (prompt, answer) pair read as one prefill of prompt + answer, rows
+    from the answer's positions, against the transformers teacher-forced capture
+    (`capture_answers`, one pair per pass: the same prompt truncation): the same tokens, answer
+    text and cut, trajectories and maps (``TRAJ_TOL``), log-probs, entropies and the end
+    token's extras (``STAT_TOL``). One answer is long enough that its prefill crosses a
+    128-token chunk (the engine's ``max_num_batched_tokens``); one is token ids; one is
+    empty (no rows; the end token's extras only). Read twice with prefix caching on (the
+    engine's default): the second reading is no cache hit (each reading has its own
+    ``cache_salt``) and gives the same rows."""
+    from actmap.capture.forced import capture_answers
+
+    model, tokenizer, _ = smollm2
+    config = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512)
+    long_answer = " ".join(f"Step {i}: add {i} to the total." for i in range(12))
+    prompts = [chat(tokenizer, q) for q in (*QUESTIONS, "Count to twenty in steps.", "Hi")]
+    answers = [
+        "The capital of France is Paris.",
+        tokenizer("17 + 25 = 42.", add_special_tokens=False)["input_ids"],
+        long_answer,
+        "",
+    ]
+    want = [capture_answers(model, tokenizer, [p], [a], config)[0]
+            for p, a in zip(prompts, answers, strict=True)]  # fmt: skip
+    hits = engine.recorder.prefix_cache_hits
+    got = engine.read(prompts, answers, config)
+    assert [g.n_tokens for g in got][3] == 0 and got[2].n_tokens > 100
+    assert_same(got, want)
+    assert all(w.extras and g.extras for g, w in zip(got, want, strict=True))
+    # the long reading alone: its prefill takes more than one 128-token step
+    key, steps, done = engine.submit_read(prompts[2], long_answer, config), 0, None
+    while done is None:
+        steps += 1
+        done = next((e.finished for e in engine.step() if e.key == key and e.finished), None)
+    assert steps >= 2 and got[2].prompt_tokens + got[2].n_tokens > 128
+    again = engine.read(prompts[:2], answers[:2], config)
+    assert engine.recorder.prefix_cache_hits == hits
+    assert_same([done, *again], [want[2], *want[:2]])
+    # map-only readings skip the statistics
+    (bare,) = engine.read(prompts[:1], answers[:1], CaptureConfig(max_context=512, greybox=False))
+    assert bare.logprobs is None and bare.extras == {}
+    torch.testing.assert_close(bare.trajectory, want[0].trajectory, **TRAJ_TOL)
+
+
+def test_a_reading_longer_than_the_context_is_refused(engine):
+    from actmap.errors import ActmapUserError
+
+    # the answer alone leaves no room for the prompt (a longer prompt keeps its last tokens,
+    # as the transformers capture's does)
+    with pytest.raises(ActmapUserError, match=r"answer \(511 tokens\) exceed .* 512 tokens"):
+        engine.read(["Hello"], [list(range(10, 521))], CaptureConfig(max_context=512))
+    assert not engine.busy
