@@ -155,7 +155,7 @@ def wait_up(process: subprocess.Popen, url: str, log: Path, deadline: float) -> 
 def servers(tmp_path_factory):
     """Three vLLM servers started side by side: the plugin (vLLM's CLI with two API-server
     processes, a LoRA adapter and /v1/actmap/score), the plugin at tensor parallel 2 (a 4-head
-    model, one API-server process), and a start the plugin refuses."""
+    model, one API-server process, /v1/actmap/score), and a start the plugin refuses."""
     root = tmp_path_factory.mktemp("vllm-plugin")
     folder, folder_tp = tiny_folder(root / "tiny"), tiny_folder(root / "tiny-tp", heads=4)
     run, run_tp = detector_for(root / "run", folder), detector_for(root / "run-tp", folder_tp)
@@ -165,7 +165,8 @@ def servers(tmp_path_factory):
             f"{ADAPTER}={root / 'adapter'}")  # fmt: skip
     good, url = start_vllm(folder, run, root / "audit", root / "vllm.log", api_servers=2,
                            flags=lora, score_route=True)  # fmt: skip
-    tp, url_tp = start_vllm(folder_tp, run_tp, root / "audit-tp", root / "tp.log", 2)
+    tp, url_tp = start_vllm(folder_tp, run_tp, root / "audit-tp", root / "tp.log", 2,
+                            score_route=True)  # fmt: skip
     refused, _ = start_vllm(folder, other, root / "audit-other", root / "refused.log")
     deadline = time.time() + START_S
     problem = wait_up(good, url, root / "vllm.log", deadline) or wait_up(
@@ -506,11 +507,20 @@ def test_tensor_parallel_2_gives_the_reference_maps(servers):
     reference = load_reference(servers["folder_tp"], servers["run_tp"])
     client = openai.OpenAI(base_url=servers["url_tp"] + "/v1", api_key="none", max_retries=0,
                            timeout=300)  # fmt: skip
-    wanted = {}
+    wanted, items = {}, []
     for block, token_ids in greedy_and_sampled(client, seed=3):
         p_raw, stored = expected(reference, token_ids)
         assert same_score(block["p_correct_raw"], p_raw)
         wanted[block["map_id"]] = stored
+        tokens = [t for t in token_ids if t != reference[1].eos_token_id]
+        items.append((p_raw, stored, {"messages": MESSAGES, "answer_token_ids": tokens}))
+    # teacher-forced readings at TP=2 (both ranks compute the forced rows' logits together)
+    scored = httpx.post(servers["url_tp"] + "/v1/actmap/score",
+                        json={"items": [item for *_, item in items]}, timeout=300)  # fmt: skip
+    assert scored.status_code == 200, scored.text
+    for (p_raw, stored, _), result in zip(items, scored.json()["results"], strict=True):
+        assert same_score(result["p_correct_raw"], p_raw)
+        wanted[result["map_id"]] = stored
     maps = audit_maps(servers["root"] / "audit-tp", set(wanted))
     assert all(same_map(maps[key], stored) for key, stored in wanted.items())
 
@@ -617,8 +627,12 @@ def test_actmap_options_are_checked_by_name(servers):
 
 
 def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_model):
-    """``/v1/actmap/score`` on vLLM's server (``score_route``: a teacher-forced transformers pass
-    in the API server) gives each answer vLLM generated the score of its block, within 1e-3."""
+    """``/v1/actmap/score`` on vLLM's server (``score_route``: each answer read by a
+    teacher-forced request to vLLM itself, no model in the API server) gives each answer vLLM
+    generated the score of its block, within 1e-3, and the transformers teacher-forced
+    reference's; the same pair read twice (vLLM's prefix caching on) gives the same score and
+    map; an empty answer gets no score (as ``actmap serve``); a pair longer than the context a
+    400."""
     url, eos = servers["url"], reference_model[1].eos_token_id
     client = client_for(servers)
     answers = []
@@ -651,9 +665,32 @@ def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_
         f"{max(abs(logit(a) - logit(b)) for a, b in pairs):.2e}, p in "
         f"[{min(min(pair) for pair in pairs):.3g}, {max(max(pair) for pair in pairs):.3g}]"
     )
+    for (_, item), result in zip(answers[:3], out["results"], strict=True):  # chat answers
+        assert same_score(
+            result["p_correct_raw"], expected(reference_model, item["answer_token_ids"])[0]
+        )
+    # the same pairs again: vLLM's prefix cache holds them, the readings are computed anew
+    again = httpx.post(url + "/v1/actmap/score", json={"model": MODEL, "items": items},
+                       timeout=300).json()["results"]  # fmt: skip
+    for first, second in zip(out["results"], again, strict=True):
+        assert second["p_correct_raw"] == pytest.approx(first["p_correct_raw"], abs=1e-6)
     wanted = {r["map_id"]: b["map_id"] for (b, _), r in zip(answers, out["results"], strict=True)}
+    wanted |= {r["map_id"]: first["map_id"] for first, r in zip(out["results"], again, strict=True)}
     maps = audit_maps(servers["root"] / "audit", set(wanted) | set(wanted.values()))
     assert all(same_map(maps[scored_id], maps[block_id]) for scored_id, block_id in wanted.items())
+    # an empty answer: read (its end token only), no map, no score, as actmap serve answers it
+    empty_answer = httpx.post(url + "/v1/actmap/score", json={"items": [
+        {"messages": MESSAGES, "answer": ""}]}, timeout=300)  # fmt: skip
+    assert empty_answer.status_code == 200, empty_answer.text
+    (result,) = empty_answer.json()["results"]
+    assert result["n_tokens"] == 0 and result["p_correct"] is None
+    assert result["decision"] == "abstain" and result["map_id"] is None
+    # prompt + answer past the served context (256 tokens): 400, nothing read
+    too_long = httpx.post(url + "/v1/actmap/score", json={"items": [
+        {"messages": MESSAGES, "answer_token_ids": [5] * 250}]}, timeout=60)  # fmt: skip
+    assert too_long.status_code == 400, too_long.text
+    error = too_long.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "256 tokens" in error["message"]
 
     # actmap serve's checks and errors, unchanged
     bad = httpx.post(url + "/v1/actmap/score", json={"items": [{"messages": MESSAGES}]}, timeout=60)
@@ -663,6 +700,4 @@ def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     empty = httpx.post(url + "/v1/actmap/score", json={"items": []}, timeout=60)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "items"
-    # a server started without score_route says how to turn it on
-    off = httpx.post(servers["url_tp"] + "/v1/actmap/score", json={"items": items[:1]}, timeout=60)
-    assert off.status_code == 400 and "score_route" in off.json()["error"]["message"]
+    # a server started without score_route: tests/test_vllm_plugin_parts.py

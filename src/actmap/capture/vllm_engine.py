@@ -819,9 +819,7 @@ class VllmCapture:
         self._requests[key] = request
         return key
 
-    def submit_read(
-        self, prompt: str, answer: str | Sequence[int], config: CaptureConfig
-    ) -> str:
+    def submit_read(self, prompt: str, answer: str | Sequence[int], config: CaptureConfig) -> str:
         """Add one teacher-forced reading of ``answer`` after ``prompt`` (`ForcedRead`): one
         prefill of prompt + answer, whose `Generation` equals `actmap.capture.capture_answers`'
         for the pair. Returns its key."""
@@ -835,16 +833,12 @@ class VllmCapture:
             )
         if config.greybox and not self.greybox:
             raise ActmapUserError("this engine was built map-only (greybox=False)")
-        (answer_ids,) = answer_token_ids(self.tokenizer, [answer])
-        # the prompt keeps its last tokens where the pair is too long (as `capture_answers`)
-        check_read_length(1, len(answer_ids), self.max_context)
-        prompt_ids = self.encode([prompt], replace(config, max_new_tokens=len(answer_ids) + 1))[0]
-        end = min(self.ends) if self.ends else int(self.tokenizer.pad_token_id or 0)
-        read = ForcedRead(len(prompt_ids), (*answer_ids, end))
-        key = forced_request_id(read.origin, end, f"{next(self._ids)}x{uuid.uuid4().hex}")
+        config = replace(config, max_context=self.max_context, stop_strings=())
+        prompt_ids, answer_ids = read_ids(self.tokenizer, prompt, answer, config)
+        key, inputs, read = read_request(prompt_ids, answer_ids, self.ends, self.tokenizer)
         rows = len(read.chosen)
         request = _Request(
-            key, prompt, prompt_ids, replace(config, stop_strings=()),
+            key, prompt, prompt_ids, config,
             torch.zeros(self.n_layers, rows, self.recorder.pooled_dim),
             torch.zeros(rows) if config.greybox else None,
             full_rows=[] if config.keep_positions else None, token_ids=list(read.chosen),
@@ -853,8 +847,6 @@ class VllmCapture:
         params = SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.DELTA
         )
-        # a salt of its own: prefix caching never skips the answer's positions (their rows)
-        inputs = {"prompt_token_ids": [*prompt_ids, *answer_ids], "cache_salt": key}
         request.internal_id = self.engine.add_request(key, inputs, params)
         self.recorder.requests[request.internal_id] = request
         self._requests[key] = request
@@ -982,6 +974,36 @@ class VllmCapture:
         self.recorder.remove()
 
 
+def read_ids(
+    tokenizer, prompt: str, answer: str | Sequence[int], config: CaptureConfig
+) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of a teacher-forced reading, tokenized as
+    `actmap.capture.capture_answers` tokenizes a pair: the answer on its own, the prompt
+    leaving room for the answer and its end token (keeping its last tokens where the pair is
+    longer than ``config.max_context``)."""
+    (answer_ids,) = answer_token_ids(tokenizer, [answer])
+    check_read_length(1, len(answer_ids), config.max_context)
+    budget = replace(config, max_new_tokens=len(answer_ids) + 1)
+    encoded = tokenize_prompts(tokenizer, [prompt], budget, "cpu")
+    prompt_ids = encoded["input_ids"][0][encoded["attention_mask"][0].bool()].tolist()
+    check_read_length(len(prompt_ids), len(answer_ids), config.max_context)
+    return prompt_ids, answer_ids
+
+
+def read_request(
+    prompt_ids: list[int], answer_ids: list[int], ends: set[int], tokenizer
+) -> tuple[str, dict, ForcedRead]:
+    """(request id, vLLM prompt, reading) of a teacher-forced reading: prompt + answer as the
+    prompt, the end token (the smallest end id, as `capture_answers` scores) after the answer,
+    and a ``cache_salt`` of its own, so that prefix caching never skips the answer's positions
+    (their rows must be computed)."""
+    end = min(ends) if ends else int(tokenizer.pad_token_id or 0)
+    unique = uuid.uuid4().hex
+    inputs = {"prompt_token_ids": [*prompt_ids, *answer_ids], "cache_salt": unique}
+    read = ForcedRead(len(prompt_ids), (*answer_ids, end))
+    return forced_request_id(read.origin, end, unique), inputs, read
+
+
 def check_read_length(prompt_tokens: int, answer_tokens: int, max_context: int) -> None:
     """A reading fits when prompt + answer + the end token's position fit the context (the
     prompt at least one token)."""
@@ -1006,8 +1028,6 @@ def end_ids(folder: str, tokenizer) -> set[int]:
     except OSError:
         generation = None
     return end_token_ids(generation, tokenizer)
-
-
 
 
 def _chosen_logprobs(logprobs, token_ids: list[int]) -> list[float]:
