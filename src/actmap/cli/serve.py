@@ -143,6 +143,12 @@ def serve(
     allow_weights_mismatch: bool = typer.Option(
         False, help="Serve although the upstream fails the start-up weights probe."
     ),
+    reader: str = typer.Option(
+        "transformers",
+        help="Proxy mode: what reads the upstream's answers: transformers (teacher-forced "
+        "passes) | vllm (teacher-forced requests to an in-process vLLM engine of --model; "
+        "pip install 'actmap[vllm]').",
+    ),
     upstream_dtype: str = typer.Option(
         None,
         help="The dtype the upstream computes in (vLLM's default on CPU: bfloat16); sets the "
@@ -183,13 +189,17 @@ def serve(
 
         if engine not in ("local", "vllm"):
             raise ActmapUserError(f"--engine must be 'local' or 'vllm', got {engine!r}")
+        if reader not in ("transformers", "vllm"):
+            raise ActmapUserError(f"--reader must be 'transformers' or 'vllm', got {reader!r}")
+        if reader != "transformers" and upstream is None:
+            raise ActmapUserError("--reader reads an upstream's answers: it needs --upstream")
         proxy = None
         if upstream is not None:
             proxy = ProxySettings(
                 upstream=upstream, model=upstream_model, timeout_s=upstream_timeout,
                 api_key=upstream_api_key, dtype=upstream_dtype,
                 allow_weights_mismatch=allow_weights_mismatch,
-                allow_dtype_mismatch=allow_dtype_mismatch,
+                allow_dtype_mismatch=allow_dtype_mismatch, reader=reader,
             )  # fmt: skip
         settings = ServeSettings(
             model=model, detector=detector, seed=seed, policy=policy, audit=audit,
@@ -211,7 +221,7 @@ def serve(
         )  # fmt: skip
         if fallback_run is not None and (detector is None or monitor is None):
             raise ActmapUserError("--fallback-run needs --detector and --monitor (its alarm)")
-        if engine == "vllm":
+        if engine == "vllm" or reader == "vllm":
             from actmap.capture.vllm_engine import require_vllm
 
             require_vllm()

@@ -96,3 +96,44 @@ class VllmReader:
     def _score(self, job: ScoreJob, item: dict, started: float) -> Answer:
         generation = generation_from_payload(item, self.plugin.engine.tokenizer, self.plugin.ends)
         return self.plugin.engine.score([job], [generation], started)[0]
+
+
+class InProcessReader:
+    """The proxy's reader with ``--reader vllm``: each batch of existing answers read as
+    teacher-forced requests to an in-process vLLM engine of the served weights
+    (`actmap.capture.vllm_engine.VllmCapture.read`: the batch in flight together under vLLM's
+    scheduler, each reading one prefill), then scored as `actmap.serve.answers.score_answers`
+    scores a batch. Called by the scoring batcher's thread, like `score_answers`."""
+
+    def __init__(self, capture, engine) -> None:
+        self.capture, self.engine = capture, engine
+
+    @classmethod
+    def build(cls, settings, engine, dtype: str) -> InProcessReader:
+        from actmap.capture.vllm_engine import VllmCapture, VllmOptions
+        from actmap.serve.loaded_run import refuse_what_vllm_cannot_read
+
+        refuse_what_vllm_cannot_read(engine.detector, "read with --reader transformers")
+        capture = VllmCapture(
+            settings.model,
+            dtype,
+            VllmOptions(max_num_seqs=settings.max_batch),
+            greybox=engine.detector.needs_scalars,
+            max_context=engine.max_context,
+        )
+        return cls(capture, engine)
+
+    def __call__(self, jobs: list[ScoreJob]) -> tuple[list[Answer], BatchTimings]:
+        started = time.perf_counter()
+        config = CaptureConfig(
+            max_context=self.engine.max_context, **self.engine.detector.capture_settings()
+        )
+        generations = self.capture.read(
+            [job.prompt for job in jobs], [job.answer for job in jobs], config
+        )
+        read = time.perf_counter()
+        answers = self.engine.score(jobs, generations, started)
+        return answers, BatchTimings(len(jobs), read - started, time.perf_counter() - read)
+
+    def close(self) -> None:
+        self.capture.close()
