@@ -344,7 +344,7 @@ def test_a_step_whose_record_points_do_not_run_raises(engine):
             engine.step()
 
 
-def test_teacher_forced_reading_equals_capture_answers(engine, smollm2):
+def test_teacher_forced_reading_equals_capture_answers(engine, smollm2, monkeypatch):
     """`VllmCapture.read`: a (prompt, answer) pair read as one prefill of prompt + answer, rows
     from the answer's positions, against the transformers teacher-forced capture
     (`capture_answers`, one pair per pass: the same prompt truncation): the same tokens, answer
@@ -353,8 +353,12 @@ def test_teacher_forced_reading_equals_capture_answers(engine, smollm2):
     128-token chunk (the engine's ``max_num_batched_tokens``); one is token ids; one is
     empty (no rows; the end token's extras only). Read twice with prefix caching on (the
     engine's default): the second reading is no cache hit (each reading has its own
-    ``cache_salt``) and gives the same rows."""
+    ``cache_salt``) and gives the same rows. The forced rows' logits are computed 16 rows at a
+    time here (`FORCED_LOGIT_ROWS`), so the long answer's take several pieces."""
+    from actmap.capture import vllm_engine
     from actmap.capture.forced import capture_answers
+
+    monkeypatch.setattr(vllm_engine, "FORCED_LOGIT_ROWS", 16)
 
     model, tokenizer, _ = smollm2
     config = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512)

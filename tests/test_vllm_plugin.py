@@ -88,7 +88,8 @@ def start_vllm(
     which starts that many API-server processes (`vllm_serve_cli`)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(actmap.__file__).parents[1])}  # fmt: skip
+           "PYTHONPATH": str(Path(actmap.__file__).parents[1]),
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip  (a failing test's log has the tracebacks)
     if tensor_parallel == 2:  # one core per rank (vLLM's CPU workers need a binding each)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     settings = {"actmap": {"detector": str(run), "audit": str(audit), **options}}

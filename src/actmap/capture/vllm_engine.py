@@ -280,6 +280,9 @@ def forced_rows(runner, read_of: Callable[[str], ForcedRead | None]) -> _ForcedS
     return step if step.flat else None
 
 
+FORCED_LOGIT_ROWS = 256  # forced rows whose logits are computed at once
+
+
 def forced_statistics(compute_logits, hidden, step: _ForcedStep) -> torch.Tensor | None:
     """(m, 2) entropy and log-prob of the chosen token at each forced row, from the final
     hidden states of the step (vLLM computes logits for sampled positions only). Every
@@ -291,13 +294,17 @@ def forced_statistics(compute_logits, hidden, step: _ForcedStep) -> torch.Tensor
         raise RuntimeError("teacher-forced reading needs the last stage's hidden states "
                            "(no pipeline parallel)")  # fmt: skip
     index = torch.tensor(step.flat, dtype=torch.long).to(hidden.device, non_blocking=True)
-    logits = compute_logits(hidden.index_select(0, index))
-    if logits is None:
-        return None
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = torch.tensor(step.chosen, dtype=torch.long).to(logp.device, non_blocking=True)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return torch.stack([entropy, logp.gather(1, chosen[:, None])[:, 0]], dim=1)
+    chosen = torch.tensor(step.chosen, dtype=torch.long).to(hidden.device, non_blocking=True)
+    out = []
+    for start in range(0, len(step.flat), FORCED_LOGIT_ROWS):  # bounded (rows, V) logits
+        rows = slice(start, start + FORCED_LOGIT_ROWS)
+        logits = compute_logits(hidden.index_select(0, index[rows]))
+        if logits is None:
+            continue
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        out.append(torch.stack([entropy, logp.gather(1, chosen[rows, None])[:, 0]], dim=1))
+    return torch.cat(out) if out else None
 
 
 # -- record points: put into the model at load time, before vLLM compiles it -----------------
