@@ -87,9 +87,10 @@ def start_vllm(
     """vLLM's server with the plugin; ``api_servers > 1``: vLLM's own CLI (``vllm serve``),
     which starts that many API-server processes (`vllm_serve_cli`)."""
     port = free_port()
+    # unbuffered: a failing test's log has the servers' tracebacks
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(actmap.__file__).parents[1]),
-           "PYTHONUNBUFFERED": "1"}  # fmt: skip  (a failing test's log has the tracebacks)
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
     if tensor_parallel == 2:  # one core per rank (vLLM's CPU workers need a binding each)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     settings = {"actmap": {"detector": str(run), "audit": str(audit), **options}}

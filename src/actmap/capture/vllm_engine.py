@@ -793,13 +793,7 @@ class VllmCapture:
         from vllm.sampling_params import RequestOutputKind
 
         # share_prefix needs nothing here: vLLM's prefix cache shares prefixes by itself
-        if config.attention_keys or config.keep_dense:
-            raise ActmapUserError(
-                "the vLLM engine captures maps and grey-box statistics only: attention_keys "
-                "and keep_dense need --engine local"
-            )
-        if config.greybox and not self.greybox:
-            raise ActmapUserError("this engine was built map-only (greybox=False)")
+        self._check_config(config)
         if prompt_ids is None:
             prompt_ids = self.encode([prompt], config)[0]
         sampling = dict(temperature=0.0)
@@ -826,6 +820,15 @@ class VllmCapture:
         self._requests[key] = request
         return key
 
+    def _check_config(self, config: CaptureConfig) -> None:
+        if config.attention_keys or config.keep_dense:
+            raise ActmapUserError(
+                "the vLLM engine captures maps and grey-box statistics only: attention_keys "
+                "and keep_dense need --engine local"
+            )
+        if config.greybox and not self.greybox:
+            raise ActmapUserError("this engine was built map-only (greybox=False)")
+
     def submit_read(self, prompt: str, answer: str | Sequence[int], config: CaptureConfig) -> str:
         """Add one teacher-forced reading of ``answer`` after ``prompt`` (`ForcedRead`): one
         prefill of prompt + answer, whose `Generation` equals `actmap.capture.capture_answers`'
@@ -833,13 +836,7 @@ class VllmCapture:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if config.attention_keys or config.keep_dense:
-            raise ActmapUserError(
-                "the vLLM engine reads maps and grey-box statistics only: attention_keys "
-                "and keep_dense need --engine local"
-            )
-        if config.greybox and not self.greybox:
-            raise ActmapUserError("this engine was built map-only (greybox=False)")
+        self._check_config(config)
         config = replace(config, max_context=self.max_context, stop_strings=())
         prompt_ids, answer_ids = read_ids(self.tokenizer, prompt, answer, config)
         key, inputs, read = read_request(prompt_ids, answer_ids, self.ends, self.tokenizer)
