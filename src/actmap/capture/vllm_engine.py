@@ -283,6 +283,21 @@ def forced_rows(runner, read_of: Callable[[str], ForcedRead | None]) -> _ForcedS
 FORCED_LOGIT_ROWS = 256  # forced rows whose logits are computed at once
 
 
+def reading_logits(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """The model's ``compute_logits`` for teacher-forced rows. With LoRA enabled vLLM wraps the
+    logits processor, whose LoRA delta is indexed by sampled request, not by row (rows of
+    several readings in one step do not broadcast against it): readings take the base model's
+    logits (a reading is of the base model; no adapter is applied to it), through the wrapped
+    processor's own base layer (the same head, scale, soft cap and tensor-parallel gather)."""
+    processor = getattr(model, "logits_processor", None)
+    base = getattr(processor, "base_layer", None)
+    head = getattr(model, "lm_head", None)
+    if base is None or head is None:
+        return model.compute_logits
+    head = getattr(head, "base_layer", head)
+    return lambda hidden: base(head, hidden)
+
+
 def forced_statistics(compute_logits, hidden, step: _ForcedStep) -> torch.Tensor | None:
     """(m, 2) entropy and log-prob of the chosen token at each forced row, from the final
     hidden states of the step (vLLM computes logits for sampled positions only). Every
@@ -483,7 +498,7 @@ class _Recorder:
 
         runner._model_forward = model_forward
         self._restore = [(runner, "_model_forward", original_forward)]
-        self._logits = self.model.compute_logits  # vLLM's own, for the forced rows
+        self._logits = reading_logits(self.model)  # vLLM's own, for the forced rows
         if self.greybox or self.own_tokens:
             original_logits = self.model.compute_logits
 

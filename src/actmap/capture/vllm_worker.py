@@ -41,6 +41,7 @@ from actmap.capture.vllm_engine import (
     forced_rows,
     forced_statistics,
     patch_model_loading,
+    reading_logits,
 )
 from actmap.capture.vllm_rows import child_index, payload
 from actmap.errors import ActmapUserError
@@ -216,7 +217,7 @@ class ActmapWorker:
         for the rows of teacher-forced readings, and ``compute_logits`` is a collective, so
         this rank computes the same rows' logits with it (and drops them)."""
         original = runner._model_forward
-        compute_logits = runner.get_model().compute_logits
+        compute_logits = reading_logits(runner.get_model())
 
         def model_forward(*args, **kwargs):
             step = forced_rows(runner, self._actmap_read_of)
