@@ -333,17 +333,6 @@ def test_recording_switched_off_and_on(engine, reference):
     assert_same(engine.generate([prompt], CONFIG), reference([prompt]))
 
 
-def test_a_step_whose_record_points_do_not_run_raises(engine):
-    """What a model replayed from full CUDA graphs would look like to the capture: a layer's
-    record point does not run. The step fails loudly instead of returning empty rows. (Last
-    in the module: the engine is not used after a failed step.)"""
-    engine.recorder.model._actmap_hooks.pop().remove()  # the last layer never records
-    engine.submit(chat(engine.tokenizer, QUESTIONS[0]), CONFIG)
-    with pytest.raises(RuntimeError, match="recorded 29 of 30 layers"):
-        while engine.busy:
-            engine.step()
-
-
 def test_teacher_forced_reading_equals_capture_answers(engine, smollm2, monkeypatch):
     """`VllmCapture.read`: a (prompt, answer) pair read as one prefill of prompt + answer, rows
     from the answer's positions, against the transformers teacher-forced capture
@@ -377,6 +366,15 @@ def test_teacher_forced_reading_equals_capture_answers(engine, smollm2, monkeypa
     assert [g.n_tokens for g in got][3] == 0 and got[2].n_tokens > 100
     assert_same(got, want)
     assert all(w.extras and g.extras for g, w in zip(got, want, strict=True))
+    pairs = [(g, w) for g, w in zip(got, want, strict=True) if w.n_tokens]
+    print(
+        "reading vs capture_answers: trajectory max abs diff "
+        f"{max(float((g.trajectory - w.trajectory).abs().max()) for g, w in pairs):.2e} "
+        f"(values up to {max(float(w.trajectory.abs().max()) for _, w in pairs):.0f}), log-prob "
+        f"{max(float((g.logprobs - w.logprobs).abs().max()) for g, w in pairs):.2e}, entropy "
+        f"{max(float((g.entropies - w.entropies).abs().max()) for g, w in pairs):.2e}, end extras "
+        f"{max(abs(g.extras[k] - w.extras[k]) for g, w in zip(got, want, strict=True) for k in w.extras):.2e}"
+    )
     # the long reading alone: its prefill takes more than one 128-token step
     key, steps, done = engine.submit_read(prompts[2], long_answer, config), 0, None
     while done is None:
@@ -400,3 +398,14 @@ def test_a_reading_longer_than_the_context_is_refused(engine):
     with pytest.raises(ActmapUserError, match=r"answer \(511 tokens\) exceed .* 512 tokens"):
         engine.read(["Hello"], [list(range(10, 521))], CaptureConfig(max_context=512))
     assert not engine.busy
+
+
+def test_a_step_whose_record_points_do_not_run_raises(engine):
+    """What a model replayed from full CUDA graphs would look like to the capture: a layer's
+    record point does not run. The step fails loudly instead of returning empty rows. (Last
+    in the module: the engine is not used after a failed step.)"""
+    engine.recorder.model._actmap_hooks.pop().remove()  # the last layer never records
+    engine.submit(chat(engine.tokenizer, QUESTIONS[0]), CONFIG)
+    with pytest.raises(RuntimeError, match="recorded 29 of 30 layers"):
+        while engine.busy:
+            engine.step()
