@@ -91,6 +91,9 @@ def start_vllm(
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(actmap.__file__).parents[1]),
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    # vLLM's default multiprocess engine core, whatever an in-process engine of an earlier test
+    # module (`VllmCapture` sets this in os.environ) left behind
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if tensor_parallel == 2:  # one core per rank (vLLM's CPU workers need a binding each)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     settings = {"actmap": {"detector": str(run), "audit": str(audit), **options}}
@@ -667,7 +670,7 @@ def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_
         f"{max(abs(logit(a) - logit(b)) for a, b in pairs):.2e}, p in "
         f"[{min(min(pair) for pair in pairs):.3g}, {max(max(pair) for pair in pairs):.3g}]"
     )
-    for (_, item), result in zip(answers[:3], out["results"], strict=True):  # chat answers
+    for (_, item), result in zip(answers[:3], out["results"][:3], strict=True):  # chat answers
         assert same_score(
             result["p_correct_raw"], expected(reference_model, item["answer_token_ids"])[0]
         )
