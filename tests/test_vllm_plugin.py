@@ -692,7 +692,7 @@ def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_
     assert result["decision"] == "abstain" and result["map_id"] is None
     # prompt + answer past the served context (256 tokens): 400, nothing read
     too_long = httpx.post(url + "/v1/actmap/score", json={"items": [
-        {"messages": MESSAGES, "answer_token_ids": [5] * 250}]}, timeout=60)  # fmt: skip
+        {"messages": MESSAGES, "answer_token_ids": [5] * 260}]}, timeout=60)  # fmt: skip
     assert too_long.status_code == 400, too_long.text
     error = too_long.json()["error"]
     assert error["code"] == "context_length_exceeded" and "256 tokens" in error["message"]
