@@ -29,7 +29,8 @@ before and after, since the machine is shared with other work.
 ``--reader vllm`` starts the proxy with ``actmap serve --reader vllm``: answers read by
 teacher-forced requests to an in-process vLLM engine of the proxy's weights (one prefill each,
 batched by vLLM's scheduler) instead of transformers passes (issue 54: >= .8x the upstream at
-16 concurrent). Alternate the two readers in one session to compare them::
+16 concurrent); the per-answer scoring times (``scoring``) still time the transformers pass.
+Alternate the two readers in one session to compare them::
 
     python benchmarks/bench_proxy.py --configs bfloat16/bfloat16 --reader vllm \
         --out runs/bench-proxy-vllm-reader.json
