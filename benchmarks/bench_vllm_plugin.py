@@ -62,6 +62,27 @@ def command(args, folder: str, port: int, plugin: bool, audit: Path) -> list[str
     return out
 
 
+def tree_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) spent so far by a server's processes, by process title
+    (vLLM names its engine core ``VLLM::EngineCore``; the API server is the parent): which
+    process the plugin's cost lands in, a figure other jobs on the machine barely move."""
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        parent = psutil.Process(pid)
+        for proc in [parent, *parent.children(recursive=True)]:
+            try:
+                title = "api-server" if proc.pid == pid else " ".join(proc.cmdline()[:1])
+                times = proc.cpu_times()
+                out[title] = out.get(title, 0.0) + times.user + times.system
+            except psutil.NoSuchProcess:
+                continue
+    except psutil.NoSuchProcess:
+        pass
+    return out
+
+
 def one_server(args, folder: str, prompts: list[str], plugin: bool) -> list[dict]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -80,9 +101,13 @@ def one_server(args, folder: str, prompts: list[str], plugin: bool) -> list[dict
             for width in args.concurrency:
                 n = max(args.requests, width)
                 batch = (prompts * (n // len(prompts) + 1))[:n]
+                before = tree_cpu_s(process.pid)
                 result = asyncio.run(http_load(base, "bench", batch, width, args.max_tokens))
+                spent = {name: round(1e3 * (s - before.get(name, 0.0)) / n, 2)
+                         for name, s in tree_cpu_s(process.pid).items()}  # fmt: skip
                 rows.append({"mode": "plugin" if plugin else "plain", "concurrency": width,
-                             "load": os.getloadavg()[0], **result})  # fmt: skip
+                             "load": os.getloadavg()[0], **result,
+                             "cpu_ms_per_request": spent})  # fmt: skip
             peak = tree_peak_rss_mib(process.pid)
             for row in rows:
                 row["peak_rss_mib"] = round(peak, 1) if peak else None
@@ -135,6 +160,14 @@ def main() -> None:
         print(f"{width:<4} {rate['plain']:>7.2f} {[r['req_per_s'] for r in got['plain']]!s:<22}"
               f"{rate['plugin']:>7.2f} {[r['req_per_s'] for r in got['plugin']]!s:<22}"
               f"{ratio:>6.3f} {p50_ratio:>6.3f}")  # fmt: skip
+    print("CPU ms per request by process (median over repeats):")
+    for width in args.concurrency:
+        for mode in ("plain", "plugin"):
+            got = [r["cpu_ms_per_request"] for r in rows
+                   if r["mode"] == mode and r["concurrency"] == width]  # fmt: skip
+            names = sorted({k for g in got for k in g})
+            cells = [f"{k} {np.median([g.get(k, 0.0) for g in got]):.1f}" for k in names]
+            print(f"  {width:<4} {mode:<7} " + ", ".join(cells))
     errors = [e for r in rows for e in r["errors"]]
     if errors:
         print("errors:", errors[:3])

@@ -307,13 +307,19 @@ def test_recalibration_never_reverses_the_ranking():
 
 
 def test_choose_step_follows_the_learning_curve():
+    """The rule, pinned on hand-made labels: head refit from ten labelled answers of the
+    rarer class (whichever it is), recalibration below, and with one class."""
     from actmap.experiments.new_task import HEAD_REFIT_MIN, choose_step
 
-    assert HEAD_REFIT_MIN == 25
+    assert HEAD_REFIT_MIN == 10
     assert choose_step([]) == "recalibrate"
     assert choose_step([1] * 200) == "recalibrate"  # one class: nothing to refit a head on
-    assert choose_step([1] * 24 + [0] * 500) == "recalibrate"
-    assert choose_step([1] * 25 + [0] * 25) == "head refit"
+    assert choose_step([0] * 500) == "recalibrate"
+    assert choose_step([1] * 9 + [0] * 500) == "recalibrate"  # 9 correct: too few
+    assert choose_step([1] * 10 + [0] * 40) == "head refit"  # 10 correct, 40 incorrect
+    assert choose_step([0] * 9 + [1] * 300) == "recalibrate"  # the rare class is incorrect
+    assert choose_step([0] * 10 + [1] * 15) == "head refit"  # Qwen-0.5B's built-in task, k=25
+    assert choose_step(np.array([True] * 12 + [False] * 12)) == "head refit"  # booleans count
 
 
 def save_generalist(est, task, folder):
@@ -327,7 +333,7 @@ def save_generalist(est, task, folder):
 def test_train_adapts_a_generalist_to_a_small_store_by_default(on_lengths, two_tasks, tmp_path):
     """``actmap train --store SMALL --generalist RUN`` (no other option): the generalist is
     recalibrated on every labelled train / validation row of the store (the cheapest step,
-    `choose_step`: few labels here), which is sklearn's Platt fit on its logit; the run
+    `choose_step`: fewer than ten of a class here), which is sklearn's Platt fit on its logit; the run
     serves, and its test rows (never used to adapt) are scored once."""
     import pandas as pd
     from sklearn.linear_model import LogisticRegression
@@ -347,7 +353,9 @@ def test_train_adapts_a_generalist_to_a_small_store_by_default(on_lengths, two_t
     assert result.exit_code == 0, result.output
     parts = [words.sets[s] for s in ("train_all", "validation_all")]
     y = np.concatenate([np.asarray(p.labels) for p in parts]).astype(int)
-    assert min(y.sum(), len(y) - y.sum()) < 25  # a small store: the recalibration
+    from actmap.experiments.new_task import HEAD_REFIT_MIN
+
+    assert min(y.sum(), len(y) - y.sum()) < HEAD_REFIT_MIN  # a small store: the recalibration
     assert (
         "adapted by recalibrate on" in result.output and f"{len(y)} labelled rows" in result.output
     )

@@ -110,3 +110,81 @@ def test_the_section_says_so_when_no_result_is_there(tmp_path):
     (tmp_path / "bad" / "out_of_domain.json").write_text('{"generator": {}}')
     with pytest.raises(Exception, match="not a result of `actmap out-of-domain`"):
         read_out_of_domain(tmp_path / "bad")
+
+
+def generator_result(name: str, auroc: float, sources: list[str], curve=()) -> OutOfDomain:
+    """``tiny_result`` as another generator's: its words held out from ``sources`` with the
+    generalist at ``auroc`` (RAUQ .66, paired +auroc-.66), its own ``curve`` points."""
+    from dataclasses import replace
+
+    base = tiny_result()
+    words, lengths = base.held_out
+    gen, rauq, ref = words.methods
+    methods = [
+        replace(gen, auroc=iv(auroc, auroc - 0.1, auroc + 0.1)),
+        replace(rauq, vs_auroc=iv(auroc - 0.66, auroc - 0.76, auroc - 0.56)),
+        ref,
+    ]
+    words = replace(words, sources=sources, methods=methods, curve=list(curve))
+    return replace(base, generator={"name": name, "dtype": "bfloat16"}, held_out=[words, lengths])
+
+
+def point(step, k, auroc, mean_correct):
+    return CurvePoint(step, k, auroc, auroc, auroc, 0.05, 0.05, 0.05, 10, 0, mean_correct)
+
+
+def test_four_generators_side_by_side_from_their_folders(tmp_path):
+    """Four generators' folders, one of them laid out as scripts/ood-four.sh writes it (one
+    held-out-TASK folder per task), one generator given twice: one column per generator, a
+    task held out twice taken from the generalist trained on more tasks; and the head refit
+    against recalibration binned by the rarer class's labelled answers (hand-counted)."""
+    from dataclasses import replace
+
+    curve = [
+        point("recalibrate", 25, 0.81, 2.5), point("head refit", 25, 0.77, 2.5),  # rare 2.5: -.04
+        point("recalibrate", 50, 0.81, 40.0), point("head refit", 50, 0.90, 40.0),  # 10: +.09
+        point("recalibrate", 100, 0.81, 95.0), point("head refit", 100, 0.81, 95.0),  # 5: tie
+        point("in-domain refit", 100, 0.95, 95.0),  # not compared
+    ]  # fmt: skip
+    smol = write(generator_result("smollm2", 0.70, ["lengths"], curve), tmp_path / "ood-smollm2")
+    smol_more = write(generator_result("smollm2", 0.72, ["lengths", "digits"]),
+                      tmp_path / "ood-smollm2-3")  # fmt: skip
+    gemma = write(generator_result("gemma3", 0.61, ["lengths"]), tmp_path / "ood-gemma3")
+    qwen05 = write(generator_result("qwen-0.5b", 0.79, ["lengths"], curve[:2]),
+                   tmp_path / "ood-qwen05")  # fmt: skip
+    four = generator_result("qwen-1.5b", 0.85, ["lengths", "digits", "sums"], curve[2:4])
+    qwen15 = tmp_path / "ood-qwen-1.5b-4"  # scripts/ood-four.sh: one folder per held-out task
+    for h in four.held_out:
+        write(replace(four, held_out=[h]), qwen15 / f"held-out-{h.task}")
+    runs = [smol, smol_more, gemma, qwen05, qwen15]
+    computed = section.compute(context(tmp_path, runs))
+    assert sorted(computed.results) == sorted(
+        [str(smol), str(smol_more), str(gemma), str(qwen05),
+         str(qwen15 / "held-out-lengths"), str(qwen15 / "held-out-words")]
+    )  # fmt: skip
+    text = section.render(computed, tmp_path / "figures")
+    assert (
+        "| held out | smollm2 (bfloat16) | gemma3 (bfloat16) | qwen-0.5b (bfloat16) "
+        "| qwen-1.5b (bfloat16) |"
+    ) in text
+    assert (  # smollm2's words from the generalist trained on two tasks (.72), not one (.70)
+        "| words | 0.720 / 0.660, +0.060 [-0.040, +0.160] (n=40, trained on 2) "
+        "| 0.610 / 0.660, -0.050 [-0.150, +0.050] (n=40, trained on 1) "
+        "| 0.790 / 0.660, +0.130 [+0.030, +0.230] * (n=40, trained on 1) "
+        "| 0.850 / 0.660, +0.190 [+0.090, +0.290] * (n=40, trained on 3) |"
+    ) in text
+    note = "not evaluated: held out lengths: no correct answer among its 30 test rows"
+    assert f"| lengths | {note} | {note} | {note} | {note} |" in text
+    # the smollm2 curve was replaced with its two-task result (no curve): qwen's points count
+    rows = {line.split(" | ")[1]: line for line in text.splitlines()
+            if line.startswith("| all | ")}  # fmt: skip
+    assert rows["0 to < 3"] == "| all | 0 to < 3 | 1 | 0 | 1 | 0 | -0.040 [-0.040, -0.040] |"
+    assert rows[">= 10 (auto: head refit)"] == (
+        "| all | >= 10 (auto: head refit) | 1 | 1 | 0 | 0 | +0.090 [+0.090, +0.090] |"
+    )
+    assert "3 to < 10" not in rows  # no point there
+    assert "| qwen-1.5b (bfloat16) | >= 10 (auto: head refit) | 1 | 1 | 0 | 0 |" in text
+    # without the duplicate, smollm2's own curve counts: its tie at a rarer class of 5
+    alone = section.render(section.compute(context(tmp_path, [smol])), tmp_path / "f2")
+    assert "| all | 3 to < 10 | 1 | 0 | 0 | 1 | +0.000 [+0.000, +0.000] |" in alone
+    assert "| all | 0 to < 3 | 1 | 0 | 1 | 0 | -0.040 [-0.040, -0.040] |" in alone

@@ -48,8 +48,26 @@ def map_temperature(p_raw, y, train_prevalence=0.5, sigma=0.5):
     return math.exp(u[int(np.argmin(loss)), 0])
 
 
-@pytest.fixture
-def runs(tmp_path):
+def send_labels(client, blocks, labels, in_domain_block) -> np.ndarray:
+    """Labels of the generalist's answers ``blocks`` through ``POST /v1/actmap/feedback``, and
+    one of an answer the in-domain run scored (it must not count); returns the answers' raw
+    p(correct)."""
+    for block, label in zip(blocks, labels, strict=True):
+        reply = client.post("/v1/actmap/feedback",
+                            json={"map_id": block["map_id"], "label": int(label)})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+    reply = client.post(
+        "/v1/actmap/feedback", json={"map_id": in_domain_block["map_id"], "label": 1}
+    )
+    assert reply.status_code == 200, reply.text
+    return np.array([block["p_correct_raw"] for block in blocks])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(in-domain run, generalist run, a fitted shift monitor), shared by a module's tests
+    (none changes them)."""
+    tmp_path = tmp_path_factory.mktemp("runs")
     primary, generalist = tmp_path / "in-domain", tmp_path / "generalist"
     save_tiny_detector(primary, seed=0)
     save_tiny_detector(generalist, seed=1)
@@ -93,13 +111,7 @@ def test_the_generalist_scores_on_the_alarm_and_learns_from_labels(runs, tmp_pat
         assert later[0]["p_correct"] == pytest.approx(later[0]["p_correct_raw"], abs=1e-9)
         # labels of the generalist's answers (feedback API): its recalibration is refit
         labels = np.array([1, 0, 1, 1, 0, 0, 1])
-        for block, label in zip(later, labels, strict=True):
-            reply = client.post("/v1/actmap/feedback",
-                                json={"map_id": block["map_id"], "label": int(label)})  # fmt: skip
-            assert reply.status_code == 200, reply.text
-        # a label of an in-domain answer does not count
-        client.post("/v1/actmap/feedback", json={"map_id": first[0]["map_id"], "label": 1})
-        p_raw = np.array([a["p_correct_raw"] for a in later])
+        p_raw = send_labels(client, later, labels, first[0])
         assert fallback.fitted["labels"] == len(labels) and fallback.fitted["correct"] == 4
         want_t = map_temperature(p_raw, labels)
         assert fallback.fitted["temperature"] == pytest.approx(want_t, rel=1e-3)
@@ -278,4 +290,111 @@ def test_under_a_review_sample_only_the_samples_labels_refit(runs, tmp_path):
         fallback.policy, frame["p_correct_raw"], frame["label"], fallback.train_prevalence
     )
     assert fallback.fitted == pytest.approx(want)
+    trail.close()
+
+
+def test_retention_drops_labelled_answers_while_labels_arrive(runs, tmp_path):
+    """`AuditTrail.on_drop`: retention dropping labelled answers takes them out of the fit at
+    once (the fit equals the MAP fit on the labelled answers the store still holds, and a
+    restarted server's); a label of an answer already dropped is refused by the trail, and one
+    written just before its answer was dropped does not count; then, labels and retention
+    racing on two threads end on the from-scratch fit over what the store holds."""
+    import threading
+
+    from actmap.serve.audit import UnknownMapId, read_audit
+    from actmap.serve.loaded_run import load_detector_run
+    from actmap.store.served import latest_labels
+
+    primary, generalist, monitor = runs
+    generalist_id = load_detector_run(generalist).id
+    rng = np.random.default_rng(5)
+    keys = [f"r{i}" for i in range(40)]
+    p_raw = dict(zip(keys, rng.uniform(0.05, 0.95, len(keys)), strict=True))
+    trail = AuditTrail(tmp_path / "audit", background=False, max_rows=8)  # two shards of 4
+
+    def serve(shard: int) -> None:  # one flush: one shard of four answers
+        part = keys[4 * shard : 4 * shard + 4]
+        trail.append(served_entries(part, [p_raw[k] for k in part], generalist_id))
+        trail.flush()
+
+    def label(key: str, y: int) -> None:  # what POST /v1/actmap/feedback does
+        trail.add_label(key, y, "test")
+        fallback.labelled(key, y)
+
+    def from_store() -> dict:
+        """The fit on the store's labelled answers of the generalist, from scratch."""
+        frame = read_audit(trail.store)
+        labels = latest_labels(trail.store)["label"]
+        frame = frame[frame["id"].isin(labels.index) & (frame["detector"] == generalist_id)]
+        if frame.empty:
+            return {"labels": 0}
+        y = labels[frame["id"]].to_numpy().astype(int)
+        p = frame["p_correct_raw"].to_numpy()
+        fitted = {"labels": len(y), "correct": int(y.sum()), "prior": y.mean()}
+        if 0 < y.sum() < len(y):
+            fitted["temperature"] = map_temperature(p, y)
+        return fitted
+
+    def check(want: dict) -> None:
+        got = {k: fallback.fitted[k] for k in want}
+        assert got == pytest.approx(want, rel=1e-3)
+
+    engine = tiny_engine(primary, audit=trail, monitor=StreamingMonitor(monitor, WINDOW))
+    fallback = install_fallback(engine, generalist)
+    serve(0), serve(1)
+    for key, y in (("r0", 1), ("r1", 0), ("r4", 1), ("r5", 0), ("r6", 0)):
+        label(key, y)
+    p = np.array([p_raw[k] for k in ("r0", "r1", "r4", "r5", "r6")])
+    check({"labels": 5, "correct": 2, "temperature": map_temperature(p, np.array([1, 0, 1, 0, 0]))})
+    serve(2)
+    assert trail.apply_retention() == 4  # r0-r3 dropped: r0 and r1 leave the fit at once
+    p = np.array([p_raw[k] for k in ("r4", "r5", "r6")])
+    want = {"labels": 3, "correct": 1, "temperature": map_temperature(p, np.array([1, 0, 0]))}
+    check(want)
+    check(from_store())
+    with pytest.raises(UnknownMapId):  # a label of a dropped answer: the trail refuses it
+        trail.add_label("r2", 1, "test")
+    # a label written just before retention dropped its answer: it does not count
+    serve(3)
+    trail.add_label("r7", 1, "test")
+    assert trail.apply_retention() == 4  # r4-r7 dropped
+    assert fallback.labelled("r7", 1) is fallback.fitted and fallback.fitted == {"labels": 0}
+    check(from_store())
+    # a restarted server makes the same fit from its store
+    label("r8", 1)
+    check({"labels": 1, "correct": 1, "prior": 2 / 3})  # one class: (correct + 1) / (n + 2)
+    trail.close()
+    trail = AuditTrail(tmp_path / "audit", background=False, max_rows=8)
+    engine = tiny_engine(primary, audit=trail, monitor=StreamingMonitor(monitor, WINDOW))
+    kept, fallback = dict(fallback.fitted), install_fallback(engine, generalist)
+    assert fallback.fitted == pytest.approx(kept)
+
+    # labels and retention racing: every answer served is labelled at once, from another thread
+    committed: set[str] = set()
+    trail.on_commit.append(lambda entries: committed.update(e.record.id for e in entries))
+    errors: list[BaseException] = []
+
+    def labeller() -> None:
+        try:
+            for i, key in enumerate(keys[16:]):
+                while key not in committed:  # served yet?
+                    time.sleep(0.001)
+                try:
+                    label(key, int(i % 3 == 0))
+                except UnknownMapId:  # dropped before its label came
+                    pass
+        except BaseException as error:  # pragma: no cover (reported below)
+            errors.append(error)
+
+    thread = threading.Thread(target=labeller)
+    thread.start()
+    for shard in range(4, 10):
+        serve(shard)
+        trail.apply_retention()
+    thread.join(60)
+    assert not thread.is_alive() and not errors
+    trail.apply_retention()
+    want = from_store()
+    assert want["labels"] >= 4  # the newest two shards' answers, labelled
+    check(want)
     trail.close()

@@ -429,6 +429,16 @@ def requests_total(url: str) -> float:
                and 'endpoint="chat"' in line and 'status="200"' in line)  # fmt: skip
 
 
+def rows_by_way(url: str) -> dict[str, float]:
+    """``actmap_vllm_rows_total`` by way (push, rpc) on vLLM's ``/metrics``."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    out = {"push": 0.0, "rpc": 0.0}
+    for line in text.splitlines():
+        if line.startswith("actmap_vllm_rows_total{"):
+            out[line.split('way="')[1].split('"')[0]] += float(line.split()[-1])
+    return out
+
+
 def test_client_request_id_and_metrics(servers):
     """On the server with two API-server processes (vLLM's multiprocess metrics) and on the one
     with one (actmap's registry added to vLLM's)."""
@@ -446,7 +456,7 @@ def test_two_api_server_processes_lose_and_double_no_row(servers):
     answered it: ``AUDIT/api-<rank>``), and vLLM's ``/metrics`` counts each answer once, from
     whichever process serves the scrape."""
     url = servers["url"]
-    before = requests_total(url)
+    before, ways = requests_total(url), rows_by_way(url)
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
 
     def one(i: int) -> str:
@@ -470,6 +480,9 @@ def test_two_api_server_processes_lose_and_double_no_row(servers):
     assert held[0] | held[1] == set(ids) and not held[0] & held[1]
     assert held[0] and held[1], "one process answered all 16"
     assert [requests_total(url) - before for _ in range(4)] == [16] * 4
+    # every answer's rows came by the worker's socket, to the process that served it
+    after = rows_by_way(url)
+    assert (after["push"] - ways["push"], after["rpc"] - ways["rpc"]) == (16, 0)
 
 
 def test_a_lora_request_gets_the_block_of_the_adapted_model(servers, reference_model):

@@ -69,6 +69,12 @@ class Blocks:
     def __init__(self) -> None:
         self.asked = []
 
+    def expect(self, base) -> None:  # the push socket's registration: none here
+        pass
+
+    def release(self, base) -> None:
+        pass
+
     async def blocks(self, base, body, endpoint, arrived, tokens=None):
         self.asked.append((base, endpoint))
         return {i: {"p_correct": 0.25 + i / 10} for i in range(body.get("n", 1))}
@@ -455,3 +461,97 @@ def test_the_score_route_builds_the_scoring_side_alone(tmp_path, monkeypatch):
     assert registry.get_sample_value("actmap_batch_forced_size_count") == 1
     plugin.metrics.observe_shift(engine.monitor.state())  # the gauges exist
     assert registry.get_sample_value("actmap_shift_alarm") == 0
+
+
+def _pushed_item(req_id: str, seed: int) -> dict:
+    torch.manual_seed(seed)
+    config = CaptureConfig(max_new_tokens=4)
+    request = _Request(req_id, "", [5, 6], config, torch.randn(2, 3, 128), None,
+                       token_ids=[7, 8, 9], recorded=3)  # fmt: skip
+    return payload(request, 0)
+
+
+class FakeClient:
+    """vLLM's engine client as the plugin calls it: ``actmap_take`` returns ``held`` rows of the
+    asked bases (taken once); every call is recorded."""
+
+    def __init__(self, held: list[dict]) -> None:
+        self.held, self.calls = held, []
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append((method, list(args[0])))
+        if method != "actmap_take":
+            return [len(args[0])]
+        found = [
+            dict(i, base=b)
+            for b in args[0]
+            for i in self.held
+            if child_index(i["req_id"], b) is not None
+        ]
+        self.held = [
+            i for i in self.held if all(child_index(i["req_id"], b) is None for b in args[0])
+        ]
+        return [found]
+
+
+def test_pushed_rows_reach_the_request_that_expects_them_and_the_rpc_takes_the_rest(tmp_path):
+    """The worker's socket brings each finished answer's rows to the API server that expects
+    its request (another request's rows are not kept); when fewer than the request's answers
+    come within ``push_wait_s``, the rest are taken by RPC, and rows that came by the socket
+    are forgotten in the worker."""
+    from actmap.capture.vllm_push import RowPublisher, RowSubscriber
+    from actmap.serve.vllm_plugin import VllmPlugin, _answers, _Forget, _Rows
+
+    assert _answers({"n": 3}, "chat") == 3 and _answers({}, "chat") == 1
+    assert _answers({"prompt": ["a", "b"], "n": 2}, "completion") == 4
+    assert _answers({"prompt": [1, 2, 3]}, "completion") == 1  # one prompt of token ids
+    first, second = f"chatcmpl-{BASE}-aaaa1111", f"1_chatcmpl-{BASE}-bbbb2222"
+    other = "chatcmpl-actmap-other-cccc3333"
+    publisher = RowPublisher(str(tmp_path))
+
+    async def scenario():
+        subscriber = RowSubscriber(publisher.address, child_index)
+        subscriber.expect(BASE)
+        await asyncio.sleep(0.3)  # the subscription reaches the publisher
+        for req_id, seed in ((second, 1), (other, 2), (first, 3)):
+            publisher.send(_pushed_item(req_id, seed))
+        got = await subscriber.take(BASE, 2, wait_s=10)
+        assert sorted((i["index"], i["req_id"]) for i in got) == [(0, first), (1, second)]
+        want = _pushed_item(second, 1)
+        assert next(i for i in got if i["index"] == 1)["states"] == want["states"]
+        assert await subscriber.take(BASE, 1, wait_s=0.2) == []  # nothing more came
+
+        # the plugin: one answer pushed, its sibling only in the worker (RPC)
+        plugin = object.__new__(VllmPlugin)
+        client = FakeClient([_pushed_item(first, 4)])
+        plugin.pushed, plugin.push_wait_s = subscriber, 0.3
+        plugin.taker, plugin.forgetter = _Rows(client, "actmap_take"), _Forget(client)
+        from prometheus_client import CollectorRegistry, Counter
+
+        plugin.rows_by = Counter("rows", "", ["way"], registry=CollectorRegistry())
+        publisher.send(_pushed_item(second, 5))
+        rows = await plugin.rows(BASE, 2)
+        assert sorted(i["req_id"] for i in rows) == sorted([first, second])
+        assert client.calls == [("actmap_take", [BASE])]
+        # both pushed: no RPC waits, and the worker is told to drop them
+        publisher.send(_pushed_item(first, 6))
+        publisher.send(_pushed_item(second, 7))
+        rows = await plugin.rows(BASE, 2)
+        assert sorted(i["req_id"] for i in rows) == sorted([first, second])
+        await plugin.forgetter.task
+        assert client.calls[1:] == [("actmap_forget", [i["req_id"] for i in rows])]
+        assert plugin.rows_by.labels("push")._value.get() == 2
+        assert plugin.rows_by.labels("rpc")._value.get() == 1
+        subscriber.expect("actmap-late")
+        publisher.send(_pushed_item("chatcmpl-actmap-late-dddd4444", 8))
+        await asyncio.sleep(0.3)
+        assert [i["req_id"] for i in subscriber.release("actmap-late")] == [
+            "chatcmpl-actmap-late-dddd4444"
+        ]
+        await subscriber.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.close()
+    assert not list(tmp_path.iterdir())  # the socket's path is removed

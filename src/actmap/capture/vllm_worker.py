@@ -43,6 +43,7 @@ from actmap.capture.vllm_engine import (
     patch_model_loading,
     reading_logits,
 )
+from actmap.capture.vllm_push import RowPublisher
 from actmap.capture.vllm_rows import child_index, payload
 from actmap.errors import ActmapUserError
 
@@ -101,7 +102,7 @@ class ActmapWorker:
             )
         self._actmap_settings = dict(settings)
         self._actmap_done: OrderedDict[str, tuple[float, _Request]] = OrderedDict()
-        self._actmap_recorder = None
+        self._actmap_recorder = self._actmap_push = None
         if self.rank == 0:
             if _ACTIVE:
                 raise ActmapUserError("one actmap recorder per process: another one is open")
@@ -120,6 +121,8 @@ class ActmapWorker:
                 own_tokens=True,
                 track=self._actmap_track,
             )
+            if settings.get("push", True):  # finished rows also go out at once (vllm_push)
+                self._actmap_push = RowPublisher()
             self._actmap_wrap_execute(runner)
         elif settings.get("greybox"):
             self._actmap_follow_readings(runner)
@@ -157,6 +160,11 @@ class ActmapWorker:
             out.append(item)
         return out
 
+    def actmap_forget(self, req_ids: list[str]) -> int:
+        """Drop finished requests' rows an API server got by the push socket; how many."""
+        done = getattr(self, "_actmap_done", None) or {}
+        return sum(done.pop(rid, None) is not None for rid in req_ids)
+
     def actmap_held(self) -> dict:
         """How many requests the recorder follows and how many finished ones wait (tests)."""
         recorder = getattr(self, "_actmap_recorder", None)
@@ -167,9 +175,12 @@ class ActmapWorker:
     # -- inside the worker ---------------------------------------------------------------------
     def _actmap_info(self) -> dict:
         model = self.model_runner.get_model()
+        push = getattr(self, "_actmap_push", None)
         return {
             "rank": int(self.rank),
             "recording": getattr(self, "_actmap_recorder", None) is not None,
+            "rows_address": None if push is None else push.address,
+            "rows_host": None if push is None else push.host,
             "n_layers": len(model._actmap_hooks),
             "hidden_size": int(self.model_runner.model_config.get_hidden_size()),
         }
@@ -247,6 +258,8 @@ class ActmapWorker:
             request = recorder.requests.pop(rid, None)
             if request is not None:
                 self._actmap_done[rid] = (now, request)
+                if self._actmap_push is not None:
+                    self._actmap_push.send(payload(request, 0))
         hold = float(self._actmap_settings.get("hold_s", HOLD_S))
         limit = int(self._actmap_settings.get("max_held", MAX_HELD))
         done = self._actmap_done

@@ -90,7 +90,7 @@ def train(
     adapt: str = typer.Option(
         "auto",
         help="With --generalist: recalibrate (prior and temperature of its logit) | head refit "
-        "(the stack's head on its block logits) | auto (head refit once each class holds 25 "
+        "(the stack's head on its block logits) | auto (head refit once each class holds 10 "
         "labelled rows, else recalibrate: the cheapest step that paid in docs/out_of_domain.md).",
     ),
     preset: str = typer.Option(

@@ -29,8 +29,8 @@ from 25 labels. With labels of one class only, the prior alone moves (Laplace's 
 The fallback keeps the labelled (p_raw, label) pairs of the generalist's answers: it reads the
 audit store once at start (so a restarted server refits from the labels it has), then follows
 the trail's commits (`AuditTrail.on_commit`: the raw p(correct) of each answer the generalist
-scored) and retention (`AuditTrail.on_drop`), and each label adds or replaces one pair: no
-label re-reads the store.
+scored) and retention (`AuditTrail.on_drop`: the labelled answers it drops leave the fit at
+once), and each label adds or replaces one pair: no label re-reads the store.
 """
 
 from __future__ import annotations
@@ -202,11 +202,17 @@ class Fallback:
                     self._scored[entry.record.id] = (float(p), sampled)
 
     def _dropped(self, ids: set[str]) -> None:
-        """From the audit trail's retention: forget the answers it dropped."""
+        """From the audit trail's retention: forget the answers it dropped, and refit when
+        labelled ones were among them, so that the fit is always the one a restarted server
+        makes from what the store still holds. A label that arrives for an answer already
+        dropped does not count (`labelled`: the pair is gone)."""
         with self._pairs_lock:
-            for key in ids & self._scored.keys():
+            gone = ids & self._scored.keys()
+            for key in gone:
                 del self._scored[key]
                 self._labels.pop(key, None)
+            if gone:
+                self._refit()  # nothing to do unless a counted pair went
 
     def labelled(self, map_id: str, label: int) -> dict[str, Any]:
         """A label of a served answer (written to the audit store): when the generalist scored

@@ -43,10 +43,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from prometheus_client import Counter
 from pydantic import ValidationError
 
 from actmap.capture.vllm_engine import end_ids
-from actmap.capture.vllm_rows import generation_from_payload, payload_arrays
+from actmap.capture.vllm_push import RowSubscriber, same_host
+from actmap.capture.vllm_rows import child_index, generation_from_payload, payload_arrays
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, resolve_model
 from actmap.serve.app import actmap_info, audit_trail, load_scoring, serve_metrics
@@ -68,8 +70,12 @@ SETTINGS = (
     "audit_max_age_days", "monitor", "monitor_window", "device", "stream_scores", "score_every",
     "max_score_items",
 )  # fmt: skip
-# the plugin's own: check the detector's generator or not; serve /v1/actmap/score
-PLUGIN_SETTINGS = ("allow_generator_mismatch", "score_route")
+# the plugin's own: check the detector's generator or not; serve /v1/actmap/score; how long
+# an answer waits for its pushed rows before it takes them by RPC (actmap.capture.vllm_push)
+PLUGIN_SETTINGS = ("allow_generator_mismatch", "score_route", "push_wait_s")
+# the workers': how long / how many finished answers' rows wait to be taken; push them or not
+WORKER_SETTINGS = ("hold_s", "max_held", "push")
+PUSH_WAIT_S = 2.0
 WORKER_EXTENSION = "actmap.capture.vllm_worker.ActmapWorker"
 
 
@@ -80,12 +86,18 @@ def plugin_settings(options: object, model: str) -> tuple[ServeSettings, dict]:
             f"""--additional-config needs '{{"{CONFIG_KEY}": {{"detector": "RUN"}}}}' """
             "(a run folder from `actmap train`)"
         )
-    worker = {k: options[k] for k in ("hold_s", "max_held") if k in options}
+    for key in ("fallback_run", "fallback-run"):  # no feedback route here to recalibrate one
+        if key in options:
+            raise ActmapUserError(
+                f"{key}: the vLLM plugin takes no fallback detector (it serves no feedback "
+                "route to recalibrate one); use `actmap serve --fallback-run` (docs/out_of_domain.md)"
+            )
+    worker = {k: options[k] for k in WORKER_SETTINGS if k in options}
     unknown = sorted(set(options) - set(SETTINGS) - set(worker) - set(PLUGIN_SETTINGS))
     if unknown:
         raise ActmapUserError(
-            f"unknown actmap settings {unknown}; known: {', '.join(SETTINGS)}, hold_s, "
-            f"max_held, {', '.join(PLUGIN_SETTINGS)}"
+            f"unknown actmap settings {unknown}; known: {', '.join(SETTINGS)}, "
+            f"{', '.join(WORKER_SETTINGS)}, {', '.join(PLUGIN_SETTINGS)}"
         )
     paths = {f.name for f in fields(ServeSettings) if "Path" in str(f.type)}
     values = {k: Path(v) if k in paths and v is not None else v for k, v in options.items()
@@ -130,6 +142,28 @@ class _Rows:
                     future.set_result(found.get(base, []))
 
 
+class _Forget:
+    """Drops rows that came by the push socket from the workers: one ``actmap_forget`` RPC per
+    batch, in the background (no answer waits for it)."""
+
+    def __init__(self, engine_client) -> None:
+        self.client, self.ids = engine_client, []
+        self.task: asyncio.Task | None = None
+
+    def add(self, req_ids: list[str]) -> None:
+        self.ids += req_ids
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while self.ids:
+            batch, self.ids = self.ids, []
+            try:
+                await self.client.collective_rpc("actmap_forget", args=(batch,))
+            except Exception as error:  # they expire after hold_s anyway
+                log.debug("actmap: forgetting %d pushed rows failed: %s", len(batch), error)
+
+
 class VllmPlugin:
     """The scoring side: an `Engine` without a generator, fed with the workers' rows."""
 
@@ -141,8 +175,18 @@ class VllmPlugin:
         self.score_app = self.score_state = None  # POST /v1/actmap/score (score_route)
         self.taker = _Rows(client, "actmap_take")
         self.peeker = _Rows(client, "actmap_peek")
+        self.pushed: RowSubscriber | None = None  # rows the recording worker pushes
+        self.push_wait_s = PUSH_WAIT_S
+        self.forgetter = _Forget(client)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="actmap-score")
         self.metrics = serve_metrics(engine)  # actmap serve's metrics, on vLLM's /metrics
+        self.rows_by = Counter(
+            "actmap_vllm_rows",
+            "Answers whose rows came from vLLM's workers, by the way they came (push: the "
+            "recording worker's socket; rpc: collective_rpc, after push_wait_s or without push)",
+            ["way"],
+            registry=self.metrics.registry,
+        )
 
     def expose_metrics(self) -> None:
         """Serve the ``actmap_*`` metrics from vLLM's own ``/metrics`` (its registry). With
@@ -215,6 +259,8 @@ class VllmPlugin:
         log.info("actmap: scoring vLLM's answers with %s (workers: %s)", detector.id, infos)
         plugin = cls(engine, client, end_ids(model_config.tokenizer, tokenizer), settings)
         plugin.expose_metrics()
+        plugin.push_wait_s = float(options.get("push_wait_s", PUSH_WAIT_S))
+        plugin.subscribe(infos)
         if options.get("score_route"):  # /v1/actmap/score: answers read by vLLM itself
             names = model_config.served_model_name
             await plugin.start_score_route(names[0] if isinstance(names, list) else names)
@@ -246,7 +292,45 @@ class VllmPlugin:
         )
         self.score_app, self.score_state = app, state
 
+    def subscribe(self, infos: list[dict]) -> None:
+        """Receive the rows the recording worker pushes, when it pushes and runs on this host
+        (else every answer's rows come by RPC)."""
+        for info in infos:
+            if info.get("rows_address") and same_host(info.get("rows_host")):
+                self.pushed = RowSubscriber(info["rows_address"], child_index)
+                return
+        log.info("actmap: no pushed rows on this host; answers' rows come by RPC")
+
+    def expect(self, base: str) -> None:
+        """A request named after ``base`` goes to vLLM: keep its pushed rows."""
+        if self.pushed is not None:
+            self.pushed.expect(base)
+
+    def release(self, base: str) -> None:
+        """The request ended: rows still kept for it are dropped here and in the worker."""
+        if self.pushed is not None:
+            left = self.pushed.release(base)
+            if left:
+                self.forgetter.add([item["req_id"] for item in left])
+
+    async def rows(self, base: str, count: int) -> list[dict]:
+        """The ``count`` answers' rows of the request named after ``base``: pushed ones at
+        once; what has not come within ``push_wait_s`` by RPC (``actmap_take``)."""
+        pushed = []
+        if self.pushed is not None:
+            pushed = await self.pushed.take(base, count, self.push_wait_s)
+            if len(pushed) >= count:
+                self.forgetter.add([item["req_id"] for item in pushed])
+                self.rows_by.labels("push").inc(len(pushed))
+                return pushed
+        taken = await self.taker.take(base)
+        have = {item["req_id"] for item in taken}
+        self.rows_by.labels("rpc").inc(len(taken))
+        return taken + [item for item in pushed if item["req_id"] not in have]
+
     async def close(self) -> None:
+        if self.pushed is not None:
+            await self.pushed.close()
         if self.score_state is not None:
             await self.score_state.scorer.stop()
         self.pool.shutdown(wait=True)
@@ -259,7 +343,7 @@ class VllmPlugin:
         """choice index -> its ``actmap`` block, for the request vLLM named after ``base``
         (``arrived``: `time.perf_counter` when the request came in, for the latency metric;
         ``tokens``: the answer was ended after its first ``tokens`` tokens by ``abort_below``)."""
-        items = await self.taker.take(base)
+        items = await self.rows(base, _answers(body, endpoint))
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self.pool, self._score, items, body, endpoint, arrived, tokens
@@ -362,6 +446,17 @@ def _audit_text(body: dict, endpoint: str) -> str:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         lines.append(f"{message.get('role', '')}: {content or ''}")
     return "\n".join(lines)
+
+
+def _answers(body: dict, endpoint: str) -> int:
+    """How many answers vLLM makes for a request: ``n`` per prompt (a completion may give a
+    list of prompts)."""
+    n = body.get("n")
+    n = n if isinstance(n, int) and n > 1 else 1
+    prompt = body.get("prompt") if endpoint == "completion" else None
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return n * len(prompt)
+    return n
 
 
 def _missing(index: int) -> dict:
@@ -473,6 +568,7 @@ class ActmapMiddleware:
         if request is None:
             return await self.app(scope, replay, send)
         self.in_flight.add(request.base)
+        self.plugin.expect(request.base)
         try:
             if request.stream:
                 sender = _StreamSender(send, self.plugin, request)
@@ -482,6 +578,7 @@ class ActmapMiddleware:
                 await self.app(scope, replay, _JsonSender(send, self.plugin, request))
         finally:
             self.in_flight.discard(request.base)
+            self.plugin.release(request.base)
 
     def _read(self, body: dict, raw: bytes, endpoint: str) -> tuple[_Request, bytes]:
         """The request as the middleware sees it, and the body vLLM gets (without ``actmap``,

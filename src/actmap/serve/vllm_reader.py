@@ -6,8 +6,9 @@ answer token ids as the prompt, ``max_tokens=1``, a request id that tells the wo
 the answer starts (`actmap.capture.vllm_engine.forced_request_id`) and a ``cache_salt`` of its
 own. The workers record rows ``P-1 .. P+T-1`` of that prefill with the generation recorder
 (chunked prefill, preemption), and the answer tokens' log-probs and entropies from the final
-hidden states of those positions; `VllmReader` takes the rows with ``actmap_take`` and scores
-them as a generated answer's (`actmap.capture.vllm_rows.generation_from_payload`,
+hidden states of those positions; `VllmReader` takes the rows as the middleware takes a
+generated answer's (pushed by the recording worker, else ``actmap_take``) and scores them as a
+generated answer's (`actmap.capture.vllm_rows.generation_from_payload`,
 `actmap.serve.engine.Engine.score`). No model is loaded in the API server.
 
 `VllmReader` stands where ``actmap serve``'s scoring batcher stands (`submit` a `ScoreJob`, get
@@ -82,9 +83,14 @@ class VllmReader:
         )
         request_id, inputs, _ = read_request(prompt_ids, answer_ids, plugin.ends, engine.tokenizer)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        async for _ in plugin.client.generate(inputs, params, request_id):
-            pass
-        items = await plugin.taker.take(inputs["cache_salt"])
+        base = inputs["cache_salt"]  # in the request id: the rows are found by it
+        plugin.expect(base)  # pushed by the recording worker, or taken by RPC
+        try:
+            async for _ in plugin.client.generate(inputs, params, request_id):
+                pass
+            items = await plugin.rows(base, 1)
+        finally:
+            plugin.release(base)
         if len(items) != 1:
             raise RuntimeError(f"the workers returned {len(items)} readings for {request_id}")
         read_s = time.perf_counter() - started
