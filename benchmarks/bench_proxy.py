@@ -25,6 +25,15 @@ before and after, since the machine is shared with other work.
 
     python benchmarks/bench_proxy.py --vllm-python /work/venv-vllm/bin/python \
         --out runs/bench-proxy.json
+
+``--reader vllm`` starts the proxy with ``actmap serve --reader vllm``: answers read by
+teacher-forced requests to an in-process vLLM engine of the proxy's weights (one prefill each,
+batched by vLLM's scheduler) instead of transformers passes (issue 54: >= .8x the upstream at
+16 concurrent); the per-answer scoring times (``scoring``) still time the transformers pass.
+Alternate the two readers in one session to compare them::
+
+    python benchmarks/bench_proxy.py --configs bfloat16/bfloat16 --reader vllm \
+        --out runs/bench-proxy-vllm-reader.json
 """
 
 from __future__ import annotations
@@ -259,7 +268,7 @@ def start_proxy(
                "--model", MODEL, "--served-model-name", SERVED, "--detector", str(detector),
                "--dtype", proxy_dtype, "--upstream-dtype", upstream_dtype,
                "--port", str(port), "--batch-window-ms", str(args.batch_window_ms), "--timeout", "600",
-               "--upstream-timeout", "600"]  # fmt: skip
+               "--upstream-timeout", "600", "--reader", args.reader]  # fmt: skip
     if args.proxy_nice:  # the scoring yields the cores to the engine it shares them with
         command = ["nice", "-n", str(args.proxy_nice), *command]
     process = start(command, env, log)
@@ -390,6 +399,11 @@ def main() -> None:
         "--batch-window-ms", type=float, default=5.0, help="the proxy's batch window"
     )
     parser.add_argument("--proxy-nice", type=int, default=0, help="start the proxy under nice -n N")
+    parser.add_argument(
+        "--reader", choices=("transformers", "vllm"), default="transformers",
+        help="what the proxy reads answers with (actmap serve --reader): transformers passes, "
+        "or teacher-forced requests to an in-process vLLM engine (needs vLLM where actmap runs)",
+    )  # fmt: skip
     parser.add_argument("--answers", type=int, default=500, help="answers for the mismatch rate")
     parser.add_argument("--scoring-answers", type=int, default=64, help="answers timed per dtype")
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -421,7 +435,8 @@ def main() -> None:
               "answer_length": args.answer_length, "instruction": instruction,
               "configs": [f"{u}/{p}" for u, p in configs], "load": [], "probe": {},
               "scoring": {}, "summary": {}, "repeats": args.repeats,
-              "batch_window_ms": args.batch_window_ms, "proxy_nice": args.proxy_nice}  # fmt: skip
+              "batch_window_ms": args.batch_window_ms, "proxy_nice": args.proxy_nice,
+              "reader": args.reader}  # fmt: skip
     sizes = {1: 2 * args.repeats * args.requests_single, 16: 2 * args.repeats * args.requests}
     asked = questions(args.answers + sum(sizes.values()))
     load_questions, mismatch_questions = asked[: sum(sizes.values())], asked[sum(sizes.values()) :]

@@ -359,6 +359,73 @@ def test_recording_switched_off_and_on(engine, reference):
     assert_same(engine.generate([prompt], CONFIG), reference([prompt]))
 
 
+def test_teacher_forced_reading_equals_capture_answers(engine, smollm2, monkeypatch):
+    """`VllmCapture.read`: a (prompt, answer) pair read as one prefill of prompt + answer, rows
+    from the answer's positions, against the transformers teacher-forced capture
+    (`capture_answers`, one pair per pass: the same prompt truncation): the same tokens, answer
+    text and cut, trajectories and maps (``TRAJ_TOL``), log-probs, entropies and the end
+    token's extras (``STAT_TOL``). One answer is long enough that its prefill crosses a
+    128-token chunk (the engine's ``max_num_batched_tokens``); one is token ids; one is
+    empty (no rows; the end token's extras only). Read twice with prefix caching on (the
+    engine's default): the second reading is no cache hit (each reading has its own
+    ``cache_salt``) and gives the same rows. The forced rows' logits are computed 16 rows at a
+    time here (`FORCED_LOGIT_ROWS`), so the long answer's take several pieces."""
+    from actmap.capture import vllm_engine
+    from actmap.capture.forced import capture_answers
+
+    monkeypatch.setattr(vllm_engine, "FORCED_LOGIT_ROWS", 16)
+
+    model, tokenizer, _ = smollm2
+    config = CaptureConfig(max_new_tokens=MAX_NEW, max_context=512)
+    long_answer = " ".join(f"Step {i}: add {i} to the total." for i in range(12))
+    prompts = [chat(tokenizer, q) for q in (*QUESTIONS, "Count to twenty in steps.", "Hi")]
+    answers = [
+        "The capital of France is Paris.",
+        tokenizer("17 + 25 = 42.", add_special_tokens=False)["input_ids"],
+        long_answer,
+        "",
+    ]
+    want = [capture_answers(model, tokenizer, [p], [a], config)[0]
+            for p, a in zip(prompts, answers, strict=True)]  # fmt: skip
+    hits = engine.recorder.prefix_cache_hits
+    got = engine.read(prompts, answers, config)
+    assert [g.n_tokens for g in got][3] == 0 and got[2].n_tokens > 100
+    assert_same(got, want)
+    assert all(w.extras and g.extras for g, w in zip(got, want, strict=True))
+    pairs = [(g, w) for g, w in zip(got, want, strict=True) if w.n_tokens]
+    print(
+        "reading vs capture_answers: trajectory max abs diff "
+        f"{max(float((g.trajectory - w.trajectory).abs().max()) for g, w in pairs):.2e} "
+        f"(values up to {max(float(w.trajectory.abs().max()) for _, w in pairs):.0f}), log-prob "
+        f"{max(float((g.logprobs - w.logprobs).abs().max()) for g, w in pairs):.2e}, entropy "
+        f"{max(float((g.entropies - w.entropies).abs().max()) for g, w in pairs):.2e}, end extras "
+        f"{max(abs(g.extras[k] - w.extras[k]) for g, w in zip(got, want, strict=True) for k in w.extras):.2e}"
+    )
+    # the long reading alone: its prefill takes more than one 128-token step
+    key, steps, done = engine.submit_read(prompts[2], long_answer, config), 0, None
+    while done is None:
+        steps += 1
+        done = next((e.finished for e in engine.step() if e.key == key and e.finished), None)
+    assert steps >= 2 and got[2].prompt_tokens + got[2].n_tokens > 128
+    again = engine.read(prompts[:2], answers[:2], config)
+    assert engine.recorder.prefix_cache_hits == hits
+    assert_same([done, *again], [want[2], *want[:2]])
+    # map-only readings skip the statistics
+    (bare,) = engine.read(prompts[:1], answers[:1], CaptureConfig(max_context=512, greybox=False))
+    assert bare.logprobs is None and bare.extras == {}
+    torch.testing.assert_close(bare.trajectory, want[0].trajectory, **TRAJ_TOL)
+
+
+def test_a_reading_longer_than_the_context_is_refused(engine):
+    from actmap.errors import ActmapUserError
+
+    # the answer alone leaves no room for the prompt (a longer prompt keeps its last tokens,
+    # as the transformers capture's does)
+    with pytest.raises(ActmapUserError, match=r"answer \(511 tokens\) exceed .* 512 tokens"):
+        engine.read(["Hello"], [list(range(10, 521))], CaptureConfig(max_context=512))
+    assert not engine.busy
+
+
 def test_a_step_whose_record_points_do_not_run_raises(engine):
     """What a model replayed from full CUDA graphs would look like to the capture: a layer's
     record point does not run. The step fails loudly instead of returning empty rows. (Last

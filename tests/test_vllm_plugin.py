@@ -89,8 +89,13 @@ def start_vllm(
     """vLLM's server with the plugin; ``api_servers > 1``: vLLM's own CLI (``vllm serve``),
     which starts that many API-server processes (`vllm_serve_cli`)."""
     port = free_port()
+    # unbuffered: a failing test's log has the servers' tracebacks
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(actmap.__file__).parents[1])}  # fmt: skip
+           "PYTHONPATH": str(Path(actmap.__file__).parents[1]),
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    # vLLM's default multiprocess engine core, whatever an in-process engine of an earlier test
+    # module (`VllmCapture` sets this in os.environ) left behind
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if tensor_parallel == 2:  # one core per rank (vLLM's CPU workers need a binding each)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     settings = {"actmap": {"detector": str(run), "audit": str(audit), **options}}
@@ -119,7 +124,9 @@ def start_actmap_serve(
     the process becomes vLLM's server with the plugin), with an API key."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(actmap.__file__).parents[1]), "ACTMAP_API_KEY": TP_KEY}  # fmt: skip
+           "PYTHONPATH": str(Path(actmap.__file__).parents[1]), "ACTMAP_API_KEY": TP_KEY,
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as in start_vllm
     if tensor_parallel == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     with open(log, "w") as out:
@@ -180,8 +187,8 @@ def wait_up(process: subprocess.Popen, url: str, log: Path, deadline: float) -> 
 def servers(tmp_path_factory):
     """Three vLLM servers started side by side: the plugin (vLLM's CLI with two API-server
     processes, a LoRA adapter and /v1/actmap/score), the plugin at tensor parallel 2 (a 4-head
-    model, one API-server process, started by ``actmap serve --engine vllm`` with an API key),
-    and a start the plugin refuses."""
+    model, one API-server process, started by ``actmap serve --engine vllm`` with an API key,
+    its /v1/actmap/score read by vLLM), and a start the plugin refuses."""
     root = tmp_path_factory.mktemp("vllm-plugin")
     folder, folder_tp = tiny_folder(root / "tiny"), tiny_folder(root / "tiny-tp", heads=4)
     run, run_tp = detector_for(root / "run", folder), detector_for(root / "run-tp", folder_tp)
@@ -561,11 +568,21 @@ def test_tensor_parallel_2_gives_the_reference_maps(servers):
     reference = load_reference(servers["folder_tp"], servers["run_tp"])
     client = openai.OpenAI(base_url=servers["url_tp"] + "/v1", api_key=TP_KEY, max_retries=0,
                            timeout=300)  # fmt: skip
-    wanted = {}
+    wanted, items = {}, []
     for block, token_ids in greedy_and_sampled(client, seed=3):
         p_raw, stored = expected(reference, token_ids)
         assert same_score(block["p_correct_raw"], p_raw)
         wanted[block["map_id"]] = stored
+        tokens = [t for t in token_ids if t != reference[1].eos_token_id]
+        items.append((p_raw, stored, {"messages": MESSAGES, "answer_token_ids": tokens}))
+    # teacher-forced readings at TP=2 (both ranks compute the forced rows' logits together)
+    scored = httpx.post(servers["url_tp"] + "/v1/actmap/score",
+                        json={"items": [item for *_, item in items]}, timeout=300,
+                        headers={"Authorization": f"Bearer {TP_KEY}"})  # fmt: skip
+    assert scored.status_code == 200, scored.text
+    for (p_raw, stored, _), result in zip(items, scored.json()["results"], strict=True):
+        assert same_score(result["p_correct_raw"], p_raw)
+        wanted[result["map_id"]] = stored
     maps = audit_maps(servers["root"] / "audit-tp", set(wanted))
     assert all(same_map(maps[key], stored) for key, stored in wanted.items())
 
@@ -672,8 +689,12 @@ def test_actmap_options_are_checked_by_name(servers):
 
 
 def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_model):
-    """``/v1/actmap/score`` on vLLM's server (``score_route``: a teacher-forced transformers pass
-    in the API server) gives each answer vLLM generated the score of its block, within 1e-3."""
+    """``/v1/actmap/score`` on vLLM's server (``score_route``: each answer read by a
+    teacher-forced request to vLLM itself, no model in the API server) gives each answer vLLM
+    generated the score of its block, within 1e-3, and the transformers teacher-forced
+    reference's; the same pair read twice (vLLM's prefix caching on) gives the same score and
+    map; an empty answer gets no score (as ``actmap serve``); a pair longer than the context a
+    400."""
     url, eos = servers["url"], reference_model[1].eos_token_id
     client = client_for(servers)
     answers = []
@@ -706,9 +727,32 @@ def test_the_block_equals_v1_actmap_score_on_the_same_answer(servers, reference_
         f"{max(abs(logit(a) - logit(b)) for a, b in pairs):.2e}, p in "
         f"[{min(min(pair) for pair in pairs):.3g}, {max(max(pair) for pair in pairs):.3g}]"
     )
+    for (_, item), result in zip(answers[:3], out["results"][:3], strict=True):  # chat answers
+        assert same_score(
+            result["p_correct_raw"], expected(reference_model, item["answer_token_ids"])[0]
+        )
+    # the same pairs again: vLLM's prefix cache holds them, the readings are computed anew
+    again = httpx.post(url + "/v1/actmap/score", json={"model": MODEL, "items": items},
+                       timeout=300).json()["results"]  # fmt: skip
+    for first, second in zip(out["results"], again, strict=True):
+        assert second["p_correct_raw"] == pytest.approx(first["p_correct_raw"], abs=1e-6)
     wanted = {r["map_id"]: b["map_id"] for (b, _), r in zip(answers, out["results"], strict=True)}
+    wanted |= {r["map_id"]: first["map_id"] for first, r in zip(out["results"], again, strict=True)}
     maps = audit_maps(servers["root"] / "audit", set(wanted) | set(wanted.values()))
     assert all(same_map(maps[scored_id], maps[block_id]) for scored_id, block_id in wanted.items())
+    # an empty answer: read (its end token only), no map, no score, as actmap serve answers it
+    empty_answer = httpx.post(url + "/v1/actmap/score", json={"items": [
+        {"messages": MESSAGES, "answer": ""}]}, timeout=300)  # fmt: skip
+    assert empty_answer.status_code == 200, empty_answer.text
+    (result,) = empty_answer.json()["results"]
+    assert result["n_tokens"] == 0 and result["p_correct"] is None
+    assert result["decision"] == "abstain" and result["map_id"] is None
+    # prompt + answer past the served context (256 tokens): 400, nothing read
+    too_long = httpx.post(url + "/v1/actmap/score", json={"items": [
+        {"messages": MESSAGES, "answer_token_ids": [5] * 260}]}, timeout=60)  # fmt: skip
+    assert too_long.status_code == 400, too_long.text
+    error = too_long.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "256 tokens" in error["message"]
 
     # actmap serve's checks and errors, unchanged
     bad = httpx.post(url + "/v1/actmap/score", json={"items": [{"messages": MESSAGES}]}, timeout=60)

@@ -336,6 +336,98 @@ def test_one_client_id_sent_twice_at_once_names_two_requests():
     assert a["actmap"] == b["actmap"] == {"p_correct": 0.25}
 
 
+class ReadingVllm:
+    """vLLM's engine client as `actmap.serve.vllm_reader.VllmReader` uses it, with a worker
+    that reads by the transformers teacher-forced capture: ``generate`` finds where the answer
+    starts from the request id alone (`forced_read_of`, as the workers do), reads the pair with
+    `capture_answers` and holds the rows (and the end step's statistics) as a worker's payload;
+    ``collective_rpc("actmap_take")`` hands them out by base, once."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.held, self.requests = engine, {}, []
+
+    async def generate(self, inputs, params, request_id):
+        from actmap.capture import capture_answers
+        from actmap.capture.vllm_engine import forced_read_of
+
+        assert params.max_tokens == 1 and inputs["cache_salt"] in request_id
+        self.requests.append(request_id)
+        ids = inputs["prompt_token_ids"]
+        read = forced_read_of(request_id, ids)
+        tokenizer, rows = self.engine.tokenizer, len(read.chosen)
+        greybox = self.engine.detector.capture_settings()["greybox"]
+        config = CaptureConfig(max_context=self.engine.max_context, greybox=greybox)
+        (gen,) = capture_answers(self.engine.model, tokenizer, [tokenizer.decode(ids[: read.origin])],
+                                 [list(read.chosen[:-1])], config)  # fmt: skip
+        assert gen.prompt_tokens == read.origin
+        states = torch.cat([gen.trajectory, torch.zeros_like(gen.trajectory[:, :1])], dim=1)
+        entropies, logprobs = None, []
+        if greybox:
+            entropies = torch.cat([gen.entropies, torch.tensor([gen.extras["eos_entropy"]])])
+            logprobs = [*gen.logprobs.tolist(), gen.extras["eos_logprob"]]
+        request = _Request(f"{request_id}-1a2b3c4d", "", ids[: read.origin], config, states,
+                           entropies, token_ids=list(read.chosen), logprobs=logprobs,
+                           recorded=rows)  # fmt: skip
+        self.held[inputs["cache_salt"]] = payload(request, 0)
+        yield {"finished": True}
+
+    async def collective_rpc(self, method, args=()):
+        assert method == "actmap_take"
+        return [[{**self.held.pop(b), "base": b} for b in args[0] if b in self.held]]
+
+
+def test_the_score_route_reads_through_vllm_and_scores_as_actmap_serve(tmp_path):
+    """``POST /v1/actmap/score`` on the plugin: each item one teacher-forced request to vLLM's
+    engine client (``max_tokens=1``, a cache salt of its own, where the answer starts in its
+    id), its rows taken by that salt and scored as a generated answer's: the same results as
+    ``actmap serve``'s route over the transformers teacher-forced pass (`score_answers`), for
+    text and token-id answers, an empty one, and an actmap-plus (log-probs, entropies and the
+    end token's statistics travel with the rows). No model in the API server."""
+    import httpx
+    from serve_helpers import save_tiny_plus, tiny_engine
+
+    from actmap.serve.answers import ScoreJob, score_answers
+    from actmap.serve.vllm_plugin import VllmPlugin
+
+    pytest.importorskip("vllm", reason="the reader builds vLLM's SamplingParams")
+    run = save_tiny_plus(tmp_path / "run")
+    engine = tiny_engine(run)  # reads for the fake worker, and the reference
+    vllm = ReadingVllm(engine)
+    scorer = tiny_engine(run)
+    scorer.model = None  # the plugin's engine: tokenizer, detector, policy only
+    plugin = VllmPlugin(scorer, vllm, {1}, ServeSettings(model="tiny", detector=run))
+    items = [{"prompt": "what is the capital", "answer": "paris is the capital"},
+             {"messages": [{"role": "user", "content": "name a city"}],
+              "answer_token_ids": engine.encode("paris", False)},
+             {"prompt": "what is the capital", "answer": ""}]  # fmt: skip
+
+    async def main():
+        await plugin.start_score_route("tiny")
+        transport = httpx.ASGITransport(app=plugin.score_app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://plugin") as client:
+                return await client.post("/v1/actmap/score", json={"items": items})
+        finally:
+            await plugin.close()
+
+    reply = asyncio.run(main())
+    assert reply.status_code == 200, reply.text
+    assert len(vllm.requests) == 3 and not vllm.held  # one reading each, each taken
+    chat = engine.render_chat([{"role": "user", "content": "name a city"}])
+    jobs = [ScoreJob(items[0]["prompt"], items[0]["answer"]),
+            ScoreJob(chat, items[1]["answer_token_ids"]),
+            ScoreJob(items[2]["prompt"], "")]  # fmt: skip
+    want, _ = score_answers(engine, jobs)
+    got = reply.json()["results"]
+    for result, answer in zip(got, want, strict=True):
+        assert result["n_tokens"] == answer.n_tokens and result["decision"] == answer.decision
+        if answer.p_correct_raw is None:
+            assert result["p_correct_raw"] is None
+        else:
+            assert result["p_correct_raw"] == pytest.approx(answer.p_correct_raw, abs=1e-6)
+    assert got[2]["n_tokens"] == 0 and got[2]["p_correct"] is None
+
+
 def test_a_server_without_the_score_route_says_how_to_turn_it_on():
     plugin = Blocks()
     plugin.score_app = None
@@ -379,7 +471,8 @@ def test_the_score_route_builds_the_scoring_side_alone(tmp_path, monkeypatch):
     maps = np.random.default_rng(0).normal(size=(30, 12, 32, 128)).astype(np.float16)
     monitor = ShiftMonitor(MonitorConfig(n_components=2, n_permutations=19)).fit(maps)
     engine = tiny_engine(run, monitor=StreamingMonitor(monitor, 3))
-    plugin = VllmPlugin(engine, None, set(), ServeSettings(model="tiny", detector=run))
+    pytest.importorskip("vllm", reason="the reader builds vLLM's SamplingParams")
+    plugin = VllmPlugin(engine, ReadingVllm(engine), {1}, ServeSettings(model="tiny", detector=run))
 
     async def main():
         await plugin.start_score_route("tiny", ["the-key"])

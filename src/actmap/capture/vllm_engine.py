@@ -65,14 +65,17 @@ import contextlib
 import itertools
 import logging
 import os
+import re
+import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from actmap.capture.forced import answer_token_ids, check_pairs
 from actmap.capture.generate import check_prompts, tokenize_prompts
 from actmap.capture.layers import find_decoder_layers
 from actmap.capture.positions import position_states
@@ -150,6 +153,40 @@ def enforce_eager_for(compile_model: bool | None) -> bool | None:
 
 
 # -- one request's host-side state ----------------------------------------------------------
+@dataclass(frozen=True)
+class ForcedRead:
+    """A teacher-forced reading: vLLM prefills prompt + answer (``max_tokens=1``) and the rows
+    are positions ``origin - 1 .. origin + T - 1`` of that prefill (``origin``: the original
+    prompt's length P). ``chosen``: the T answer tokens, then the end token, so row ``t``'s
+    log-prob is that of ``chosen[t]`` (row T's: the end token's, the stop step's extras)."""
+
+    origin: int
+    chosen: tuple[int, ...]
+
+
+FORCED_PREFIX = "actmap-read-"
+_FORCED_ID = re.compile(r"^actmap-read-(\d+)-(\d+)-")
+
+
+def forced_request_id(prompt_tokens: int, end: int, unique: str) -> str:
+    """The vLLM request id of a teacher-forced reading: ``actmap-read-<P>-<end>-<unique>``.
+    The id alone tells every worker (every rank, any API-server process) where the answer
+    starts, with no RPC before the request; vLLM may append its own suffix."""
+    return f"{FORCED_PREFIX}{prompt_tokens}-{end}-{unique}"
+
+
+def forced_read_of(req_id: str, token_ids: Sequence[int] | None) -> ForcedRead | None:
+    """The reading a request id names (`forced_request_id`), given the request's prompt token
+    ids (prompt + answer); None for any other request."""
+    match = _FORCED_ID.match(req_id)
+    if match is None or token_ids is None:
+        return None
+    origin, end = int(match.group(1)), int(match.group(2))
+    if not 0 < origin <= len(token_ids):
+        return None
+    return ForcedRead(origin, (*(int(t) for t in token_ids[origin:]), end))
+
+
 @dataclass(eq=False)
 class _Request:
     key: str  # external request id
@@ -169,6 +206,7 @@ class _Request:
     # attention_keys > 0: row t's lookback weights (rows, L, H, K) float32, host
     # (`actmap.capture.vllm_attention`); grown with ``states``
     attention: torch.Tensor | None = None
+    forced: ForcedRead | None = None  # a teacher-forced reading (rows from the prefill)
 
     @property
     def prompt_tokens(self) -> int:
@@ -224,6 +262,85 @@ class _Pending:
     tokens: torch.Tensor | None = None  # (m,) the tokens vLLM sampled there
     chosen: torch.Tensor | None = None  # (m,) their raw log-probs (greybox)
     attention: AttentionRows | None = None  # the lookback weights of the rows that keep them
+    forced: _ForcedStep | None = None  # teacher-forced rows' entropies and log-probs
+
+
+@dataclass
+class _ForcedStep:
+    """One step's teacher-forced rows (`forced_rows`) and, once computed, their statistics."""
+
+    flat: list[int]  # flattened token of each row
+    rows: list[tuple[str, int]]  # (internal request id, trajectory row)
+    chosen: list[int]  # the token whose log-prob each row gets
+    stats: torch.Tensor | None = None  # (m, 2): entropy, log-prob (host once copied)
+
+
+def forced_rows(runner, read_of: Callable[[str], ForcedRead | None]) -> _ForcedStep | None:
+    """Which flattened tokens of this step are rows of teacher-forced readings.
+
+    Stateless (no row is skipped for having been computed before, as after a preemption): it
+    depends only on the runner's batch, so every tensor-parallel rank finds the same rows and
+    calls the (collective) ``compute_logits`` with the same number of them."""
+    batch = runner.input_batch
+    n_reqs = batch.num_reqs
+    if n_reqs == 0:
+        return None
+    starts = runner.query_start_loc.np[: n_reqs + 1]
+    computed = batch.num_computed_tokens_cpu[:n_reqs]
+    step = _ForcedStep([], [], [])
+    for i, req_id in enumerate(batch.req_ids[:n_reqs]):
+        read = read_of(req_id)
+        if read is None:
+            continue
+        first_row = int(computed[i]) - (read.origin - 1)
+        n = int(starts[i + 1] - starts[i])
+        for row in range(max(first_row, 0), min(first_row + n, len(read.chosen))):
+            step.flat.append(int(starts[i]) + row - first_row)
+            step.rows.append((req_id, row))
+            step.chosen.append(read.chosen[row])
+    return step if step.flat else None
+
+
+FORCED_LOGIT_ROWS = 256  # forced rows whose logits are computed at once
+
+
+def reading_logits(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """The model's ``compute_logits`` for teacher-forced rows. With LoRA enabled vLLM wraps the
+    logits processor, whose LoRA delta is indexed by sampled request, not by row (rows of
+    several readings in one step do not broadcast against it): readings take the base model's
+    logits (a reading is of the base model; no adapter is applied to it), through the wrapped
+    processor's own base layer (the same head, scale, soft cap and tensor-parallel gather)."""
+    processor = getattr(model, "logits_processor", None)
+    base = getattr(processor, "base_layer", None)
+    head = getattr(model, "lm_head", None)
+    if base is None or head is None:
+        return model.compute_logits
+    head = getattr(head, "base_layer", head)
+    return lambda hidden: base(head, hidden)
+
+
+def forced_statistics(compute_logits, hidden, step: _ForcedStep) -> torch.Tensor | None:
+    """(m, 2) entropy and log-prob of the chosen token at each forced row, from the final
+    hidden states of the step (vLLM computes logits for sampled positions only). Every
+    tensor-parallel rank calls it (``compute_logits`` gathers); ranks other than the one that
+    gets the logits return None."""
+    if isinstance(hidden, tuple):  # (hidden, aux hidden states): EAGLE 3
+        hidden = hidden[0]
+    if not isinstance(hidden, torch.Tensor):
+        raise RuntimeError("teacher-forced reading needs the last stage's hidden states "
+                           "(no pipeline parallel)")  # fmt: skip
+    index = torch.tensor(step.flat, dtype=torch.long).to(hidden.device, non_blocking=True)
+    chosen = torch.tensor(step.chosen, dtype=torch.long).to(hidden.device, non_blocking=True)
+    out = []
+    for start in range(0, len(step.flat), FORCED_LOGIT_ROWS):  # bounded (rows, V) logits
+        rows = slice(start, start + FORCED_LOGIT_ROWS)
+        logits = compute_logits(hidden.index_select(0, index[rows]))
+        if logits is None:
+            continue
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        out.append(torch.stack([entropy, logp.gather(1, chosen[rows, None])[:, 0]], dim=1))
+    return torch.cat(out) if out else None
 
 
 # -- record points: put into the model at load time, before vLLM compiles it -----------------
@@ -374,6 +491,7 @@ class _Recorder:
         self._sampled: torch.Tensor | None = None  # (m,) logits rows whose entropy is kept
         self._sampled_to: torch.Tensor | None = None  # (m,) buffer rows they go to
         self._plan: tuple | None = None
+        self._forced: _ForcedStep | None = None  # this step's teacher-forced rows
         self._fired = 0
         # what the scheduler did, for tests and logs
         self.recomputed = 0  # request-steps that recomputed rows already recorded (preemption)
@@ -403,7 +521,12 @@ class _Recorder:
 
         def model_forward(*args, **kwargs):
             self._begin_step()
+            self._forced = None
+            if self.greybox and self.requests:
+                self._forced = forced_rows(runner, self._forced_read)
             out = original_forward(*args, **kwargs)
+            if self._forced is not None:
+                self._forced.stats = forced_statistics(self._logits, out, self._forced)
             if self._plan is not None and self._fired != self.n_layers:
                 raise RuntimeError(
                     f"capture recorded {self._fired} of {self.n_layers} layers: the record "
@@ -417,6 +540,7 @@ class _Recorder:
 
         runner._model_forward = model_forward
         self._restore = [(runner, "_model_forward", original_forward)]
+        self._logits = reading_logits(self.model)  # vLLM's own, for the forced rows
         if self.greybox or self.own_tokens:
             original_logits = self.model.compute_logits
 
@@ -481,7 +605,8 @@ class _Recorder:
             if request is None:
                 continue
             n = int(starts[i + 1] - starts[i])
-            first_row = int(computed[i]) - (int(prompt_lens[i]) - 1)  # row of the chunk's 1st
+            origin = int(prompt_lens[i]) if request.forced is None else request.forced.origin
+            first_row = int(computed[i]) - (origin - 1)  # row of the chunk's 1st
             partial |= first_row + n - 1 < 0
             if not request.seen:
                 request.seen = True
@@ -492,7 +617,9 @@ class _Recorder:
             lo = max(request.recorded, first_row, 0)
             hi = min(first_row + n, request.row_limit)
             for row in range(lo, hi):
-                if row == first_row + n - 1:  # the request's sampled position this step
+                # the request's sampled position this step (a forced reading's statistics are
+                # all `forced_statistics`', its sampled token is not part of it)
+                if row == first_row + n - 1 and request.forced is None:
                     sampled.append(i)
                     sampled_to.append(len(flat))
                 flat.append(int(starts[i]) + row - first_row)
@@ -555,6 +682,10 @@ class _Recorder:
             self._pool_step(n)
         full = None
         attention = self.attention.finish() if self.attention is not None else None
+        forced = self._forced
+        if forced is not None and forced.stats is not None:  # before the event, on a GPU
+            stats = torch.empty(forced.stats.shape, pin_memory=self.device.type == "cuda")
+            forced.stats = stats.copy_(forced.stats, non_blocking=True)
         if self.device.type == "cuda":
             host = torch.empty(n, self.width, pin_memory=True)
             host.copy_(self.buffer[:n], non_blocking=True)
@@ -568,7 +699,10 @@ class _Recorder:
             full = self.full[:n].clone() if self._keep_full else None
         for request, row in zip(owners, rows.tolist(), strict=True):
             request.recorded = max(request.recorded, row + 1)
-        step = _Pending(host, owners, rows, has_entropy, event, full, attention=attention)
+        step = _Pending(
+            host, owners, rows, has_entropy, event, full, attention=attention, forced=forced
+        )
+        self._forced = None
         if self.own_tokens and self._sampled is not None:
             step.sampled, step.logp = self._sampled, logp
             self._awaiting = step
@@ -613,7 +747,24 @@ class _Recorder:
                     request.attention[int(step.rows[k])] = step.attention.host[j, ..., :keys]
             if step.tokens is not None:
                 self._scatter_tokens(step)
+            if step.forced is not None and step.forced.stats is not None:
+                self._scatter_forced(step.forced)
         self.pending = waiting
+
+    def _forced_read(self, req_id: str) -> ForcedRead | None:
+        request = self.requests.get(req_id)
+        return None if request is None else request.forced
+
+    def _scatter_forced(self, forced: _ForcedStep) -> None:
+        """Teacher-forced rows' entropies and log-probs onto their requests (a row computed
+        again after a preemption gets the same values again)."""
+        for (req_id, row), (entropy, logprob) in zip(forced.rows, forced.stats.tolist(),
+                                                     strict=True):  # fmt: skip
+            request = self.requests.get(req_id)
+            if request is None or request.entropies is None:
+                continue
+            request.entropies[row] = entropy
+            request.logprobs[row] = logprob
 
     @staticmethod
     def _scatter_tokens(step: _Pending) -> None:
@@ -730,15 +881,7 @@ class VllmCapture:
         from vllm.sampling_params import RequestOutputKind
 
         # share_prefix needs nothing here: vLLM's prefix cache shares prefixes by itself
-        if config.keep_dense:
-            raise ActmapUserError(
-                "the vLLM engine captures maps, grey-box statistics, position states and "
-                "lookback attention: keep_dense needs --engine local"
-            )
-        if config.attention_keys:
-            self.keep_attention()
-        if config.greybox and not self.greybox:
-            raise ActmapUserError("this engine was built map-only (greybox=False)")
+        self._check_config(config)
         if prompt_ids is None:
             prompt_ids = self.encode([prompt], config)[0]
         sampling = dict(temperature=0.0)
@@ -769,6 +912,61 @@ class VllmCapture:
         self.recorder.requests[internal] = request
         self._requests[key] = request
         return key
+
+    def _check_config(self, config: CaptureConfig, reading: bool = False) -> None:
+        if config.keep_dense:
+            raise ActmapUserError(
+                "the vLLM engine captures maps, grey-box statistics, position states and "
+                "lookback attention: keep_dense needs --engine local"
+            )
+        if reading and config.attention_keys:
+            raise ActmapUserError(
+                "a teacher-forced reading inside vLLM keeps no attention weights yet: "
+                "attention_keys needs --engine local"
+            )
+        if config.attention_keys:
+            self.keep_attention()
+        if config.greybox and not self.greybox:
+            raise ActmapUserError("this engine was built map-only (greybox=False)")
+
+    def submit_read(self, prompt: str, answer: str | Sequence[int], config: CaptureConfig) -> str:
+        """Add one teacher-forced reading of ``answer`` after ``prompt`` (`ForcedRead`): one
+        prefill of prompt + answer, whose `Generation` equals `actmap.capture.capture_answers`'
+        for the pair. Returns its key."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_config(config, reading=True)
+        config = replace(config, max_context=self.max_context, stop_strings=())
+        prompt_ids, answer_ids = read_ids(self.tokenizer, prompt, answer, config)
+        key, inputs, read = read_request(prompt_ids, answer_ids, self.ends, self.tokenizer)
+        rows = len(read.chosen)
+        request = _Request(
+            key, prompt, prompt_ids, config,
+            torch.zeros(self.n_layers, rows, self.recorder.pooled_dim),
+            torch.zeros(rows) if config.greybox else None,
+            full_rows=[] if config.keep_positions else None, token_ids=list(read.chosen),
+            logprobs=[float("nan")] * rows if config.greybox else [], forced=read,
+        )  # fmt: skip
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.DELTA
+        )
+        request.internal_id = self.engine.add_request(key, inputs, params)
+        self.recorder.requests[request.internal_id] = request
+        self._requests[key] = request
+        return key
+
+    def read(
+        self,
+        prompts: Sequence[str],
+        answers: Sequence[str | Sequence[int]],
+        config: CaptureConfig = CaptureConfig(),
+    ) -> list[Generation]:
+        """Teacher-forced readings of (prompt, answer) pairs, all in flight together -> one
+        `Generation` each, in order (the drop-in for `actmap.capture.capture_answers`)."""
+        check_pairs(prompts, answers)
+        keys = [self.submit_read(p, a, config) for p, a in zip(prompts, answers, strict=True)]
+        return self._run(keys)
 
     def abort(self, key: str) -> None:
         """End a request now; its rows are dropped (no partial map is ever returned)."""
@@ -804,7 +1002,7 @@ class VllmCapture:
             if request is None:  # aborted meanwhile
                 continue
             completion = output.outputs[0]
-            new = list(completion.token_ids)
+            new = list(completion.token_ids) if request.forced is None else []
             if request.config.greybox and new:
                 request.logprobs.extend(_chosen_logprobs(completion.logprobs, new))
             request.token_ids.extend(new)
@@ -847,6 +1045,11 @@ class VllmCapture:
             self.submit(p, config, ids)
             for p, ids in zip(prompts, self.encode(prompts, config), strict=True)
         ]
+        return self._run(keys, on_event)
+
+    def _run(
+        self, keys: list[str], on_event: Callable[[StepEvent], None] | None = None
+    ) -> list[Generation]:
         done: dict[str, Generation] = {}
         for event in self.run_until_done():
             if on_event is not None:
@@ -875,6 +1078,46 @@ class VllmCapture:
         self.recorder.remove()
 
 
+def read_ids(
+    tokenizer, prompt: str, answer: str | Sequence[int], config: CaptureConfig
+) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of a teacher-forced reading, tokenized as
+    `actmap.capture.capture_answers` tokenizes a pair: the answer on its own, the prompt
+    leaving room for the answer and its end token (keeping its last tokens where the pair is
+    longer than ``config.max_context``)."""
+    (answer_ids,) = answer_token_ids(tokenizer, [answer])
+    check_read_length(1, len(answer_ids), config.max_context)
+    budget = replace(config, max_new_tokens=len(answer_ids) + 1)
+    encoded = tokenize_prompts(tokenizer, [prompt], budget, "cpu")
+    prompt_ids = encoded["input_ids"][0][encoded["attention_mask"][0].bool()].tolist()
+    check_read_length(len(prompt_ids), len(answer_ids), config.max_context)
+    return prompt_ids, answer_ids
+
+
+def read_request(
+    prompt_ids: list[int], answer_ids: list[int], ends: set[int], tokenizer
+) -> tuple[str, dict, ForcedRead]:
+    """(request id, vLLM prompt, reading) of a teacher-forced reading: prompt + answer as the
+    prompt, the end token (the smallest end id, as `capture_answers` scores) after the answer,
+    and a ``cache_salt`` of its own, so that prefix caching never skips the answer's positions
+    (their rows must be computed)."""
+    end = min(ends) if ends else int(tokenizer.pad_token_id or 0)
+    unique = uuid.uuid4().hex
+    inputs = {"prompt_token_ids": [*prompt_ids, *answer_ids], "cache_salt": unique}
+    read = ForcedRead(len(prompt_ids), (*answer_ids, end))
+    return forced_request_id(read.origin, end, unique), inputs, read
+
+
+def check_read_length(prompt_tokens: int, answer_tokens: int, max_context: int) -> None:
+    """A reading fits when prompt + answer + the end token's position fit the context (the
+    prompt at least one token)."""
+    if prompt_tokens + answer_tokens + 1 > max_context:
+        raise ActmapUserError(
+            f"prompt ({prompt_tokens} tokens) + answer ({answer_tokens} tokens) exceed this "
+            f"model's context of {max_context} tokens"
+        )
+
+
 def _model_runner(worker):
     return worker.model_runner
 
@@ -889,8 +1132,6 @@ def end_ids(folder: str, tokenizer) -> set[int]:
     except OSError:
         generation = None
     return end_token_ids(generation, tokenizer)
-
-
 
 
 def _chosen_logprobs(logprobs, token_ids: list[int]) -> list[float]:

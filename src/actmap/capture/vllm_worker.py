@@ -34,9 +34,14 @@ from actmap.capture.records import CaptureConfig
 from actmap.capture.vllm_engine import (
     _ACTIVE,
     RECORD_OP,
+    ForcedRead,
     _Recorder,
     _Request,
+    forced_read_of,
+    forced_rows,
+    forced_statistics,
     patch_model_loading,
+    reading_logits,
 )
 from actmap.capture.vllm_push import RowPublisher
 from actmap.capture.vllm_rows import child_index, payload
@@ -129,6 +134,8 @@ class ActmapWorker:
             if settings.get("push", True):  # finished rows also go out at once (vllm_push)
                 self._actmap_push = RowPublisher()
             self._actmap_wrap_execute(runner)
+        elif settings.get("greybox"):
+            self._actmap_follow_readings(runner)
         return self._actmap_info()
 
     def actmap_take(self, bases: list[str]) -> list[dict]:
@@ -196,6 +203,17 @@ class ActmapWorker:
             return None  # pooling requests and prompt embeddings have no answer rows
         recorder = self._actmap_recorder
         config = self._actmap_config
+        read = self._actmap_read_of(req_id)
+        if read is not None:  # a teacher-forced reading: its rows are the answer's positions
+            rows = len(read.chosen)
+            return _Request(
+                req_id, "", list(state.prompt_token_ids[: read.origin]), config,
+                torch.zeros(recorder.n_layers, rows, recorder.pooled_dim),
+                torch.zeros(rows) if config.greybox else None,
+                full_rows=[] if config.keep_positions else None, token_ids=list(read.chosen),
+                logprobs=[float("nan")] * rows if config.greybox else [],
+                internal_id=req_id, max_rows=rows, forced=read,
+            )  # fmt: skip
         max_rows = int(params.max_tokens) if params.max_tokens else None
         first = min(FIRST_ROWS, max_rows or FIRST_ROWS)
         states = torch.zeros(recorder.n_layers, first, recorder.pooled_dim)
@@ -210,6 +228,30 @@ class ActmapWorker:
             max_rows=max_rows if max_rows is not None else 1 << 30, attention=attention,
         )  # fmt: skip
         return request
+
+    def _actmap_read_of(self, req_id: str) -> ForcedRead | None:
+        """The teacher-forced reading request ``req_id`` is (its id says so:
+        `actmap.capture.vllm_engine.forced_request_id`), or None."""
+        state = self.model_runner.requests.get(req_id)
+        if state is None or getattr(state, "sampling_params", None) is None:
+            return None
+        return forced_read_of(req_id, state.prompt_token_ids)
+
+    def _actmap_follow_readings(self, runner) -> None:
+        """A rank that does not record (tensor parallel): the recording rank computes logits
+        for the rows of teacher-forced readings, and ``compute_logits`` is a collective, so
+        this rank computes the same rows' logits with it (and drops them)."""
+        original = runner._model_forward
+        compute_logits = reading_logits(runner.get_model())
+
+        def model_forward(*args, **kwargs):
+            step = forced_rows(runner, self._actmap_read_of)
+            out = original(*args, **kwargs)
+            if step is not None:
+                forced_statistics(compute_logits, out, step)
+            return out
+
+        runner._model_forward = model_forward
 
     def _actmap_wrap_execute(self, runner) -> None:
         """Before each step: move the last step's rows to the host and retire the requests vLLM

@@ -146,6 +146,12 @@ def serve(
     allow_weights_mismatch: bool = typer.Option(
         False, help="Serve although the upstream fails the start-up weights probe."
     ),
+    reader: str = typer.Option(
+        "transformers",
+        help="Proxy mode: what reads the upstream's answers: transformers (teacher-forced "
+        "passes) | vllm (teacher-forced requests to an in-process vLLM engine of --model; "
+        "pip install 'actmap[vllm]').",
+    ),
     upstream_dtype: str = typer.Option(
         None,
         help="The dtype the upstream computes in (vLLM's default on CPU: bfloat16); sets the "
@@ -186,13 +192,17 @@ def serve(
 
         if engine not in ("local", "vllm"):
             raise ActmapUserError(f"--engine must be 'local' or 'vllm', got {engine!r}")
+        if reader not in ("transformers", "vllm"):
+            raise ActmapUserError(f"--reader must be 'transformers' or 'vllm', got {reader!r}")
+        if reader != "transformers" and upstream is None:
+            raise ActmapUserError("--reader reads an upstream's answers: it needs --upstream")
         proxy = None
         if upstream is not None:
             proxy = ProxySettings(
                 upstream=upstream, model=upstream_model, timeout_s=upstream_timeout,
                 api_key=upstream_api_key, dtype=upstream_dtype,
                 allow_weights_mismatch=allow_weights_mismatch,
-                allow_dtype_mismatch=allow_dtype_mismatch,
+                allow_dtype_mismatch=allow_dtype_mismatch, reader=reader,
             )  # fmt: skip
         settings = ServeSettings(
             model=model, detector=detector, seed=seed, policy=policy, audit=audit,
@@ -224,6 +234,10 @@ def serve(
             )  # fmt: skip
         elif tensor_parallel_size != 1:
             raise ActmapUserError("--tensor-parallel-size needs --engine vllm")
+        if reader == "vllm":  # the proxy reads the upstream's answers with vLLM
+            from actmap.capture.vllm_engine import require_vllm
+
+            require_vllm()
     if host not in LOOPBACK and not settings.api_key:
         console.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key")
     if engine == "vllm":  # this process becomes vLLM's server (signals reach vLLM)

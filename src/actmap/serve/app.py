@@ -127,7 +127,7 @@ def build_engine(settings: ServeSettings) -> Engine:
     limit = getattr(
         getattr(model.config, "text_config", model.config), "max_position_embeddings", 2048
     )
-    return Engine(
+    engine = Engine(
         model,
         tokenizer,
         source,
@@ -138,6 +138,11 @@ def build_engine(settings: ServeSettings) -> Engine:
         audit=audit_trail(settings, detector),
         monitor=monitor,
     )
+    if proxy is not None and proxy.reader == "vllm" and detector is not None:
+        from actmap.serve.vllm_reader import InProcessReader
+
+        engine.forced_reader = InProcessReader.build(settings, engine, dtype)
+    return engine
 
 
 def load_scoring(settings: ServeSettings):
@@ -235,12 +240,14 @@ class ServerState:
         # vLLM engine holds none (POST /v1/actmap/score then answers 400)
         self.scorer = None
         if engine.model is not None:
+            # the proxy's --reader vllm: teacher-forced requests to an in-process vLLM engine
+            read = getattr(engine, "forced_reader", None) or partial(
+                score_answers,
+                engine,
+                prefix=PrefixCache(engine, chat_prefix(engine)) if engine.detector else None,
+            )
             self.scorer = MicroBatcher(
-                partial(
-                    score_answers,
-                    engine,
-                    prefix=PrefixCache(engine, chat_prefix(engine)) if engine.detector else None,
-                ),
+                read,
                 max_batch=settings.max_batch,
                 window_s=settings.batch_window_ms / 1000,
                 max_queue=settings.max_queue,

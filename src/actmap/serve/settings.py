@@ -42,6 +42,9 @@ class ProxySettings:
     dtype: str | None = None  # the dtype the upstream computes in; None = ours
     allow_weights_mismatch: bool = False  # serve although the start-up probe differs
     allow_dtype_mismatch: bool = False  # read in another dtype than the detector's maps
+    # what reads the upstream's answers: "transformers" (teacher-forced passes of the local
+    # weights) or "vllm" (teacher-forced requests to an in-process vLLM engine of them)
+    reader: str = "transformers"
 
 
 @dataclass(frozen=True)

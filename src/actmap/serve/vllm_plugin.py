@@ -61,6 +61,7 @@ from actmap.serve.protocol import ActmapOptions
 from actmap.serve.request_path import APIError, limit_max_tokens, validation_error
 from actmap.serve.review import REVIEW_PAGE
 from actmap.serve.settings import ServeSettings
+from actmap.serve.vllm_reader import VllmReader
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class VllmPlugin:
     def __init__(
         self, engine: Engine, client, ends: set[int], settings: ServeSettings | None = None
     ) -> None:
-        self.engine, self.ends = engine, ends
+        self.engine, self.ends, self.client = engine, ends, client
         self.settings = settings if settings is not None else ServeSettings(model="")
         self.score_app = self.score_state = None  # POST /v1/actmap/score (score_route)
         self.label_app = None  # feedback and review queue (`start_label_routes`)
@@ -278,16 +279,8 @@ class VllmPlugin:
         tokenizer = AutoTokenizer.from_pretrained(
             model_config.tokenizer, revision=model_config.tokenizer_revision
         )
-        model = None
-        if options.get("score_route"):  # /v1/actmap/score: a transformers copy reads answers
-            from actmap.llm.models import load_model
-
-            model = (await asyncio.to_thread(
-                load_model, model_config.model, model_config.revision or "main",
-                device=settings.device, dtype=dtype,
-            ))[0]  # fmt: skip
         engine = Engine(
-            model, tokenizer, served, detector, policy,
+            None, tokenizer, served, detector, policy,
             max_context=int(model_config.max_model_len), audit=audit_trail(settings, detector),
             monitor=monitor,
         )  # fmt: skip
@@ -299,22 +292,25 @@ class VllmPlugin:
         plugin.subscribe(infos)
         keys = _api_keys(app_state)
         plugin.start_label_routes(keys)
-        if model is not None:
+        if options.get("score_route"):  # /v1/actmap/score: answers read by vLLM itself
             names = model_config.served_model_name
             name = names[0] if isinstance(names, list) else names
             await plugin.start_score_route(name, keys)
         return plugin
 
     async def start_score_route(self, model_name: str, api_keys: list[str] = ()) -> None:
-        """``POST /v1/actmap/score`` (`actmap.serve.score_endpoint`, ``actmap serve``'s route and
-        scoring batcher) on a small app of its own, over this plugin's engine and metrics.
-        ``api_keys``: vLLM's own (`_api_keys`), checked as vLLM checks them (`_actmap_app`)."""
+        """``POST /v1/actmap/score`` (`actmap.serve.score_endpoint`, ``actmap serve``'s route) on a
+        small app of its own, over this plugin's engine and metrics; each answer is read by a
+        teacher-forced request to vLLM (`actmap.serve.vllm_reader.VllmReader`). ``api_keys``:
+        vLLM's own (`_api_keys`), checked as vLLM checks them (`_actmap_app`)."""
         from actmap.serve.app import ServerState
         from actmap.serve.score_endpoint import install_score_route
 
         settings = replace(self.settings, served_model_name=model_name)
-        # the scoring side alone (vLLM generates), counting into the metrics on vLLM's /metrics
+        # the scoring side alone (vLLM generates and reads), counting into the metrics on
+        # vLLM's /metrics
         state = ServerState(settings, self.engine, metrics=self.metrics, generate=False)
+        state.scorer = VllmReader(self, settings.max_queue, self.metrics.observe_forced)
         await state.scorer.start()
         self.score_app = _actmap_app(state, install_score_route, api_keys)
         self.score_state = state
@@ -591,8 +587,8 @@ class ActmapMiddleware:
     async def _score_route(self, scope, receive, send) -> None:
         if self.plugin.score_app is None:
             error = APIError(
-                400, "scoring existing answers reads them with a transformers copy of the model "
-                f"in vLLM's API server: start it with --additional-config "
+                400, "scoring existing answers (a teacher-forced reading by vLLM) is off on this "
+                f"server: start it with --additional-config "
                 f"""'{{"{CONFIG_KEY}": {{"score_route": true, ...}}}}'""", param="score_route",
             )  # fmt: skip
             return await error.response()(scope, receive, send)
