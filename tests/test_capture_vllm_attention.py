@@ -341,3 +341,13 @@ def test_the_plugins_worker_sends_the_same_attention(family_engine, word_tokeniz
             runner, engine.recorder.model, engine.n_layers, 128, 8, engine.greybox
         )
     assert_same_attention(got, generate_batch(model, word_tokenizer, PROMPTS, CONFIG))
+
+
+def test_a_teacher_forced_reading_refuses_attention_by_name(family_engine):
+    from actmap.errors import ActmapUserError
+
+    family, model, engine = family_engine
+    if family != "llama":
+        pytest.skip("one family is enough")
+    with pytest.raises(ActmapUserError, match="teacher-forced reading.*attention_keys"):
+        engine.submit_read("what is", "the", CONFIG)

@@ -1075,7 +1075,12 @@ class VllmCapture:
             _ACTIVE.remove(self.recorder)
 
     def close(self) -> None:
+        """Detach the recorder and shut vLLM's engine down now: left to the garbage collector,
+        its finalizer tears down vLLM's distributed state whenever it runs, even while another
+        engine of this process is loading its model ("tensor model parallel group is not
+        initialized")."""
         self.recorder.remove()
+        self.engine.engine_core.shutdown()
 
 
 def read_ids(
