@@ -62,6 +62,13 @@ def expected_row(pass_value: float, flat: int) -> torch.Tensor:
 def test_recomputed_rows_after_preemption_keep_the_recorded_values():
     runner = ScriptedRunner()
     recorder = _Recorder(runner, nn.Linear(1, 1), N_LAYERS, WIDTH, capacity=16, greybox=False)
+    try:
+        check_recomputed_rows(runner, recorder)
+    finally:  # one recorder per process: the next engine in this process needs none left
+        recorder.remove()
+
+
+def check_recomputed_rows(runner, recorder) -> None:
     runner.recorder = recorder
     request = _Request(
         key="k", prompt="p", prompt_ids=[1, 2, 3], config=CaptureConfig(),

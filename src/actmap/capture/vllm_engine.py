@@ -313,8 +313,8 @@ def reading_logits(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor | 
     processor = getattr(model, "logits_processor", None)
     base = getattr(processor, "base_layer", None)
     head = getattr(model, "lm_head", None)
-    if base is None or head is None:
-        return model.compute_logits
+    if base is None or head is None:  # looked up when a reading needs it
+        return lambda hidden: model.compute_logits(hidden)
     head = getattr(head, "base_layer", head)
     return lambda hidden: base(head, hidden)
 
