@@ -601,7 +601,18 @@ def test_pushed_rows_reach_the_request_that_expects_them_and_the_rpc_takes_the_r
     assert _answers({"prompt": [1, 2, 3]}, "completion") == 1  # one prompt of token ids
     first, second = f"chatcmpl-{BASE}-aaaa1111", f"1_chatcmpl-{BASE}-bbbb2222"
     other = "chatcmpl-actmap-other-cccc3333"
-    publisher = RowPublisher(str(tmp_path))
+    import tempfile
+    from pathlib import Path
+
+    import zmq
+
+    too_long = RowPublisher(str(tmp_path / ("x" * 120)))  # no socket path is that long
+    assert too_long.address.startswith("ipc:///tmp/actmap-rows-")
+    assert len(too_long.address.removeprefix("ipc://")) <= zmq.IPC_PATH_MAX_LEN
+    too_long.close()
+    short = Path(tempfile.mkdtemp(prefix="actmap-push-", dir="/tmp"))
+    publisher = RowPublisher(str(short))
+    assert publisher.address.startswith(f"ipc://{short}/")
 
     async def scenario():
         subscriber = RowSubscriber(publisher.address, child_index)
@@ -651,4 +662,5 @@ def test_pushed_rows_reach_the_request_that_expects_them_and_the_rpc_takes_the_r
         asyncio.run(scenario())
     finally:
         publisher.close()
-    assert not list(tmp_path.iterdir())  # the socket's path is removed
+    assert not list(short.iterdir())  # the socket's path is removed
+    short.rmdir()

@@ -313,10 +313,17 @@ def reading_logits(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor | 
     processor = getattr(model, "logits_processor", None)
     base = getattr(processor, "base_layer", None)
     head = getattr(model, "lm_head", None)
-    if base is None or head is None:  # looked up when a reading needs it
-        return lambda hidden: model.compute_logits(hidden)
+    if base is None or head is None:  # vLLM's own, taken before the recorder wraps it
+        compute = getattr(model, "compute_logits", None)
+        if compute is None:  # a stand-in model without logits: no reading can be asked of it
+            return lambda hidden: _no_logits(model)
+        return compute
     head = getattr(head, "base_layer", head)
     return lambda hidden: base(head, hidden)
+
+
+def _no_logits(model: nn.Module):
+    raise RuntimeError(f"{type(model).__name__} has no compute_logits: it cannot read answers")
 
 
 def forced_statistics(compute_logits, hidden, step: _ForcedStep) -> torch.Tensor | None:

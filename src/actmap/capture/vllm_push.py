@@ -39,7 +39,10 @@ class RowPublisher:
     """The worker's end: one PUB socket on an ``ipc://`` path of this host."""
 
     def __init__(self, directory: str | None = None) -> None:
-        path = os.path.join(directory or tempfile.gettempdir(), f"actmap-rows-{uuid.uuid4().hex}")
+        name = f"actmap-rows-{uuid.uuid4().hex}"
+        path = os.path.join(directory or tempfile.gettempdir(), name)
+        if len(path) > zmq.IPC_PATH_MAX_LEN:  # a socket's path is short (107 bytes on Linux)
+            path = os.path.join("/tmp", name)
         self.address = f"ipc://{path}"
         self.host = socket.gethostname()
         self._socket = zmq.Context.instance().socket(zmq.PUB)
