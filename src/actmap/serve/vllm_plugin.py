@@ -522,11 +522,16 @@ def _audit_text(body: dict, endpoint: str) -> str:
     return "\n".join(lines)
 
 
+def _choices(body: dict) -> int:
+    """The request's ``n`` (1 when absent or not a count above 1: vLLM's own check answers)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and n > 1 else 1
+
+
 def _answers(body: dict, endpoint: str) -> int:
     """How many answers vLLM makes for a request: ``n`` per prompt (a completion may give a
     list of prompts)."""
-    n = body.get("n")
-    n = n if isinstance(n, int) and n > 1 else 1
+    n = _choices(body)
     prompt = body.get("prompt") if endpoint == "completion" else None
     if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
         return n * len(prompt)
@@ -677,8 +682,7 @@ class ActmapMiddleware:
             changed = self._limit_tokens(body, endpoint) or changed
         if changed:
             raw = json.dumps(body).encode()
-        n = body.get("n")
-        n = n if isinstance(n, int) and n > 1 else 1
+        n = _choices(body)
         stream = bool(body.get("stream"))
         if options.abort_below is not None and not stream:
             raise APIError(
