@@ -318,7 +318,7 @@ def test_the_plugins_worker_sends_the_same_attention(family_engine, word_tokeniz
         info = worker.actmap_configure(
             {"greybox": True, "keep_positions": False, "attention_keys": KEYS, "push": False}
         )
-        assert info["recording"]
+        assert info["recording"] and info["rows_address"] is None  # "push": false: RPC only
         params = SamplingParams(
             max_tokens=CONFIG.max_new_tokens, temperature=0.0, stop_token_ids=[1],
             logprobs=0, detokenize=False,
