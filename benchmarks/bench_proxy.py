@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 sys.path.insert(0, SRC)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import free_port, make_detector  # noqa: E402
+from bench_vllm_plugin import tree_cpu_s  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from serve_helpers import stop_process_group as stop  # noqa: E402
@@ -294,30 +296,72 @@ def pass_totals(proxy: str) -> dict:
     }
 
 
-def group_cpu_s(pgid: int | None) -> float | None:
-    """CPU seconds (user + system) of the live processes of one process group (a server and
-    the workers it started): read from /proc, so a run's share is the difference."""
-    if pgid is None:
-        return None
-    tick, total = os.sysconf("SC_CLK_TCK"), 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / tick
+def cpu_by_process(pid: int | None) -> dict[str, float]:
+    """CPU seconds so far of a server's processes by title (`bench_vllm_plugin.tree_cpu_s`:
+    the server, vLLM's ``VLLM::EngineCore``, ...): a run's share is the difference."""
+    return {} if pid is None else tree_cpu_s(pid)
+
+
+def spent_per_request(before: dict, after: dict, n: int) -> dict[str, float]:
+    return {k: (s - before.get(k, 0.0)) / n for k, s in after.items()}
+
+
+def profile_proxy(pid: int, out: Path, py_spy: str) -> subprocess.Popen:
+    """py-spy sampling the proxy (every thread, vLLM's in-process engine included) until
+    stopped with SIGINT; raw stacks to ``out``."""
+    return subprocess.Popen(
+        [py_spy, "record", "-p", str(pid), "-r", "50", "-f", "raw", "-o", str(out),
+         "--subprocesses", "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+# where a proxy sample goes: the first part one of whose marks its stack holds
+PROFILE_PARTS = (
+    ("actmap recorder in the forward (rows, statistics)", ("_Recorder.record ", "_Recorder._begin_step", "_Recorder._end_step", "_Recorder._pool_step", "_Recorder.scatter", "<locals>.compute_logits", "forced_statistics", "forced_rows", "record_hook")),
+    ("reading forward (vLLM model)", ("GPUModelRunner._model_forward",)),
+    ("vLLM engine, rest (scheduler, inputs, sampler, outputs)", ("vllm/",)),
+    ("scoring (maps, detector, policy, audit)", ("Engine.score",)),
+    ("tokenization, chat template", ("tokeniz", "render_chat", "apply_chat_template")),
+    ("event loop (HTTP, JSON, httpx, proxy logic)", ("Runner.run",)),
+)  # fmt: skip
+
+
+def profile_split(path: Path) -> dict[str, float]:
+    """Share of the proxy's samples in each of `PROFILE_PARTS` (an idle thread is not
+    sampled: py-spy without ``--idle``)."""
+    counts: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        total += n
+        part = next(
+            (name for name, marks in PROFILE_PARTS if any(m in stack for m in marks)), "other"
+        )
+        counts[part] = counts.get(part, 0) + n
+    return {
+        "samples": total,
+        **{k: v / max(total, 1) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])},
+    }
 
 
 def measure(
-    upstream: str, proxy: str, pools: dict, warm: list[dict], pgids: dict, repeats: int
+    upstream: str,
+    proxy: str,
+    pools: dict,
+    warm: list[dict],
+    pids: dict,
+    repeats: int,
+    profile: Path | None = None,
+    py_spy: str = "py-spy",
 ) -> list:
     """Upstream alone and through the proxy at 1 and 16 concurrent requests, ``repeats``
     times each, the two targets alternating (which goes first swaps every repeat, so a drift
     of the machine's speed falls on both). Each run sends its own questions (a prompt seen
     once is not answered from the upstream's prefix cache the second time) and records the
-    CPU seconds each server's process group spent on it."""
+    CPU seconds each server's processes spent on it, per request (and by process title).
+    With ``profile``, py-spy samples the proxy during its first run at 16 concurrent."""
     asyncio.run(load(upstream, warm, 4))  # warm both
     asyncio.run(load(proxy, warm, 4))
     runs = []
@@ -328,12 +372,21 @@ def measure(
             order = [("upstream", upstream), ("proxy", proxy)]
             for name, url in order if repeat % 2 == 0 else order[::-1]:
                 before = pass_totals(proxy) if name == "proxy" else None
-                cpu = {k: group_cpu_s(g) for k, g in pgids.items()}
+                spy = None
+                if profile is not None and name == "proxy" and concurrency > 1 and repeat == 0:
+                    spy = profile_proxy(pids["proxy"], profile, py_spy)
+                    time.sleep(1)  # attached before the load starts
+                cpu = {k: cpu_by_process(pid) for k, pid in pids.items()}
                 row = asyncio.run(load(url, next(chunks), concurrency))
                 row.update(target=name, repeat=repeat)
-                for k, g in pgids.items():
-                    if cpu[k] is not None:
-                        row[f"{k}_cpu_s_per_request"] = (group_cpu_s(g) - cpu[k]) / row["n"]
+                for k, pid in pids.items():
+                    if cpu[k]:
+                        spent = spent_per_request(cpu[k], cpu_by_process(pid), row["n"])
+                        row[f"{k}_cpu_s_per_request"] = sum(spent.values())
+                        row[f"{k}_cpu_s_by_process"] = spent
+                if spy is not None:
+                    spy.send_signal(2)
+                    spy.wait()
                 if before is not None:  # the proxy's own scoring during this run (wall seconds)
                     after = pass_totals(proxy)
                     batches = after["batches"] - before["batches"]
@@ -365,7 +418,22 @@ def summary(runs: list[dict]) -> dict:
                 values = [by[t, k][key] for k in repeats if key in by[t, k]]
                 if values:
                     out[c][f"{t}_run_{key}"] = float(np.median(values))
+        out[c].update(cpu_bounds(out[c]))
     return out
+
+
+def cpu_bounds(s: dict) -> dict:
+    """What the CPU per request allows when both servers share the cores and are CPU-bound:
+    U = the upstream's CPU per request alone, U' = the upstream's behind the proxy, R = the
+    proxy's. ``bound``: U / (U + R) (the proxy's own cost only); ``cpu_predicted``:
+    U / (U' + R), the ratio of the CPU per request of the two runs."""
+    try:
+        u = s["upstream_run_upstream_cpu_s_per_request"]
+        u_via = s["proxy_run_upstream_cpu_s_per_request"]
+        r = s["proxy_run_proxy_cpu_s_per_request"]
+    except KeyError:
+        return {}
+    return {"bound": u / (u + r), "cpu_predicted": u / (u_via + r)}
 
 
 def main() -> None:
@@ -393,8 +461,15 @@ def main() -> None:
         "--repeats", type=int, default=3, help="load runs per target and concurrency"
     )
     parser.add_argument(
-        "--upstream-pgid", type=int, help="with --upstream: its process group, for its CPU time"
-    )
+        "--upstream-pid", type=int,
+        help="with --upstream: its server's process id, for its processes' CPU time",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile", type=Path,
+        help="a folder: py-spy samples the proxy during its first run at 16 concurrent "
+        "(PROXY-DTYPES.txt, raw stacks) and the split of its samples is printed",
+    )  # fmt: skip
+    parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     parser.add_argument(
         "--batch-window-ms", type=float, default=5.0, help="the proxy's batch window"
     )
@@ -434,7 +509,7 @@ def main() -> None:
     result = {"uptime_before": uptime(), "model": MODEL, "max_tokens": args.max_tokens,
               "answer_length": args.answer_length, "instruction": instruction,
               "configs": [f"{u}/{p}" for u, p in configs], "load": [], "probe": {},
-              "scoring": {}, "summary": {}, "repeats": args.repeats,
+              "scoring": {}, "summary": {}, "profile": {}, "repeats": args.repeats,
               "batch_window_ms": args.batch_window_ms, "proxy_nice": args.proxy_nice,
               "reader": args.reader}  # fmt: skip
     sizes = {1: 2 * args.repeats * args.requests_single, 16: 2 * args.repeats * args.requests}
@@ -452,9 +527,9 @@ def main() -> None:
                 log = work / f"vllm-{upstream_dtype}.log"
                 process, upstream = start_vllm(args, folder, upstream_dtype, log)
                 processes.append(process)
-                upstream_pgid = process.pid  # started in a session of its own
+                upstream_pid = process.pid
             else:
-                upstream_pgid = args.upstream_pgid
+                upstream_pid = args.upstream_pid
             for u, proxy_dtype in configs:
                 if u != upstream_dtype:
                     continue
@@ -465,8 +540,15 @@ def main() -> None:
                 )
                 processes.append(process)
                 check_model(MODEL)
-                pgids = {"upstream": upstream_pgid, "proxy": process.pid}
-                runs = measure(upstream, proxy, pools, warm, pgids, args.repeats)
+                pids = {"upstream": upstream_pid, "proxy": process.pid}
+                spied = None
+                if args.profile is not None:
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    spied = args.profile / f"proxy-{u}-{proxy_dtype}.txt"
+                runs = measure(upstream, proxy, pools, warm, pids, args.repeats, spied, args.py_spy)
+                if spied is not None and spied.exists():
+                    result["profile"][name] = profile_split(spied)
+                    print(name, "proxy profile", json.dumps(result["profile"][name]), flush=True)
                 result["load"] += [{"config": name, **row} for row in runs]
                 result["summary"][name] = summary(runs)
                 stop(processes.pop())
@@ -514,12 +596,21 @@ def report(result: dict) -> None:
             for r in (r for r in result["load"] if r["config"] == name and r["concurrency"] == c):
                 cpu = [f"{r[k]:.3f}" if k in r else "-" for k in ("upstream_cpu_s_per_request", "proxy_cpu_s_per_request")]  # fmt: skip
                 print(f"{name:>17} {c:>5} {r['repeat']:>3} {r['target']:>9} {r['req_per_s']:7.2f} {r['p50_s']:7.3f} {r['p99_s']:7.3f} {cpu[0]:>10} {cpu[1]:>13}")  # fmt: skip
+                for k in ("upstream", "proxy"):
+                    if r["target"] == "proxy" and f"{k}_cpu_s_by_process" in r:
+                        parts = ", ".join(f"{t} {1e3 * v:.1f}" for t, v in r[f"{k}_cpu_s_by_process"].items())  # fmt: skip
+                        print(f"{'':>17} {'':>5} {'':>3} {k} cpu ms/request by process: {parts}")  # fmt: skip
                 if "scoring_batches" in r:
                     print(f"{'':>17} {'':>5} {'':>3} the proxy's scoring: {r['scoring_batches']:.0f} batches of {r['answers_per_batch']:.1f} answers, {r['scoring_batch_s_total']:.2f} s in all")  # fmt: skip
             s = result["summary"][name][c]
             ratio, added = s["ratio_median"], s["added_p50_s"]
             ratios = ", ".join(f"{x:.2f}" for x in s["ratios"])
             print(f"{'':>17} {'':>5} throughput ratio {ratio:.2f} median of [{ratios}] (target >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'}), added p50 {added:+.3f} s vs upstream p50 {s['upstream_p50_s']:.3f} s ({'met' if added < s['upstream_p50_s'] else 'NOT met'})")  # fmt: skip
+            if "bound" in s:
+                print(f"{'':>17} {'':>5} cpu bound U/(U+R) {s['bound']:.2f} (U {s['upstream_run_upstream_cpu_s_per_request']:.3f} s the upstream alone, R {s['proxy_run_proxy_cpu_s_per_request']:.3f} s the proxy); U/(U'+R) {s['cpu_predicted']:.2f} (U' {s['proxy_run_upstream_cpu_s_per_request']:.3f} s the upstream behind the proxy)")  # fmt: skip
+        for part, share in result.get("profile", {}).get(name, {}).items():
+            if part != "samples":
+                print(f"{'':>17} proxy profile {100 * share:5.1f}%  {part}")
         p = result["probe"][name]
         print(f"{'':>17} weights probe: log-prob diff {p['max_logprob_diff']}, greedy margin {p['max_margin']}, tolerance {p['tolerance']}, problem {p['problem']}")  # fmt: skip
     m = result["mismatch"]
