@@ -86,6 +86,38 @@ def test_the_proxy_reads_the_upstreams_answer_through_vllm(servers):
     assert same_map(maps[result["map_id"]], stored) and same_map(maps[block["map_id"]], stored)
 
 
+def test_readings_share_prompt_blocks_and_never_skip_answer_rows(servers):
+    """Readings whose prompts start with the same system prompt share its cached block; a pair
+    read again later, whose blocks are then cached past its prompt (its answer rows), is caught
+    by its all-zero first row and computed anew. Each scores as the transformers reading."""
+    from conftest import WORDS
+
+    from actmap.serve.answers import ScoreJob
+
+    engine = servers["engine"]
+    reader = engine.forced_reader
+    reference = load_reference(servers["folder"], servers["run"])
+    system = {"role": "system", "content": " ".join(WORDS[i % 20] for i in range(40))}
+    first = [system, {"role": "user", "content": "what is the capital city"}]  # 45 tokens
+    second = [system, {"role": "user", "content": "what is a river"}]  # 44 tokens
+    answer = engine.encode(" ".join(WORDS[(3 * i) % 30] for i in range(30)), False)
+    pairs = [(first, answer), (second, answer[:5]), (first, answer)]
+    recorder = reader.capture.recorder
+    hits, reread = recorder.prefix_cache_hits, reader.reread
+    results = []
+    for messages, ids in pairs:  # a batch each: the third finds all of the first's blocks
+        (scored,), _ = reader([ScoreJob(engine.render_chat(messages), list(ids))])
+        results.append(scored)
+    # block 0 (32 tokens of the system prompt) shared by the second and third readings; the
+    # third's cached blocks reached position 64, past its prompt (45): read again
+    assert recorder.prefix_cache_hits - hits == 2
+    assert reader.reread - reread == 1
+    for (messages, ids), scored in zip(pairs, results, strict=True):
+        p_raw, stored = expected(reference, ids, messages)
+        assert same_score(scored.p_correct_raw, p_raw), (scored.p_correct_raw, p_raw)
+        assert same_map(scored.map, stored)
+
+
 def test_reader_needs_an_upstream(tmp_path):
     from typer.testing import CliRunner
 

@@ -936,17 +936,20 @@ class VllmCapture:
         if config.greybox and not self.greybox:
             raise ActmapUserError("this engine was built map-only (greybox=False)")
 
-    def submit_read(self, prompt: str, answer: str | Sequence[int], config: CaptureConfig) -> str:
+    def submit_read(
+        self, prompt: str, answer: str | Sequence[int], config: CaptureConfig,
+        salt: str | None = None,
+    ) -> str:  # fmt: skip
         """Add one teacher-forced reading of ``answer`` after ``prompt`` (`ForcedRead`): one
         prefill of prompt + answer, whose `Generation` equals `actmap.capture.capture_answers`'
-        for the pair. Returns its key."""
+        for the pair. Returns its key. ``salt``: `read_request`'s."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self._check_config(config, reading=True)
         config = replace(config, max_context=self.max_context, stop_strings=())
         prompt_ids, answer_ids = read_ids(self.tokenizer, prompt, answer, config)
-        key, inputs, read = read_request(prompt_ids, answer_ids, self.ends, self.tokenizer)
+        key, inputs, read = read_request(prompt_ids, answer_ids, self.ends, self.tokenizer, salt)
         rows = len(read.chosen)
         request = _Request(
             key, prompt, prompt_ids, config,
@@ -968,11 +971,13 @@ class VllmCapture:
         prompts: Sequence[str],
         answers: Sequence[str | Sequence[int]],
         config: CaptureConfig = CaptureConfig(),
+        salt: str | None = None,
     ) -> list[Generation]:
         """Teacher-forced readings of (prompt, answer) pairs, all in flight together -> one
-        `Generation` each, in order (the drop-in for `actmap.capture.capture_answers`)."""
+        `Generation` each, in order (the drop-in for `actmap.capture.capture_answers`).
+        ``salt``: `read_request`'s."""
         check_pairs(prompts, answers)
-        keys = [self.submit_read(p, a, config) for p, a in zip(prompts, answers, strict=True)]
+        keys = [self.submit_read(p, a, config, salt) for p, a in zip(prompts, answers, strict=True)]
         return self._run(keys)
 
     def abort(self, key: str) -> None:
@@ -1107,15 +1112,17 @@ def read_ids(
 
 
 def read_request(
-    prompt_ids: list[int], answer_ids: list[int], ends: set[int], tokenizer
-) -> tuple[str, dict, ForcedRead]:
+    prompt_ids: list[int], answer_ids: list[int], ends: set[int], tokenizer,
+    salt: str | None = None,
+) -> tuple[str, dict, ForcedRead]:  # fmt: skip
     """(request id, vLLM prompt, reading) of a teacher-forced reading: prompt + answer as the
     prompt, the end token (the smallest end id, as `capture_answers` scores) after the answer,
     and a ``cache_salt`` of its own, so that prefix caching never skips the answer's positions
-    (their rows must be computed)."""
+    (their rows must be computed). A ``salt`` shared by readings lets them share cached prompt
+    blocks; the caller must then check every row was computed (`actmap.serve.vllm_reader`)."""
     end = min(ends) if ends else int(tokenizer.pad_token_id or 0)
     unique = uuid.uuid4().hex
-    inputs = {"prompt_token_ids": [*prompt_ids, *answer_ids], "cache_salt": unique}
+    inputs = {"prompt_token_ids": [*prompt_ids, *answer_ids], "cache_salt": salt or unique}
     read = ForcedRead(len(prompt_ids), (*answer_ids, end))
     return forced_request_id(read.origin, end, unique), inputs, read
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 from actmap.capture.records import CaptureConfig
 from actmap.capture.vllm_engine import read_ids, read_request
@@ -104,15 +105,33 @@ class VllmReader:
         return self.plugin.engine.score([job], [generation], started)[0]
 
 
+# the in-process reader's KV block size: vLLM's CPU default (128) is longer than most chat
+# prompts, so no prompt block could be shared; 32 (the CPU backend wants multiples of 32) keeps
+# a chat template's system turn in whole blocks
+READ_BLOCK_SIZE = 32
+
+
 class InProcessReader:
     """The proxy's reader with ``--reader vllm``: each batch of existing answers read as
     teacher-forced requests to an in-process vLLM engine of the served weights
     (`actmap.capture.vllm_engine.VllmCapture.read`: the batch in flight together under vLLM's
     scheduler, each reading one prefill), then scored as `actmap.serve.answers.score_answers`
-    scores a batch. Called by the scoring batcher's thread, like `score_answers`."""
+    scores a batch. Called by the scoring batcher's thread, like `score_answers`.
+
+    Readings share cached prompt blocks (one ``cache_salt`` for all, blocks of
+    `READ_BLOCK_SIZE`): a prefix every prompt starts with (the chat template's system turn, a
+    system prompt) is computed once, as the transformers reader's `PrefixCache` does. A reading
+    needs every row from its prompt's last position on computed, and vLLM skips whatever
+    cached blocks cover: a block past that position is cached only by an earlier reading with
+    the same prompt (and, but for a prompt that ends on a block boundary, the same first answer
+    tokens). A skipped row stays all zeros, and hits cover leading positions only, so a reading
+    whose first row is all zeros is read again with a salt of its own (``reread`` counts
+    them)."""
 
     def __init__(self, capture, engine) -> None:
         self.capture, self.engine = capture, engine
+        self.salt = f"actmap-readers-{uuid.uuid4().hex}"
+        self.reread = 0
 
     @classmethod
     def build(cls, settings, engine, dtype: str) -> InProcessReader:
@@ -123,7 +142,7 @@ class InProcessReader:
         capture = VllmCapture(
             settings.model,
             dtype,
-            VllmOptions(max_num_seqs=settings.max_batch),
+            VllmOptions(max_num_seqs=settings.max_batch, block_size=READ_BLOCK_SIZE),
             greybox=engine.detector.needs_scalars,
             max_context=engine.max_context,
         )
@@ -134,12 +153,26 @@ class InProcessReader:
         config = CaptureConfig(
             max_context=self.engine.max_context, **self.engine.detector.capture_settings()
         )
-        generations = self.capture.read(
-            [job.prompt for job in jobs], [job.answer for job in jobs], config
-        )
+        prompts, answers = [job.prompt for job in jobs], [job.answer for job in jobs]
+        generations = self.capture.read(prompts, answers, config, salt=self.salt)
+        skipped = [i for i, g in enumerate(generations) if not row_computed(g)]
+        if skipped:  # a cached block covered answer rows: those pairs again, computed anew
+            self.reread += len(skipped)
+            again = self.capture.read(
+                [prompts[i] for i in skipped], [answers[i] for i in skipped], config
+            )
+            for i, generation in zip(skipped, again, strict=True):
+                generations[i] = generation
         read = time.perf_counter()
         answers = self.engine.score(jobs, generations, started)
         return answers, BatchTimings(len(jobs), read - started, time.perf_counter() - read)
 
     def close(self) -> None:
         self.capture.close()
+
+
+def row_computed(generation) -> bool:
+    """Whether a reading's first row was computed (a row vLLM skipped holds zeros: its pooled
+    states, of every layer; an empty answer's single row is its last position, which vLLM
+    always computes)."""
+    return generation.n_tokens == 0 or bool(generation.trajectory[:, 0].any())
