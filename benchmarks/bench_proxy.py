@@ -296,10 +296,24 @@ def pass_totals(proxy: str) -> dict:
     }
 
 
+MAIN_THREAD = "of which its main thread"  # the server's event loop (uvicorn runs it there)
+
+
 def cpu_by_process(pid: int | None) -> dict[str, float]:
     """CPU seconds so far of a server's processes by title (`bench_vllm_plugin.tree_cpu_s`:
-    the server, vLLM's ``VLLM::EngineCore``, ...): a run's share is the difference."""
-    return {} if pid is None else tree_cpu_s(pid)
+    the server, vLLM's ``VLLM::EngineCore``, ...) and of the server's main thread (its event
+    loop: HTTP, JSON, the proxy's own logic): a run's share is the difference."""
+    if pid is None:
+        return {}
+    import psutil
+
+    out = tree_cpu_s(pid)
+    try:
+        main = next(t for t in psutil.Process(pid).threads() if t.id == pid)
+        out[MAIN_THREAD] = main.user_time + main.system_time
+    except (psutil.NoSuchProcess, StopIteration):
+        pass
+    return out
 
 
 def spent_per_request(before: dict, after: dict, n: int) -> dict[str, float]:
@@ -382,7 +396,9 @@ def measure(
                 for k, pid in pids.items():
                     if cpu[k]:
                         spent = spent_per_request(cpu[k], cpu_by_process(pid), row["n"])
-                        row[f"{k}_cpu_s_per_request"] = sum(spent.values())
+                        row[f"{k}_cpu_s_per_request"] = sum(
+                            v for t, v in spent.items() if t != MAIN_THREAD
+                        )
                         row[f"{k}_cpu_s_by_process"] = spent
                 if spy is not None:
                     spy.send_signal(2)
