@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -173,6 +174,60 @@ def mismatch_rate(tokenizer, ends: set[int], answers: list[dict]) -> dict:
             "ids_do_not_decode_to_text": not_decoding, "examples": examples}  # fmt: skip
 
 
+def timed_scoring(
+    score, prompts: list[str], answer_ids: list[list[int]], batch: int, prompt_tokens: int
+) -> dict:
+    """Wall and CPU time per answer and per answer token of ``score(jobs)`` over the answers,
+    ``batch`` at a time (CPU: this process, every thread)."""
+    from actmap.serve.answers import ScoreJob
+
+    tokens = sum(len(a) for a in answer_ids)
+    started, cpu = time.perf_counter(), time.process_time()
+    for i in range(0, len(prompts), batch):
+        jobs = [ScoreJob(p, a) for p, a in zip(prompts[i : i + batch], answer_ids[i : i + batch], strict=True)]  # fmt: skip
+        score(jobs)
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {"answers": len(prompts), "answer_tokens": tokens, "prompt_tokens": prompt_tokens,
+            "ms_per_answer": 1000 * seconds / len(prompts),
+            "ms_per_answer_token": 1000 * seconds / tokens,
+            "cpu_ms_per_answer": 1000 * cpu / len(prompts),
+            "cpu_ms_per_answer_token": 1000 * cpu / tokens}  # fmt: skip
+
+
+def vllm_reading_cost(
+    detector_run: Path, prompts: list[str], answer_ids: list[list[int]], dtype: str
+) -> dict:
+    """The proxy's ``--reader vllm`` (`InProcessReader`: reading + map + detector) per answer
+    and per token, batches of 1, 4 and 16, its readings sharing cached prompt blocks and, for
+    comparison, each with a cache salt of its own (nothing shared)."""
+    import torch
+
+    from actmap.serve.answers import ScoreJob
+    from actmap.serve.app import ServeSettings, build_engine
+    from actmap.serve.vllm_reader import InProcessReader
+
+    torch.set_num_threads(1)
+    settings = ServeSettings(model=MODEL, detector=detector_run, dtype=dtype)
+    engine = build_engine(settings)
+    reader = InProcessReader.build(settings, engine, dtype)
+    try:
+        prompt_tokens = sum(engine.count_tokens(p) for p in prompts)
+        shared = reader.salt
+        reader([ScoreJob(prompts[0], answer_ids[0])])  # warm
+        out = {"dtype": dtype}
+        for salt, name in ((None, "own_salt"), (shared, "shared_blocks")):
+            reader.salt = salt  # None: a salt per reading (`read_request`)
+            for batch in (1, 4, 16):
+                out[f"vllm_batch_{batch}_{name}"] = timed_scoring(
+                    reader, prompts, answer_ids, batch, prompt_tokens
+                )
+        out["vllm_reread"] = reader.reread
+        out["vllm_prefix_cache_hits"] = reader.capture.recorder.prefix_cache_hits
+        return out
+    finally:
+        reader.close()
+
+
 def scoring_cost(
     detector_run: Path, prompts: list[str], answer_ids: list[list[int]], dtype: str
 ) -> dict:
@@ -187,23 +242,14 @@ def scoring_cost(
     torch.set_num_threads(1)
     engine = build_engine(ServeSettings(model=MODEL, detector=detector_run, dtype=dtype))
     out = {"dtype": dtype}
-    tokens = sum(len(a) for a in answer_ids)
     prompt_tokens = sum(engine.count_tokens(p) for p in prompts)  # the pass reads these too
     prefix = chat_prefix(engine)  # what the server runs once: the template's system turn
     out["chat_prefix_tokens"] = 0 if prefix is None else len(prefix.ids)
     score_answers(engine, [ScoreJob(prompts[0], answer_ids[0])], prefix)  # warm
     for batch, shared in ((1, None), (1, prefix), (16, prefix)):
-        started, cpu = time.perf_counter(), time.process_time()
-        for i in range(0, len(prompts), batch):
-            jobs = [ScoreJob(p, a) for p, a in zip(prompts[i : i + batch], answer_ids[i : i + batch], strict=True)]  # fmt: skip
-            score_answers(engine, jobs, shared)
-        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-        out[f"batch_{batch}" + ("_prefix_cached" if shared is not None else "_full_pass")] = {"answers": len(prompts), "answer_tokens": tokens,
-                                 "prompt_tokens": prompt_tokens,
-                                 "ms_per_answer": 1000 * seconds / len(prompts),
-                                 "ms_per_answer_token": 1000 * seconds / tokens,
-                                 "cpu_ms_per_answer": 1000 * cpu / len(prompts),
-                                 "cpu_ms_per_answer_token": 1000 * cpu / tokens}  # fmt: skip
+        key = f"batch_{batch}" + ("_prefix_cached" if shared is not None else "_full_pass")
+        score = partial(score_answers, engine, prefix=shared)
+        out[key] = timed_scoring(score, prompts, answer_ids, batch, prompt_tokens)
     # a running score without a cache re-reads the prefix at every token: sum over t of a pass
     sample = [(p, a) for p, a in zip(prompts, answer_ids, strict=True) if len(a) >= 4][:10]
     config = CaptureConfig(max_context=engine.max_context, batch_size=1, greybox=False)
@@ -595,6 +641,9 @@ def main() -> None:
     result["upstream"] = {"url": args.upstream, "started_here": args.upstream is None}
     for proxy_dtype in dict.fromkeys(p for _, p in configs):  # all servers stopped
         result["scoring"][proxy_dtype] = scoring_cost(detectors[proxy_dtype], prompts, ids, proxy_dtype)  # fmt: skip
+        if args.reader == "vllm":  # what the proxy's reader costs, off the load
+            reading = vllm_reading_cost(detectors[proxy_dtype], prompts, ids, proxy_dtype)
+            result["scoring"][proxy_dtype].update(reading)
         print(json.dumps(result["scoring"][proxy_dtype]), flush=True)
     result["uptime_after"] = uptime()
     report(result)
@@ -631,11 +680,11 @@ def report(result: dict) -> None:
         print(f"{'':>17} weights probe: log-prob diff {p['max_logprob_diff']}, greedy margin {p['max_margin']}, tolerance {p['tolerance']}, problem {p['problem']}")  # fmt: skip
     m = result["mismatch"]
     print(f"re-tokenization differs from vLLM's ({m['upstream_dtype']}) ids on {m['retokenized_differs']}/{m['n']} answers ({100 * m['rate']:.1f}%)")  # fmt: skip
-    print(f"{'proxy dtype':>11} {'pass':>22} {'ms/answer':>9} {'ms/token':>8} {'cpu ms/answer':>13} {'cpu ms/token':>12}")  # fmt: skip
+    print(f"{'proxy dtype':>11} {'pass':>26} {'ms/answer':>9} {'ms/token':>8} {'cpu ms/answer':>13} {'cpu ms/token':>12}")  # fmt: skip
     for dtype, rows in result["scoring"].items():
         for key, row in rows.items():
-            if key.startswith("batch_"):
-                print(f"{dtype:>11} {key:>22} {row['ms_per_answer']:9.1f} {row['ms_per_answer_token']:8.2f} {row['cpu_ms_per_answer']:13.1f} {row['cpu_ms_per_answer_token']:12.2f}")  # fmt: skip
+            if key.startswith(("batch_", "vllm_batch_")):
+                print(f"{dtype:>11} {key:>26} {row['ms_per_answer']:9.1f} {row['ms_per_answer_token']:8.2f} {row['cpu_ms_per_answer']:13.1f} {row['cpu_ms_per_answer_token']:12.2f}")  # fmt: skip
         r = rows["running_score"]
         print(f"{dtype:>11} running score (a pass per token): {r['ratio']:.1f}x one pass")
 
