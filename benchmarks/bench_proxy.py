@@ -218,6 +218,9 @@ def vllm_reading_cost(
         for salt, name in ((None, "own_salt"), (shared, "shared_blocks")):
             reader.salt = salt  # None: a salt per reading (`read_request`)
             for batch in (1, 4, 16):
+                # each pair read once per timing (a pair read again would find its own blocks
+                # cached past its prompt and be read twice: `InProcessReader`)
+                reader.capture.llm.reset_prefix_cache()
                 out[f"vllm_batch_{batch}_{name}"] = timed_scoring(
                     reader, prompts, answer_ids, batch, prompt_tokens
                 )
