@@ -2,8 +2,9 @@
 
 vLLM runs generation with its own scheduler (continuous batching, chunked prefill,
 preemption); each model forward sees the scheduled tokens of every running request
-flattened into one ``(N, D)`` batch. This engine runs vLLM in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), reaches its torch model and model runner, and:
+flattened into one ``(N, D)`` batch. This module's recorder (`_Recorder`), living in vLLM's
+worker (the vLLM plugin's `actmap.capture.vllm_worker.ActmapWorker`, vLLM's
+``worker_extension_cls``), reaches the torch model and model runner, and:
 
 * wraps the runner's ``_model_forward``: before each forward it reads the runner's
   host-side batch description (``input_batch.req_ids``, ``num_computed_tokens_cpu``,
@@ -15,7 +16,7 @@ flattened into one ``(N, D)`` batch. This engine runs vLLM in-process
   chunk only, and a request preempted and recomputed (prompt + answer prefilled again)
   contributes only the row not yet recorded, so no row is duplicated or missing;
 * puts a record point on every decoder layer when vLLM loads the model, before it compiles
-  or captures anything (`_record_points_at_load`): a forward hook whose only work is one call
+  or captures anything (`patch_model_loading`): a forward hook whose only work is one call
   of the custom op ``actmap::record_layer``. vLLM's layers return ``(hidden, residual)`` with
   the residual add fused into the next layer's norm, so the residual stream is their sum; the
   op sums, gathers the selected rows with one device-side ``index_select`` and pools
@@ -23,16 +24,21 @@ flattened into one ``(N, D)`` batch. This engine runs vLLM in-process
   synchronisation per layer;
 * with grey-box capture, wraps the model's ``compute_logits`` (one row per request, its last
   scheduled token) to write each selected row's entropy of the raw next-token distribution
-  into the same buffer; the chosen token's log-prob comes from vLLM's own logprobs output
-  (``SamplingParams(logprobs=0)``, raw logits by default), not from a second pass;
+  into the same buffer, and reads each sampled token and its raw log-prob (the same
+  log-softmax) at the runner's sampler, not from a second pass;
 * leaves the device once per step: the step buffer is copied to the host with one
-  non-blocking copy and scattered into per-request host trajectories when the step's
-  outputs are read.
+  non-blocking copy and scattered into per-request host trajectories before the next step
+  or when the rows are taken.
 
-Stop strings follow actmap's rule (`actmap.capture.stopping`: leading whitespace never ends
-an answer), checked here after every step on the token ids; a request that hits one is
-aborted in vLLM and cut exactly as the transformers capture cuts it. An aborted request's
-rows are dropped with it.
+`VllmCapture` (``actmap capture --engine vllm``, the Ray replicas, the proxy's in-process
+reader) is a user of that worker: it builds vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+with the worker extension, names each request's settings in its id (`capture_request_id`),
+takes a finished request's rows with ``collective_rpc("actmap_take")`` and cuts them with
+`actmap.capture.vllm_rows.generation_from_payload`, as the plugin's API server does. Stop
+strings follow actmap's rule (`actmap.capture.stopping`: leading whitespace never ends an
+answer), checked after every step on the token ids; a request that hits one is aborted in vLLM
+and cut exactly as the transformers capture cuts it. An aborted request's rows are dropped with
+it.
 
 Compiled models and CUDA graphs: a Python hook added after vLLM has compiled its model never
 runs (Dynamo traced the forward once; a replayed graph calls no Python). So the record points
@@ -54,9 +60,6 @@ Lookback attention (``attention_keys``, the full preset): the recorder's `Attent
 (`actmap.capture.vllm_attention`) keeps the planned rows' queries at every attention layer and
 computes their weights to the K previous answer tokens from vLLM's paged key cache after the
 forward; they travel with the step's rows into ``_Request.attention``.
-
-The vLLM plugin (vLLM's own server and worker processes) records with this module's recorder,
-row plan, record op and cut: `actmap.capture.vllm_worker`, `actmap.serve.vllm_plugin`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,19 @@
 """actmap inside vLLM's own worker processes: the worker half of the vLLM plugin.
 
 ``--worker-extension-cls actmap.capture.vllm_worker.ActmapWorker`` mixes `ActmapWorker` into
-every vLLM worker (vLLM's documented extension point, reachable with ``collective_rpc``). The
-capture is the in-process engine's (`actmap.capture.vllm_engine`): the same record points, put
-in while vLLM loads the model; the same host-side row plan before each forward (chunked
-prefill, preemption with recompute, prefix caching); the same pooled buffer copied once per
-step. What differs is who submits: nobody does. Every request vLLM schedules is tracked when it
-first appears in the runner's batch (``_Recorder(track=...)``), and since this process sees no
-engine outputs the recorder also reads each sampled token and its raw log-prob at the runner's
-sampler (``own_tokens``).
+every vLLM worker (vLLM's documented extension point, reachable with ``collective_rpc``). It is
+the one capture inside vLLM: `vllm serve` with the plugin and the in-process
+`actmap.capture.vllm_engine.VllmCapture` (``actmap capture --engine vllm``) both record here,
+with `actmap.capture.vllm_engine`'s record points (put in while vLLM loads the model), row plan
+before each forward (chunked prefill, preemption with recompute, prefix caching) and pooled
+buffer copied once per step. Nobody submits to the recorder: every request vLLM schedules is
+tracked when it first appears in the runner's batch (``_Recorder(track=...)``), and the
+recorder reads each sampled token and its raw log-prob at the runner's sampler
+(``own_tokens``). What a request keeps is the worker's settings (``actmap_configure``), or what
+its id names (`actmap.capture.vllm_engine.request_settings`: `VllmCapture`'s requests).
 
-A request's rows wait here until the API server's middleware (`actmap.serve.vllm_plugin`)
-takes them with ``collective_rpc("actmap_take", ...)`` once vLLM has answered; a request vLLM
+A request's rows wait here until the API server's middleware (`actmap.serve.vllm_plugin`) or
+`VllmCapture` takes them with ``collective_rpc("actmap_take", ...)`` once vLLM has answered; a request vLLM
 finished that nobody takes (a client that went away, an endpoint without the middleware) is
 dropped after ``hold_s`` seconds or when more than ``max_held`` wait. Only the worker of global
 rank 0 records (with tensor parallel the residual stream after each layer's all-reduce is the
