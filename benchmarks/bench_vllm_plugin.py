@@ -84,17 +84,30 @@ def tree_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
-def rows_wait(base: str) -> tuple[float, float]:
-    """(sum, count) of ``actmap_vllm_rows_wait_seconds`` on the server's ``/metrics``."""
+def histogram(base: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a histogram on the server's ``/metrics`` (all its label sets)."""
     import httpx
 
     text = httpx.get(base + "/metrics", timeout=60).text
     got = {"sum": 0.0, "count": 0.0}
     for line in text.splitlines():
         for key in got:
-            if line.startswith(f"actmap_vllm_rows_wait_seconds_{key}"):
+            if line.startswith(f"{name}_{key}"):
                 got[key] += float(line.split()[-1])
     return got["sum"], got["count"]
+
+
+def mean_since(base: str, name: str, before: tuple[float, float]) -> float:
+    (s1, c1), (s0, c0) = histogram(base, name), before
+    return round((s1 - s0) / max(c1 - c0, 1), 4)
+
+
+# vLLM's tokens per engine step (prompt + generated): with closed-loop clients, a server that
+# holds answers longer keeps fewer requests in the engine, so each step computes fewer tokens
+# for the same weights read (a decode step's cost is mostly the weights): a cost that shows up
+# in the worker although it is not actmap's code
+STEP_TOKENS = "vllm:iteration_tokens_total"
+ROWS_WAIT = "actmap_vllm_rows_wait_seconds"
 
 
 def one_server(args, folder: str, prompts: list[str], plugin: bool) -> list[dict]:
@@ -115,11 +128,12 @@ def one_server(args, folder: str, prompts: list[str], plugin: bool) -> list[dict
             for width in args.concurrency:
                 n = max(args.requests, width)
                 batch = (prompts * (n // len(prompts) + 1))[:n]
-                before, waited = tree_cpu_s(process.pid), rows_wait(base)
+                before = tree_cpu_s(process.pid)
+                waited, stepped = histogram(base, ROWS_WAIT), histogram(base, STEP_TOKENS)
                 result = asyncio.run(http_load(base, "bench", batch, width, args.max_tokens))
+                result["tokens_per_step"] = mean_since(base, STEP_TOKENS, stepped)
                 if plugin:  # mean wait of an answer for its rows (push, or RPC)
-                    (s1, c1), (s0, c0) = rows_wait(base), waited
-                    result["rows_wait_mean_s"] = round((s1 - s0) / max(c1 - c0, 1), 4)
+                    result["rows_wait_mean_s"] = mean_since(base, ROWS_WAIT, waited)
                 spent = {name: round(1e3 * (s - before.get(name, 0.0)) / n, 2)
                          for name, s in tree_cpu_s(process.pid).items()}  # fmt: skip
                 rows.append({"mode": "plugin" if plugin else "plain", "concurrency": width,
@@ -193,6 +207,11 @@ def main() -> None:
         waits = [r["rows_wait_mean_s"] for r in rows
                  if r["mode"] == "plugin" and r["concurrency"] == width]  # fmt: skip
         print(f"  {width:<4} plugin: an answer's mean wait for its rows {waits} s")
+    for width in args.concurrency:
+        steps = {m: [r["tokens_per_step"] for r in rows
+                     if r["mode"] == m and r["concurrency"] == width]
+                 for m in ("plain", "plugin")}  # fmt: skip
+        print(f"  {width:<4} tokens per engine step: plain {steps['plain']}, plugin {steps['plugin']}")
     errors = [e for r in rows for e in r["errors"]]
     if errors:
         print("errors:", errors[:3])

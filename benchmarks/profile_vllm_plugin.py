@@ -7,6 +7,10 @@ py-spy``; not a dependency of actmap) while they run, then prints, per process, 
 samples inside each actmap function (inclusive) and the top leaf frames.
 
     OMP_NUM_THREADS=1 python benchmarks/profile_vllm_plugin.py --concurrency 16 --requests 96
+
+``--plain`` profiles vLLM's server without the plugin (same flags), ``--native`` adds C/C++
+frames (py-spy pauses the process to unwind them): run both ways and compare the worker's top
+leaves to see which native work the plugin adds.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from bench_vllm_plugin import (  # noqa: E402
 )
 
 
-def shares(path: Path, top: int) -> None:
+def shares(path: Path, top: int, requests: int) -> None:
     total, inside, leaves = 0, collections.Counter(), collections.Counter()
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -44,11 +48,12 @@ def shares(path: Path, top: int) -> None:
         for name in {f.split(" (")[0] for f in frames if "actmap" in f}:
             inside[name] += n
         leaves[frames[-1][:100]] += n
-    print(f"== {path.stem}: {total} samples")
+    # py-spy skips idle threads by default: at 50 Hz a sample is about 20 ms of CPU
+    print(f"== {path.stem}: {total} samples, {total / requests:.2f} per request")
     for name, n in inside.most_common(top):
         print(f"  {100 * n / total:5.1f}%  {name}")
     print("  top leaves:")
-    for name, n in leaves.most_common(5):
+    for name, n in leaves.most_common(top):
         print(f"  {100 * n / total:5.1f}%  {name}")
 
 
@@ -62,6 +67,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=60, help="py-spy's longest recording")
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="profile-")))
+    parser.add_argument("--plain", action="store_true", help="vLLM's server without the plugin")
+    parser.add_argument("--native", action="store_true", help="C/C++ frames too (py-spy --native)")
+    parser.add_argument("--top", type=int, default=12, help="leaves and actmap frames printed")
     args = parser.parse_args()
     import psutil
 
@@ -79,7 +87,7 @@ def main() -> None:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     log = args.out / "server.log"
     with open(log, "w") as sink:
-        server = subprocess.Popen(command(settings, folder, port, True, args.out / "audit"),
+        server = subprocess.Popen(command(settings, folder, port, not args.plain, args.out / "audit"),
                                   env=env, stdout=sink, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         wait(server, base, "/health", log=log)
@@ -91,7 +99,7 @@ def main() -> None:
         spies = [
             subprocess.Popen([args.py_spy, "record", "-p", str(pid), "-r", "50", "-f", "raw",
                               "-o", str(args.out / f"{name}.txt"), "-d", str(args.seconds),
-                              "--nonblocking"],
+                              *(["--native"] if args.native else ["--nonblocking"])],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name, pid in targets.items() if pid
         ]  # fmt: skip
@@ -105,7 +113,7 @@ def main() -> None:
         stop_server(server)
     for name in ("worker", "api-server", "engine-core"):
         if (args.out / f"{name}.txt").exists():
-            shares(args.out / f"{name}.txt", 12)
+            shares(args.out / f"{name}.txt", args.top, args.requests)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,30 @@ def test_abort_leaves_no_partial_map(engine, reference):
     assert_same([finished[keys[0]]], reference(prompts)[:1])
 
 
+def test_a_request_in_flight_and_cut_give_the_rows_so_far(engine, reference):
+    """`in_flight` reads the worker's rows in place (``actmap_peek``) and `cut` takes them and
+    ends the request: the answer so far, whose tokens, rows and log-probs are the first ones of
+    the transformers capture's answer; nothing is left in flight."""
+    prompt = chat(engine.tokenizer, QUESTIONS[0])
+    (want,) = reference([prompt])
+    key = engine.submit(prompt, CONFIG)
+    assert engine.in_flight(key) is None  # vLLM has not scheduled it yet
+    for _ in range(4):
+        engine.step()
+    so_far = engine.in_flight(key)
+    n = so_far.n_tokens
+    assert 0 < n < want.n_tokens and not so_far.stopped
+    assert so_far.token_ids == want.token_ids[:n]
+    torch.testing.assert_close(so_far.trajectory, want.trajectory[:, :n], **TRAJ_TOL)
+    torch.testing.assert_close(so_far.logprobs, want.logprobs[:n], **STAT_TOL)
+    engine.step()
+    cut = engine.cut(key)
+    assert cut.n_tokens == n + 1 and cut.token_ids == want.token_ids[: n + 1]
+    torch.testing.assert_close(cut.trajectory, want.trajectory[:, : n + 1], **TRAJ_TOL)
+    assert not engine.busy and engine.in_flight(key) is None
+    assert not engine.recorder.requests
+
+
 def test_map_only_requests_skip_statistics(engine, reference):
     """Run twice: the second run is a prefix-cache hit (vLLM skips the cached first 32-token
     block; rows start at the last prompt position, never inside a cached block)."""

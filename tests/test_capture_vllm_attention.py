@@ -298,12 +298,12 @@ def test_what_cannot_be_read_is_refused_by_name(tmp_path):
 
 
 def test_the_plugins_worker_sends_the_same_attention(family_engine, word_tokenizer):
-    """The plugin's worker (`ActmapWorker`, configured as the API server configures it for
-    an actmap-plus:full run) over the same vLLM runner: the rows it sends become the
-    transformers capture's attention. The engine's own recorder steps aside meanwhile."""
+    """A second `ActmapWorker` over the same vLLM runner, configured as the API server
+    configures it for an actmap-plus:full run (its settings, not a request's: the ids are
+    vLLM's API server's): the rows it sends become the transformers capture's attention. The
+    engine's own worker stops recording meanwhile."""
     from vllm import SamplingParams
 
-    from actmap.capture.vllm_engine import _Recorder
     from actmap.capture.vllm_rows import generation_from_payload
     from actmap.capture.vllm_worker import ActmapWorker
 
@@ -311,9 +311,10 @@ def test_the_plugins_worker_sends_the_same_attention(family_engine, word_tokeniz
     if family != "llama":
         pytest.skip("one family is enough for the worker")
     runner = engine.recorder.runner
+    execute = runner.__dict__["execute_model"]  # the engine's worker's wrapper
     worker = ActmapWorker()
     worker.model_runner, worker.rank = runner, 0
-    engine.recorder.remove()
+    engine.set_recording(False)
     try:
         info = worker.actmap_configure(
             {"greybox": True, "keep_positions": False, "attention_keys": KEYS, "push": False}
@@ -334,12 +335,9 @@ def test_the_plugins_worker_sends_the_same_attention(family_engine, word_tokeniz
             (item,) = worker.actmap_take([f"base{i}"])
             got.append(generation_from_payload(item, word_tokenizer, {1}))
     finally:
-        if getattr(worker, "_actmap_recorder", None) is not None:
-            worker._actmap_recorder.remove()
-            del runner.execute_model  # the worker's wrapper; the class's method again
-        engine.recorder = _Recorder(
-            runner, engine.recorder.model, engine.n_layers, 128, 8, engine.greybox
-        )
+        worker.actmap_close()
+        runner.execute_model = execute
+        engine.set_recording(True)
     assert_same_attention(got, generate_batch(model, word_tokenizer, PROMPTS, CONFIG))
 
 

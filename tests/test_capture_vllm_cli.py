@@ -60,3 +60,34 @@ def test_serve_engine_vllm_without_vllm_names_the_extra(monkeypatch, tmp_path, t
     args = ["serve", "--engine", "vllm", "--model", str(tiny_model_dir), "--detector", str(run)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "pip install 'actmap[vllm]'" in result.output
+
+
+def test_capture_tensor_parallel_size_reaches_the_vllm_engine(
+    monkeypatch, tmp_path, tiny_model_dir
+):
+    """``--tensor-parallel-size 2`` builds `VllmCapture` with vLLM's ``tensor_parallel_size=2``
+    (the engine itself at TP=2: benchmarks/check_vllm_capture_tp.py); refused without
+    ``--engine vllm``, before anything is written."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from typer.testing import CliRunner
+
+    import actmap.capture.vllm_engine as vllm_engine
+    from actmap.cli import app
+
+    built = []
+
+    def engine(model, dtype, options, **kwargs):
+        built.append(options.engine_args)
+        raise ActmapUserError("built")  # stop before generating
+
+    monkeypatch.setattr(vllm_engine, "VllmCapture", engine)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "what is the capital"}\n')
+    args = ["capture", "--prompts", str(prompts), "--model", str(tiny_model_dir),
+            "--tensor-parallel-size", "2"]  # fmt: skip
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "v"), "--engine", "vllm"])
+    assert result.exit_code == 2 and "built" in result.output
+    assert built == [{"tensor_parallel_size": 2}]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "s")])
+    assert result.exit_code == 2 and "--tensor-parallel-size needs --engine vllm" in result.output
+    assert not (tmp_path / "s").exists() and len(built) == 1

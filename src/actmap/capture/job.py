@@ -69,6 +69,7 @@ class CaptureJob:
     no_stop: bool = False
     engine: str = "local"  # local | ray | vllm
     vllm_compile: bool | None = None
+    tensor_parallel_size: int = 1  # vllm: vLLM's tensor parallel size
     workers: int = 1  # ray: model replicas
     ray_replica: str = "transformers"  # ray: transformers | vllm
     gpus_per_worker: float | None = None  # ray: default 1 with a CUDA device, else 0
@@ -241,6 +242,8 @@ def _check_engine(job: CaptureJob, attention_keys: int, keep_dense: bool):
 
     if job.engine not in ENGINES:
         raise ActmapUserError(f"--engine must be 'local', 'ray' or 'vllm', got {job.engine!r}")
+    if job.tensor_parallel_size != 1 and job.engine != "vllm":
+        raise ActmapUserError("--tensor-parallel-size needs --engine vllm")
     if job.engine == "vllm":
         from actmap.capture.vllm_engine import require_vllm
 
@@ -276,9 +279,11 @@ def _load(job: CaptureJob, config):
     if job.engine == "vllm":
         from actmap.capture.vllm_engine import VllmCapture, VllmOptions, enforce_eager_for
 
+        tp = job.tensor_parallel_size
         options = VllmOptions(
-            max_num_seqs=job.batch_size, enforce_eager=enforce_eager_for(job.vllm_compile)
-        )
+            max_num_seqs=job.batch_size, enforce_eager=enforce_eager_for(job.vllm_compile),
+            engine_args={"tensor_parallel_size": tp} if tp != 1 else {},
+        )  # fmt: skip
         lm = VllmCapture(
             job.model, job.dtype, options, greybox=config.greybox,
             max_context=config.max_context, revision=job.revision, layers_path=job.layers_path,

@@ -2,8 +2,9 @@
 
 vLLM runs generation with its own scheduler (continuous batching, chunked prefill,
 preemption); each model forward sees the scheduled tokens of every running request
-flattened into one ``(N, D)`` batch. This engine runs vLLM in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), reaches its torch model and model runner, and:
+flattened into one ``(N, D)`` batch. This module's recorder (`_Recorder`), living in vLLM's
+worker (the vLLM plugin's `actmap.capture.vllm_worker.ActmapWorker`, vLLM's
+``worker_extension_cls``), reaches the torch model and model runner, and:
 
 * wraps the runner's ``_model_forward``: before each forward it reads the runner's
   host-side batch description (``input_batch.req_ids``, ``num_computed_tokens_cpu``,
@@ -15,7 +16,7 @@ flattened into one ``(N, D)`` batch. This engine runs vLLM in-process
   chunk only, and a request preempted and recomputed (prompt + answer prefilled again)
   contributes only the row not yet recorded, so no row is duplicated or missing;
 * puts a record point on every decoder layer when vLLM loads the model, before it compiles
-  or captures anything (`_record_points_at_load`): a forward hook whose only work is one call
+  or captures anything (`patch_model_loading`): a forward hook whose only work is one call
   of the custom op ``actmap::record_layer``. vLLM's layers return ``(hidden, residual)`` with
   the residual add fused into the next layer's norm, so the residual stream is their sum; the
   op sums, gathers the selected rows with one device-side ``index_select`` and pools
@@ -23,16 +24,21 @@ flattened into one ``(N, D)`` batch. This engine runs vLLM in-process
   synchronisation per layer;
 * with grey-box capture, wraps the model's ``compute_logits`` (one row per request, its last
   scheduled token) to write each selected row's entropy of the raw next-token distribution
-  into the same buffer; the chosen token's log-prob comes from vLLM's own logprobs output
-  (``SamplingParams(logprobs=0)``, raw logits by default), not from a second pass;
+  into the same buffer, and reads each sampled token and its raw log-prob (the same
+  log-softmax) at the runner's sampler, not from a second pass;
 * leaves the device once per step: the step buffer is copied to the host with one
-  non-blocking copy and scattered into per-request host trajectories when the step's
-  outputs are read.
+  non-blocking copy and scattered into per-request host trajectories before the next step
+  or when the rows are taken.
 
-Stop strings follow actmap's rule (`actmap.capture.stopping`: leading whitespace never ends
-an answer), checked here after every step on the token ids; a request that hits one is
-aborted in vLLM and cut exactly as the transformers capture cuts it. An aborted request's
-rows are dropped with it.
+`VllmCapture` (``actmap capture --engine vllm``, the Ray replicas, the proxy's in-process
+reader) is a user of that worker: it builds vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+with the worker extension, names each request's settings in its id (`capture_request_id`),
+takes a finished request's rows with ``collective_rpc("actmap_take")`` and cuts them with
+`actmap.capture.vllm_rows.generation_from_payload`, as the plugin's API server does. Stop
+strings follow actmap's rule (`actmap.capture.stopping`: leading whitespace never ends an
+answer), checked after every step on the token ids; a request that hits one is aborted in vLLM
+and cut exactly as the transformers capture cuts it. An aborted request's rows are dropped with
+it.
 
 Compiled models and CUDA graphs: a Python hook added after vLLM has compiled its model never
 runs (Dynamo traced the forward once; a replayed graph calls no Python). So the record points
@@ -54,15 +60,11 @@ Lookback attention (``attention_keys``, the full preset): the recorder's `Attent
 (`actmap.capture.vllm_attention`) keeps the planned rows' queries at every attention layer and
 computes their weights to the K previous answer tokens from vLLM's paged key cache after the
 forward; they travel with the step's rows into ``_Request.attention``.
-
-The vLLM plugin (vLLM's own server and worker processes) records with this module's recorder,
-row plan, record op and cut: `actmap.capture.vllm_worker`, `actmap.serve.vllm_plugin`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import re
@@ -78,9 +80,8 @@ from torch import nn
 from actmap.capture.forced import answer_token_ids, check_pairs
 from actmap.capture.generate import check_prompts, tokenize_prompts
 from actmap.capture.layers import find_decoder_layers
-from actmap.capture.positions import position_states
 from actmap.capture.records import CaptureConfig, Generation
-from actmap.capture.stopping import cut_row, end_token_ids, stop_position, stop_step_extras
+from actmap.capture.stopping import end_token_ids, stop_position
 from actmap.capture.vllm_attention import (
     _TAPS,
     ATTENTION_OP,
@@ -88,6 +89,12 @@ from actmap.capture.vllm_attention import (
     AttentionTap,
     add_attention_points,
     attention_problem,
+)
+from actmap.capture.vllm_rows import (
+    ForcedRead,
+    _record,
+    _Request,
+    generation_from_payload,
 )
 from actmap.errors import ActmapUserError
 from actmap.llm.models import ModelSource, cache_dir, check_dtype, check_model, load_model
@@ -153,17 +160,6 @@ def enforce_eager_for(compile_model: bool | None) -> bool | None:
 
 
 # -- one request's host-side state ----------------------------------------------------------
-@dataclass(frozen=True)
-class ForcedRead:
-    """A teacher-forced reading: vLLM prefills prompt + answer (``max_tokens=1``) and the rows
-    are positions ``origin - 1 .. origin + T - 1`` of that prefill (``origin``: the original
-    prompt's length P). ``chosen``: the T answer tokens, then the end token, so row ``t``'s
-    log-prob is that of ``chosen[t]`` (row T's: the end token's, the stop step's extras)."""
-
-    origin: int
-    chosen: tuple[int, ...]
-
-
 FORCED_PREFIX = "actmap-read-"
 _FORCED_ID = re.compile(r"^actmap-read-(\d+)-(\d+)-")
 
@@ -187,53 +183,30 @@ def forced_read_of(req_id: str, token_ids: Sequence[int] | None) -> ForcedRead |
     return ForcedRead(origin, (*(int(t) for t in token_ids[origin:]), end))
 
 
-@dataclass(eq=False)
-class _Request:
-    key: str  # external request id
-    prompt: str
-    prompt_ids: list[int]
-    config: CaptureConfig
-    states: torch.Tensor  # (L, max_rows, D') float32, host
-    entropies: torch.Tensor | None  # (max_rows,) float32, host; None in map-only capture
-    full_rows: list[torch.Tensor] | None = None  # keep_positions: row t's (L, D) float16
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    recorded: int = 0  # rows 0..recorded-1 are filled
-    seen: bool = False  # scheduled at least once
-    internal_id: str = ""
-    finish_reason: str | None = None
-    max_rows: int | None = None  # None: ``states`` holds every row (allocated up front)
-    # attention_keys > 0: row t's lookback weights (rows, L, H, K) float32, host
-    # (`actmap.capture.vllm_attention`); grown with ``states``
-    attention: torch.Tensor | None = None
-    forced: ForcedRead | None = None  # a teacher-forced reading (rows from the prefill)
+CAPTURE_PREFIX = "actmap-gen-"
+_SETTINGS_ID = re.compile(r"^actmap-(?:gen|read-\d+-\d+)-s([01])([01])k(\d+)-")
 
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
 
-    @property
-    def row_limit(self) -> int:
-        return self.states.shape[1] if self.max_rows is None else self.max_rows
+def settings_tag(config: CaptureConfig) -> str:
+    """What one request keeps, as its id carries it to the workers: ``s<greybox><positions>
+    k<attention keys>``."""
+    return f"s{int(config.greybox)}{int(config.keep_positions)}k{config.attention_keys}"
 
-    def reserve(self, rows: int) -> None:
-        """Room for rows ``0..rows-1`` (a request tracked without an up-front allocation grows
-        its host arrays by doubling)."""
-        have = self.states.shape[1]
-        if rows <= have:
-            return
-        size = max(rows, 2 * have)
-        states = torch.zeros(self.states.shape[0], size, self.states.shape[2])
-        states[:, :have] = self.states
-        self.states = states
-        if self.entropies is not None:
-            entropies = torch.zeros(size)
-            entropies[:have] = self.entropies
-            self.entropies = entropies
-        if self.attention is not None:
-            attention = self.attention.new_zeros((size, *self.attention.shape[1:]))
-            attention[:have] = self.attention
-            self.attention = attention
+
+def capture_request_id(config: CaptureConfig, unique: str) -> str:
+    """The vLLM request id of a generation `VllmCapture` adds: ``actmap-gen-<tag>-<unique>``
+    (`settings_tag`; vLLM appends its own suffix)."""
+    return f"{CAPTURE_PREFIX}{settings_tag(config)}-{unique}"
+
+
+def request_settings(req_id: str) -> tuple[bool, bool, int] | None:
+    """(greybox, keep_positions, attention_keys) a request id names (`capture_request_id`, or
+    a teacher-forced reading's id whose unique part starts with a `settings_tag`); None: the
+    worker's own settings apply (a request of vLLM's API server)."""
+    match = _SETTINGS_ID.match(req_id)
+    if match is None:
+        return None
+    return match.group(1) == "1", match.group(2) == "1", int(match.group(3))
 
 
 @dataclass(frozen=True)
@@ -404,16 +377,17 @@ def _record_hook(index: int):
     return hook
 
 
-def patch_model_loading(
-    layers_path: str | None = None, before: Callable | None = None
-) -> Callable[[], None]:
+LAYERS_PATH_ENV = "ACTMAP_LAYERS_PATH"  # where the decoder layers are, if not found alone
+
+
+def patch_model_loading(before: Callable | None = None) -> None:
     """From now on, every model runner of this process that loads a model puts the record
     points in before the model is compiled, warmed up or graph-captured (``before(runner)``
-    runs first). Returns the function that undoes it."""
+    runs first; the layers are those at ``$ACTMAP_LAYERS_PATH`` when set, as
+    `actmap.capture.layers.find_decoder_layers` reads a path)."""
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    patched = []
     for cls in (GPUModelRunner, CPUModelRunner):
         original = cls.__dict__["load_model"]
 
@@ -421,26 +395,9 @@ def patch_model_loading(
             if before is not None:
                 before(self)
             _original(self, *args, **kwargs)
-            _add_record_points(self.get_model(), layers_path)
+            _add_record_points(self.get_model(), os.environ.get(LAYERS_PATH_ENV) or None)
 
         cls.load_model = load_model
-        patched.append((cls, original))
-
-    def restore() -> None:
-        for cls, original in patched:
-            cls.load_model = original
-
-    return restore
-
-
-@contextlib.contextmanager
-def _record_points_at_load(layers_path: str | None):
-    """While vLLM builds its engine in this process (`patch_model_loading`, undone after)."""
-    restore = patch_model_loading(layers_path)
-    try:
-        yield
-    finally:
-        restore()
 
 
 def _check_no_active_engine() -> None:
@@ -563,8 +520,10 @@ class _Recorder:
                     self._end_step(logp)
                 return logits
 
+            # the instance's own attribute, if any (another recorder's wrapper), comes back
+            self._restore.append((self.model, "compute_logits",
+                                  self.model.__dict__.get("compute_logits")))  # fmt: skip
             self.model.compute_logits = compute_logits
-            self._restore.append((self.model, "compute_logits", None))
         if self.own_tokens:
             original_sample = runner._sample
 
@@ -577,11 +536,22 @@ class _Recorder:
             self._restore.append((runner, "_sample", original_sample))
         _ACTIVE.append(self)
 
+    def activate(self, on: bool) -> None:
+        """Record (on), or let the record points return at once and plan nothing (off)."""
+        if not on:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+            if self.attention in _TAPS:
+                _TAPS.remove(self.attention)
+            return
+        if self not in _ACTIVE:
+            _check_no_active_engine()
+            _ACTIVE.append(self)
+        if self.attention is not None and self.attention not in _TAPS:
+            _TAPS.append(self.attention)
+
     def remove(self) -> None:
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
-        if self.attention in _TAPS:
-            _TAPS.remove(self.attention)
+        self.activate(False)
         for obj, name, value in self._restore:
             if value is None:
                 delattr(obj, name)
@@ -596,7 +566,7 @@ class _Recorder:
         self._fired = 0
         batch = self.runner.input_batch
         n_reqs = batch.num_reqs
-        if n_reqs == 0 or (not self.requests and self.track is None):
+        if n_reqs == 0 or (not self.requests and self.track is None) or self not in _ACTIVE:
             return
         starts = self.runner.query_start_loc.np[: n_reqs + 1]
         computed = batch.num_computed_tokens_cpu[:n_reqs]
@@ -787,11 +757,39 @@ class _Recorder:
                 request.logprobs.append(chosen[j])
 
 
+@dataclass(eq=False)
+class _Submitted:
+    """A request this engine added, as the caller sees it; its rows are the worker's."""
+
+    key: str  # vLLM's id for it in the workers (what ``submit`` returns)
+    external: str  # the id it was added under (vLLM's outputs and aborts use it)
+    prompt: str
+    prompt_ids: list[int]
+    config: CaptureConfig
+    token_ids: list[int] = field(default_factory=list)  # generated so far (from vLLM's outputs)
+    reading: ForcedRead | None = None
+
+    @property
+    def base(self) -> str:
+        """The unique part both ids hold (`actmap.capture.vllm_rows.child_index` finds it)."""
+        return self.external.rsplit("-", 1)[-1]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids) if self.reading is None else len(self.reading.chosen)
+
+
+WORKER_EXTENSION = "actmap.capture.vllm_worker.ActmapWorker"
+
+
 class VllmCapture:
     """An in-process vLLM engine whose every request is captured (one per process).
 
     ``generate(prompts, config)`` is the drop-in for `actmap.capture.generate_batch`;
     ``submit`` / ``step`` / ``abort`` are the continuous-batching interface a server uses.
+    The rows are recorded by the vLLM plugin's worker (`actmap.capture.vllm_worker`, vLLM's
+    ``worker_extension_cls``) and taken with ``collective_rpc("actmap_take")`` as each request
+    finishes; this class adds requests, applies actmap's stop rule and cuts.
     """
 
     def __init__(
@@ -818,9 +816,10 @@ class VllmCapture:
         extra = dict(options.engine_args)
         if extra.get("speculative_config"):
             raise ActmapUserError("capture does not support speculative decoding yet")
-        if extra.get("tensor_parallel_size", 1) != 1 or extra.get("pipeline_parallel_size", 1) != 1:
+        if extra.get("pipeline_parallel_size", 1) != 1:
             raise ActmapUserError(
-                "capture runs one vLLM worker in-process: no tensor/pipeline parallel"
+                "capture records every layer on the first rank: no pipeline parallel "
+                "(tensor parallel is supported)"
             )
         if options.block_size is not None:
             extra["block_size"] = options.block_size
@@ -836,7 +835,7 @@ class VllmCapture:
             eager = not torch.cuda.is_available()
         if not eager:
             extra["compilation_config"] = _compilation_config(extra)
-        with _record_points_at_load(layers_path):
+        with _environment(LAYERS_PATH_ENV, layers_path):  # read where the workers load
             self.llm = LLM(
                 model=folder,
                 tokenizer=folder,
@@ -847,30 +846,32 @@ class VllmCapture:
                 enable_prefix_caching=options.enable_prefix_caching,
                 seed=options.seed,
                 max_logprobs=1,
+                worker_extension_cls=WORKER_EXTENSION,
                 **extra,
             )
         self.compiled = not eager
         self.engine = self.llm.llm_engine
         self.max_context = int(self.engine.model_config.max_model_len)
-        self.dtype, self.greybox = dtype, greybox
+        self.dtype, self.greybox, self.pooled_dim = dtype, greybox, pooled_dim
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        runner = self.engine.collective_rpc(_model_runner)[0]
-        torch_model = runner.get_model()
-        if not hasattr(torch_model, "_actmap_hooks"):
-            raise RuntimeError("vLLM loaded its model without actmap's record points")
-        self.n_layers = len(torch_model._actmap_hooks)
         self.ends = end_ids(folder, self.tokenizer)
-        self.recorder = _Recorder(
-            runner, torch_model, self.n_layers, pooled_dim, options.max_num_seqs, greybox
-        )
-        self._requests: dict[str, _Request] = {}  # external id -> request
-        self._ids = itertools.count()
+        settings = {"greybox": greybox, "keep_positions": False, "pooled_dim": pooled_dim,
+                    "push": False}  # fmt: skip
+        infos = self.engine.collective_rpc("actmap_configure", args=(settings,))
+        self.n_layers = int(infos[0]["n_layers"])
+        # one worker in this process: its recorder itself (what the scheduler did: tests, logs)
+        self.recorder = self.engine.collective_rpc(_recorder)[0] if len(infos) == 1 else None
+        self._requests: dict[str, _Submitted] = {}  # key -> request
+        self._keys: dict[str, str] = {}  # the id vLLM's outputs carry -> key
+        self._attention = False
 
     def keep_attention(self) -> None:
         """Read lookback attention from now on (``CaptureConfig.attention_keys``); refused by
         name where this model's attention cannot be read inside vLLM
         (`actmap.capture.vllm_attention`). ``submit`` calls it for a request that asks."""
-        self.recorder.keep_attention()
+        if not self._attention:
+            self.engine.collective_rpc("actmap_keep_attention")
+            self._attention = True
 
     # -- continuous batching ------------------------------------------------------------------
     def encode(self, prompts: Sequence[str], config: CaptureConfig) -> list[list[int]]:
@@ -897,28 +898,19 @@ class VllmCapture:
         params = SamplingParams(
             max_tokens=config.max_new_tokens,
             stop_token_ids=sorted(self.ends),
-            logprobs=0 if config.greybox else None,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             **sampling,
         )
-        key = f"actmap-{next(self._ids)}"
-        states = torch.zeros(self.n_layers, config.max_new_tokens, self.recorder.pooled_dim)
-        entropies = torch.zeros(config.max_new_tokens) if config.greybox else None
-        request = _Request(key, prompt, list(prompt_ids), config, states, entropies)
-        if config.keep_positions:
-            request.full_rows = []
-        if config.attention_keys:
-            tap = self.recorder.attention
-            request.attention = torch.zeros(
-                config.max_new_tokens, tap.n_layers, tap.heads, config.attention_keys
-            )
-        # register before vLLM can schedule it (the engine steps on this thread only)
-        internal = self.engine.add_request(key, {"prompt_token_ids": list(prompt_ids)}, params)
-        request.internal_id = internal
-        self.recorder.requests[internal] = request
-        self._requests[key] = request
-        return key
+        external = capture_request_id(config, uuid.uuid4().hex)
+        request = _Submitted("", external, prompt, list(prompt_ids), config)
+        return self._add(request, {"prompt_token_ids": list(prompt_ids)}, params)
+
+    def _add(self, request: _Submitted, inputs: dict, params) -> str:
+        request.key = self.engine.add_request(request.external, inputs, params)
+        self._requests[request.key] = request
+        self._keys[request.external] = request.key
+        return request.key
 
     def _check_config(self, config: CaptureConfig, reading: bool = False) -> None:
         if config.keep_dense:
@@ -949,22 +941,14 @@ class VllmCapture:
         self._check_config(config, reading=True)
         config = replace(config, max_context=self.max_context, stop_strings=())
         prompt_ids, answer_ids = read_ids(self.tokenizer, prompt, answer, config)
-        key, inputs, read = read_request(prompt_ids, answer_ids, self.ends, self.tokenizer, salt)
-        rows = len(read.chosen)
-        request = _Request(
-            key, prompt, prompt_ids, config,
-            torch.zeros(self.n_layers, rows, self.recorder.pooled_dim),
-            torch.zeros(rows) if config.greybox else None,
-            full_rows=[] if config.keep_positions else None, token_ids=list(read.chosen),
-            logprobs=[float("nan")] * rows if config.greybox else [], forced=read,
-        )  # fmt: skip
+        external, inputs, read = read_request(
+            prompt_ids, answer_ids, self.ends, self.tokenizer, settings_tag(config), salt
+        )
         params = SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.DELTA
         )
-        request.internal_id = self.engine.add_request(key, inputs, params)
-        self.recorder.requests[request.internal_id] = request
-        self._requests[key] = request
-        return key
+        request = _Submitted("", external, prompt, prompt_ids, config, reading=read)
+        return self._add(request, inputs, params)
 
     def read(
         self,
@@ -982,22 +966,29 @@ class VllmCapture:
 
     def abort(self, key: str) -> None:
         """End a request now; its rows are dropped (no partial map is ever returned)."""
-        request = self._requests.pop(key, None)
-        if request is None:
-            return
-        self.engine.abort_request([key])
-        self.recorder.requests.pop(request.internal_id, None)
+        request = self._forget(key)
+        if request is not None:
+            self.engine.abort_request([request.external])
+            self._rows([request], "actmap_take")
 
     def cut(self, key: str) -> Generation:
         """End a request now and return what it generated so far (a server's ``abort_below``)."""
-        request = self._requests[key]
-        self.engine.abort_request([key])
-        return self._finish(request)
+        request = self._forget(key)
+        if request is None:
+            raise KeyError(key)
+        self.engine.abort_request([request.external])
+        return self._cut(request, self._rows([request], "actmap_take").get(key))
 
-    def in_flight(self, key: str) -> _Request | None:
-        """The request ``key`` while it generates (its tokens, rows and statistics so far), or
-        None once it finished or was aborted: what a server reads for running scores."""
-        return self._requests.get(key)
+    def in_flight(self, key: str) -> Generation | None:
+        """What request ``key`` generated so far (its tokens, rows and statistics, cut as a
+        finished answer is; the worker's rows are read, not taken: ``actmap_peek``), or None
+        before vLLM schedules it and once it finished or was aborted: what a server reads
+        for running scores."""
+        request = self._requests.get(key)
+        if request is None:
+            return None
+        item = self._rows([request], "actmap_peek").get(key)
+        return None if item is None else self._cut(request, item)
 
     @property
     def busy(self) -> bool:
@@ -1007,28 +998,29 @@ class VllmCapture:
         """One vLLM engine step; returns what each request produced (finished ones carry their
         `Generation`)."""
         outputs = self.engine.step()
-        self.recorder.scatter()
-        events = []
+        stepped, done = [], []
         for output in outputs:
-            request = self._requests.get(output.request_id)
+            request = self._requests.get(self._keys.get(output.request_id, ""))
             if request is None:  # aborted meanwhile
                 continue
-            completion = output.outputs[0]
-            new = list(completion.token_ids) if request.forced is None else []
-            if request.config.greybox and new:
-                request.logprobs.extend(_chosen_logprobs(completion.logprobs, new))
+            new = list(output.outputs[0].token_ids) if request.reading is None else []
             request.token_ids.extend(new)
-            done = output.finished
-            if not done and request.config.stop_strings and self._hit_stop(request):
-                self.engine.abort_request([request.key])
-                done = True
-            finished = None
-            if done:
-                finished = self._finish(request)
-            events.append(StepEvent(request.key, new, len(request.token_ids), finished))
-        return events
+            finished = output.finished
+            if not finished and request.config.stop_strings and self._hit_stop(request):
+                self.engine.abort_request([request.external])
+                finished = True
+            stepped.append((request, new))
+            if finished:
+                done.append(self._forget(request.key))
+        items = self._rows(done, "actmap_take")
+        cut = {r.key: self._cut(r, items.get(r.key)) for r in done}
+        return [StepEvent(r.key, new, r.n_tokens, cut.get(r.key)) for r, new in stepped]
 
-    def _hit_stop(self, request: _Request) -> bool:
+    def _hit_stop(self, request: _Submitted) -> bool:
+        """actmap's stop rule on the answer so far (`actmap.capture.stopping`). Not vLLM's
+        ``SamplingParams.stop``: vLLM ends an answer at a stop string inside its leading
+        whitespace (" is" right after "The capital of France"), the transformers capture and
+        actmap's cut do not."""
         ids = request.token_ids
         if ids and ids[-1] in self.ends:
             return False  # vLLM ends the request itself
@@ -1038,10 +1030,33 @@ class VllmCapture:
             is not None
         )
 
-    def _finish(self, request: _Request) -> Generation:
-        self._requests.pop(request.key, None)
-        self.recorder.requests.pop(request.internal_id, None)
-        return _record(request, self.tokenizer, self.ends)
+    def _forget(self, key: str) -> _Submitted | None:
+        request = self._requests.pop(key, None)
+        if request is not None:
+            self._keys.pop(request.external, None)
+        return request
+
+    def _rows(self, requests: list[_Submitted], method: str) -> dict[str, dict]:
+        """The workers' rows of ``requests`` (`actmap.capture.vllm_rows.payload`) by key, with
+        one RPC (``actmap_take`` or ``actmap_peek``); a request vLLM never scheduled has none."""
+        if not requests:
+            return {}
+        by_base = {r.base: r.key for r in requests}
+        ranks = self.engine.collective_rpc(method, args=(list(by_base),))
+        return {by_base[item["base"]]: item for items in ranks for item in items}
+
+    def _cut(self, request: _Submitted, item: dict | None) -> Generation:
+        """A request's rows -> its `Generation` (`generation_from_payload`: the cut by actmap's
+        rule)."""
+        if item is None:  # ended before vLLM scheduled it: nothing generated
+            empty = torch.zeros(self.n_layers, 0, self.pooled_dim)
+            greybox = request.config.greybox
+            return _record(_Request(request.key, request.prompt, request.prompt_ids,
+                                    request.config, empty, torch.zeros(0) if greybox else None),
+                           self.tokenizer, self.ends)  # fmt: skip
+        return generation_from_payload(
+            item, self.tokenizer, self.ends, request.config.stop_strings, prompt=request.prompt
+        )
 
     # -- batch interface ----------------------------------------------------------------------
     def generate(
@@ -1077,22 +1092,40 @@ class VllmCapture:
             yield from self.step()
 
     def set_recording(self, on: bool) -> None:
-        """Switch the record points off (they return at once) or on again, for comparing the
-        same engine with and without capture (`benchmarks/bench_vllm.py`). Drive the engine
-        through ``self.engine`` while off: requests submitted here need their rows."""
-        if on and self.recorder not in _ACTIVE:
-            _check_no_active_engine()
-            _ACTIVE.append(self.recorder)
-        elif not on and self.recorder in _ACTIVE:
-            _ACTIVE.remove(self.recorder)
+        """Switch the record points off (they return at once and nothing is tracked) or on
+        again, for comparing the same engine with and without capture
+        (`benchmarks/bench_vllm.py`). Drive the engine through ``self.engine`` while off:
+        requests submitted here need their rows."""
+        self.engine.collective_rpc("actmap_record", args=(on,))
 
     def close(self) -> None:
-        """Detach the recorder and shut vLLM's engine down now: left to the garbage collector,
+        """Stop the recorder and shut vLLM's engine down now: left to the garbage collector,
         its finalizer tears down vLLM's distributed state whenever it runs, even while another
         engine of this process is loading its model ("tensor model parallel group is not
         initialized")."""
-        self.recorder.remove()
+        self.engine.collective_rpc("actmap_close")
         self.engine.engine_core.shutdown()
+
+
+def _recorder(worker) -> _Recorder | None:
+    return worker._actmap_recorder
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """``$name`` set to ``value`` meanwhile (None: left as it is)."""
+    if value is None:
+        yield
+        return
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def read_ids(
@@ -1112,19 +1145,22 @@ def read_ids(
 
 
 def read_request(
-    prompt_ids: list[int], answer_ids: list[int], ends: set[int], tokenizer,
+    prompt_ids: list[int], answer_ids: list[int], ends: set[int], tokenizer, tag: str = "",
     salt: str | None = None,
 ) -> tuple[str, dict, ForcedRead]:  # fmt: skip
     """(request id, vLLM prompt, reading) of a teacher-forced reading: prompt + answer as the
     prompt, the end token (the smallest end id, as `capture_answers` scores) after the answer,
     and a ``cache_salt`` of its own, so that prefix caching never skips the answer's positions
-    (their rows must be computed). A ``salt`` shared by readings lets them share cached prompt
-    blocks; the caller must then check every row was computed (`actmap.serve.vllm_reader`)."""
+    (their rows must be computed). ``tag``: what the reading keeps (`settings_tag`; none: the
+    worker's settings). The id ends with the unique part. A ``salt`` shared by readings lets
+    them share cached prompt blocks; the caller must then check every row was computed
+    (`actmap.serve.vllm_reader`)."""
     end = min(ends) if ends else int(tokenizer.pad_token_id or 0)
     unique = uuid.uuid4().hex
     inputs = {"prompt_token_ids": [*prompt_ids, *answer_ids], "cache_salt": salt or unique}
     read = ForcedRead(len(prompt_ids), (*answer_ids, end))
-    return forced_request_id(read.origin, end, unique), inputs, read
+    named = f"{tag}-{unique}" if tag else unique
+    return forced_request_id(read.origin, end, named), inputs, read
 
 
 def check_read_length(prompt_tokens: int, answer_tokens: int, max_context: int) -> None:
@@ -1137,10 +1173,6 @@ def check_read_length(prompt_tokens: int, answer_tokens: int, max_context: int) 
         )
 
 
-def _model_runner(worker):
-    return worker.model_runner
-
-
 def end_ids(folder: str, tokenizer) -> set[int]:
     """End-of-sequence ids of the model folder's generation config and its tokenizer (the rule
     of `actmap.capture.generate.stop_ids`: `actmap.capture.stopping.end_token_ids`)."""
@@ -1151,42 +1183,3 @@ def end_ids(folder: str, tokenizer) -> set[int]:
     except OSError:
         generation = None
     return end_token_ids(generation, tokenizer)
-
-
-def _chosen_logprobs(logprobs, token_ids: list[int]) -> list[float]:
-    if logprobs is None or len(logprobs) < len(token_ids):
-        raise RuntimeError("vLLM returned no log-prob for a generated token")
-    return [float(logprobs[i][tok].logprob) for i, tok in enumerate(token_ids)]
-
-
-def _record(request: _Request, tokenizer, ends: set[int]) -> Generation:
-    """One finished request -> its `Generation`, cut as `actmap.capture.generate._split_rows`
-    cuts a row (end token and stop string excluded, the stop step's statistics kept)."""
-    steps = len(request.token_ids)
-    token_ids, answer, stopped, has_stop_step = cut_row(
-        request.token_ids, ends, tokenizer, request.config.stop_strings
-    )
-    n = len(token_ids)
-    if request.recorded < min(n + has_stop_step, steps):
-        raise RuntimeError(
-            f"request {request.key}: {request.recorded} rows recorded for {steps} tokens"
-        )
-    greybox = request.entropies is not None
-    logprobs = torch.tensor(request.logprobs, dtype=torch.float32) if greybox else None
-    extras = stop_step_extras(logprobs, request.entropies, n, has_stop_step)
-    positions = None
-    if request.full_rows is not None and n > 0:
-        positions = position_states(torch.stack(request.full_rows, dim=1), n)
-    return Generation(
-        prompt=request.prompt,
-        answer=answer,
-        token_ids=list(token_ids),
-        logprobs=logprobs[:n].clone() if greybox else None,
-        entropies=request.entropies[:n].clone() if greybox else None,
-        trajectory=request.states[:, :n].clone(),
-        stopped=stopped,
-        prompt_tokens=request.prompt_tokens,
-        attention=None if request.attention is None else request.attention[:n].clone(),
-        positions=positions,
-        extras=extras,
-    )

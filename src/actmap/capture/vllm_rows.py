@@ -9,11 +9,107 @@ here imports vLLM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
+from actmap.capture.positions import position_states
 from actmap.capture.records import CaptureConfig, Generation
-from actmap.capture.vllm_engine import _record, _Request
+from actmap.capture.stopping import cut_row, stop_step_extras
+
+
+@dataclass(frozen=True)
+class ForcedRead:
+    """A teacher-forced reading: vLLM prefills prompt + answer (``max_tokens=1``) and the rows
+    are positions ``origin - 1 .. origin + T - 1`` of that prefill (``origin``: the original
+    prompt's length P). ``chosen``: the T answer tokens, then the end token, so row ``t``'s
+    log-prob is that of ``chosen[t]`` (row T's: the end token's, the stop step's extras)."""
+
+    origin: int
+    chosen: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class _Request:
+    key: str  # external request id
+    prompt: str
+    prompt_ids: list[int]
+    config: CaptureConfig
+    states: torch.Tensor  # (L, max_rows, D') float32, host
+    entropies: torch.Tensor | None  # (max_rows,) float32, host; None in map-only capture
+    full_rows: list[torch.Tensor] | None = None  # keep_positions: row t's (L, D) float16
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    recorded: int = 0  # rows 0..recorded-1 are filled
+    seen: bool = False  # scheduled at least once
+    internal_id: str = ""
+    finish_reason: str | None = None
+    max_rows: int | None = None  # None: ``states`` holds every row (allocated up front)
+    # attention_keys > 0: row t's lookback weights (rows, L, H, K) float32, host
+    # (`actmap.capture.vllm_attention`); grown with ``states``
+    attention: torch.Tensor | None = None
+    forced: ForcedRead | None = None  # a teacher-forced reading (rows from the prefill)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def row_limit(self) -> int:
+        return self.states.shape[1] if self.max_rows is None else self.max_rows
+
+    def reserve(self, rows: int) -> None:
+        """Room for rows ``0..rows-1`` (a request tracked without an up-front allocation grows
+        its host arrays by doubling)."""
+        have = self.states.shape[1]
+        if rows <= have:
+            return
+        size = max(rows, 2 * have)
+        states = torch.zeros(self.states.shape[0], size, self.states.shape[2])
+        states[:, :have] = self.states
+        self.states = states
+        if self.entropies is not None:
+            entropies = torch.zeros(size)
+            entropies[:have] = self.entropies
+            self.entropies = entropies
+        if self.attention is not None:
+            attention = self.attention.new_zeros((size, *self.attention.shape[1:]))
+            attention[:have] = self.attention
+            self.attention = attention
+
+
+def _record(request: _Request, tokenizer, ends: set[int]) -> Generation:
+    """One finished request -> its `Generation`, cut as `actmap.capture.generate._split_rows`
+    cuts a row (end token and stop string excluded, the stop step's statistics kept)."""
+    steps = len(request.token_ids)
+    token_ids, answer, stopped, has_stop_step = cut_row(
+        request.token_ids, ends, tokenizer, request.config.stop_strings
+    )
+    n = len(token_ids)
+    if request.recorded < min(n + has_stop_step, steps):
+        raise RuntimeError(
+            f"request {request.key}: {request.recorded} rows recorded for {steps} tokens"
+        )
+    greybox = request.entropies is not None
+    logprobs = torch.tensor(request.logprobs, dtype=torch.float32) if greybox else None
+    extras = stop_step_extras(logprobs, request.entropies, n, has_stop_step)
+    positions = None
+    if request.full_rows is not None and n > 0:
+        positions = position_states(torch.stack(request.full_rows, dim=1), n)
+    return Generation(
+        prompt=request.prompt,
+        answer=answer,
+        token_ids=list(token_ids),
+        logprobs=logprobs[:n].clone() if greybox else None,
+        entropies=request.entropies[:n].clone() if greybox else None,
+        trajectory=request.states[:, :n].clone(),
+        stopped=stopped,
+        prompt_tokens=request.prompt_tokens,
+        attention=None if request.attention is None else request.attention[:n].clone(),
+        positions=positions,
+        extras=extras,
+    )
 
 
 def child_index(req_id: str, base: str) -> int | None:
@@ -86,10 +182,12 @@ def generation_from_payload(
     ends: set[int],
     stop_strings: tuple[str, ...] = (),
     tokens: int | None = None,
+    prompt: str | None = None,
 ) -> Generation:
     """A `payload` back as the `Generation` the in-process engine gives for the same rows
-    (`actmap.capture.vllm_engine._record`: end token and stop string cut by actmap's rule);
-    ``tokens``: only the answer's first ``tokens`` tokens (an answer ended early)."""
+    (`_record`: end token and stop string cut by actmap's rule);
+    ``tokens``: only the answer's first ``tokens`` tokens (an answer ended early); ``prompt``:
+    the prompt's text (None: its token ids decoded)."""
     states, entropies, full_rows = payload_arrays(item)
     attention = payload_attention(item)
     token_ids = list(item["token_ids"])[:tokens]
@@ -108,7 +206,7 @@ def generation_from_payload(
     )
     prompt_ids = list(item["prompt_ids"])
     request = _Request(
-        item["req_id"], tokenizer.decode(prompt_ids), prompt_ids, config, states, entropies,
+        item["req_id"], tokenizer.decode(prompt_ids) if prompt is None else prompt, prompt_ids, config, states, entropies,
         full_rows=full_rows, token_ids=token_ids,
         logprobs=logprobs, recorded=recorded,
         internal_id=item["req_id"], attention=attention,

@@ -1,17 +1,19 @@
 """actmap inside vLLM's own worker processes: the worker half of the vLLM plugin.
 
 ``--worker-extension-cls actmap.capture.vllm_worker.ActmapWorker`` mixes `ActmapWorker` into
-every vLLM worker (vLLM's documented extension point, reachable with ``collective_rpc``). The
-capture is the in-process engine's (`actmap.capture.vllm_engine`): the same record points, put
-in while vLLM loads the model; the same host-side row plan before each forward (chunked
-prefill, preemption with recompute, prefix caching); the same pooled buffer copied once per
-step. What differs is who submits: nobody does. Every request vLLM schedules is tracked when it
-first appears in the runner's batch (``_Recorder(track=...)``), and since this process sees no
-engine outputs the recorder also reads each sampled token and its raw log-prob at the runner's
-sampler (``own_tokens``).
+every vLLM worker (vLLM's documented extension point, reachable with ``collective_rpc``). It is
+the one capture inside vLLM: `vllm serve` with the plugin and the in-process
+`actmap.capture.vllm_engine.VllmCapture` (``actmap capture --engine vllm``) both record here,
+with `actmap.capture.vllm_engine`'s record points (put in while vLLM loads the model), row plan
+before each forward (chunked prefill, preemption with recompute, prefix caching) and pooled
+buffer copied once per step. Nobody submits to the recorder: every request vLLM schedules is
+tracked when it first appears in the runner's batch (``_Recorder(track=...)``), and the
+recorder reads each sampled token and its raw log-prob at the runner's sampler
+(``own_tokens``). What a request keeps is the worker's settings (``actmap_configure``), or what
+its id names (`actmap.capture.vllm_engine.request_settings`: `VllmCapture`'s requests).
 
-A request's rows wait here until the API server's middleware (`actmap.serve.vllm_plugin`)
-takes them with ``collective_rpc("actmap_take", ...)`` once vLLM has answered; a request vLLM
+A request's rows wait here until the API server's middleware (`actmap.serve.vllm_plugin`) or
+`VllmCapture` takes them with ``collective_rpc("actmap_take", ...)`` once vLLM has answered; a request vLLM
 finished that nobody takes (a client that went away, an endpoint without the middleware) is
 dropped after ``hold_s`` seconds or when more than ``max_held`` wait. Only the worker of global
 rank 0 records (with tensor parallel the residual stream after each layer's all-reduce is the
@@ -27,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 
@@ -34,17 +37,16 @@ from actmap.capture.records import CaptureConfig
 from actmap.capture.vllm_engine import (
     _ACTIVE,
     RECORD_OP,
-    ForcedRead,
     _Recorder,
-    _Request,
     forced_read_of,
     forced_rows,
     forced_statistics,
     patch_model_loading,
     reading_logits,
+    request_settings,
 )
 from actmap.capture.vllm_push import RowPublisher
-from actmap.capture.vllm_rows import child_index, payload
+from actmap.capture.vllm_rows import ForcedRead, _Request, child_index, payload
 from actmap.errors import ActmapUserError
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class ActmapWorker:
                 "actmap.capture.vllm_worker.ActmapWorker)"
             )
         self._actmap_settings = dict(settings)
+        self._actmap_configs: dict[tuple, CaptureConfig] = {}
         self._actmap_done: OrderedDict[str, tuple[float, _Request]] = OrderedDict()
         self._actmap_recorder = self._actmap_push = None
         if self.rank == 0:
@@ -175,6 +178,27 @@ class ActmapWorker:
         done = getattr(self, "_actmap_done", None) or {}
         return sum(done.pop(rid, None) is not None for rid in req_ids)
 
+    def actmap_keep_attention(self) -> None:
+        """Read lookback attention from now on, for requests that name attention keys
+        (`actmap.capture.vllm_engine.request_settings`); refused by name where it cannot be."""
+        recorder = getattr(self, "_actmap_recorder", None)
+        if recorder is not None:
+            recorder.keep_attention()
+            self._actmap_configs.clear()  # what requests named before may be kept now
+
+    def actmap_record(self, on: bool) -> None:
+        """Switch recording off (the record points return at once, nothing is tracked) or on."""
+        recorder = getattr(self, "_actmap_recorder", None)
+        if recorder is not None:
+            recorder.activate(on)
+
+    def actmap_close(self) -> None:
+        """Stop recording for good (the engine is shutting down)."""
+        recorder = getattr(self, "_actmap_recorder", None)
+        if recorder is not None:
+            recorder.remove()
+        self._actmap_recorder = None
+
     def actmap_held(self) -> dict:
         """How many requests the recorder follows and how many finished ones wait (tests)."""
         recorder = getattr(self, "_actmap_recorder", None)
@@ -202,7 +226,7 @@ class ActmapWorker:
         if state is None or params is None or state.prompt_token_ids is None:
             return None  # pooling requests and prompt embeddings have no answer rows
         recorder = self._actmap_recorder
-        config = self._actmap_config
+        config = self._actmap_request_config(req_id)
         read = self._actmap_read_of(req_id)
         if read is not None:  # a teacher-forced reading: its rows are the answer's positions
             rows = len(read.chosen)
@@ -228,6 +252,25 @@ class ActmapWorker:
             max_rows=max_rows if max_rows is not None else 1 << 30, attention=attention,
         )  # fmt: skip
         return request
+
+    def _actmap_request_config(self, req_id: str) -> CaptureConfig:
+        """What request ``req_id`` keeps: what its id names (a request of
+        `actmap.capture.vllm_engine.VllmCapture`: `request_settings`), within what this worker
+        records; else the worker's settings."""
+        named = request_settings(req_id)
+        if named is None:
+            return self._actmap_config
+        config = self._actmap_configs.get(named)
+        if config is None:
+            greybox, positions, keys = named
+            recorder = self._actmap_recorder
+            config = self._actmap_configs[named] = replace(
+                self._actmap_config,
+                greybox=greybox and recorder.greybox,
+                keep_positions=positions,
+                attention_keys=keys if recorder.attention is not None else 0,
+            )
+        return config
 
     def _actmap_read_of(self, req_id: str) -> ForcedRead | None:
         """The teacher-forced reading request ``req_id`` is (its id says so:
@@ -259,7 +302,8 @@ class ActmapWorker:
         original = runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
-            self._actmap_retire(scheduler_output.finished_req_ids)
+            if self._actmap_recorder is not None:  # None: closed
+                self._actmap_retire(scheduler_output.finished_req_ids)
             return original(scheduler_output, *args, **kwargs)
 
         runner.execute_model = execute_model

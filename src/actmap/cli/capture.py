@@ -19,6 +19,7 @@ from actmap.cli.common import (
     fraction,
     progress_bar,
     quiet_transformers,
+    tensor_parallel_option,
     user_errors,
     vllm_compile_option,
 )
@@ -129,6 +130,7 @@ def capture(
         "requests in flight; pip install 'actmap[vllm]'). Same store either way.",
     ),
     vllm_compile: bool = vllm_compile_option(),
+    tensor_parallel_size: int = tensor_parallel_option(),
     workers: int = typer.Option(1, min=1, help="--engine ray: model replicas."),
     ray_replica: str = typer.Option(
         "transformers",
@@ -166,7 +168,7 @@ def capture(
             demonstrations_from=demonstrations_from, builtin_questions=builtin_questions,
             chat_template=chat_template, device=device, dtype=dtype, layers_path=layers_path,
             stop=tuple(stop) if stop else None, no_stop=no_stop, engine=engine,
-            vllm_compile=vllm_compile, workers=workers, ray_replica=ray_replica,
+            vllm_compile=vllm_compile, tensor_parallel_size=tensor_parallel_size, workers=workers, ray_replica=ray_replica,
             gpus_per_worker=gpus_per_worker, ray_address=ray_address, share_prefix=share_prefix,
         )  # fmt: skip
         with ExitStack() as stack:

@@ -311,6 +311,16 @@ def vllm_compile_option():
     )
 
 
+def tensor_parallel_option():
+    """``--tensor-parallel-size`` of the commands that can run vLLM."""
+    return typer.Option(
+        1,
+        min=1,
+        help="--engine vllm: vLLM's tensor parallel size (one worker per device; on the CPU "
+        'build bind each worker\'s threads: VLLM_CPU_OMP_THREADS_BIND="0|1").',
+    )
+
+
 def sampling_option():
     """``--sampling`` of the commands that read an audit store's labelled rows."""
     return typer.Option(

@@ -7,7 +7,13 @@ from pathlib import Path
 import typer
 
 from actmap.cli.app import app
-from actmap.cli.common import console, sampling_option, user_errors, vllm_compile_option
+from actmap.cli.common import (
+    console,
+    sampling_option,
+    tensor_parallel_option,
+    user_errors,
+    vllm_compile_option,
+)
 from actmap.defaults import DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
 from actmap.errors import ActmapUserError
 
@@ -126,9 +132,7 @@ def serve(
         "OpenAI server with the actmap plugin, --batch-size requests in flight; pip install "
         "'actmap[vllm]'; docs/vllm.md).",
     ),
-    tensor_parallel_size: int = typer.Option(
-        1, min=1, help="--engine vllm: vLLM's tensor parallel size (one worker per device)."
-    ),
+    tensor_parallel_size: int = tensor_parallel_option(),
     max_score_items: int = typer.Option(64, min=1, help="Answers per /v1/actmap/score request."),
     vllm_compile: bool = vllm_compile_option(),
     upstream: str = typer.Option(
