@@ -356,7 +356,8 @@ def cpu_by_process(pid: int | None) -> dict[str, float]:
         return {}
     import psutil
 
-    out = tree_cpu_s(pid)
+    # tree_cpu_s names the process it was given "api-server"; here that is either server
+    out = {("server process" if k == "api-server" else k): v for k, v in tree_cpu_s(pid).items()}
     try:
         main = next(t for t in psutil.Process(pid).threads() if t.id == pid)
         out[MAIN_THREAD] = main.user_time + main.system_time
