@@ -128,6 +128,8 @@ def one_server(args, folder: str, prompts: list[str], plugin: bool) -> list[dict
             for width in args.concurrency:
                 n = max(args.requests, width)
                 batch = (prompts * (n // len(prompts) + 1))[:n]
+                for _ in range(args.warmup_passes):  # untimed: the same load first
+                    asyncio.run(http_load(base, "bench", batch, width, args.max_tokens))
                 before = tree_cpu_s(process.pid)
                 waited, stepped = histogram(base, ROWS_WAIT), histogram(base, STEP_TOKENS)
                 result = asyncio.run(http_load(base, "bench", batch, width, args.max_tokens))
@@ -157,6 +159,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3, help="alternated server pairs")
+    parser.add_argument(
+        "--warmup-passes", type=int, default=0,
+        help="untimed passes of the same load before each timed one: bfloat16 on this CPU "
+        "builds a oneDNN kernel per new matrix shape (each step's token count), seconds each",
+    )  # fmt: skip
     parser.add_argument("--compiled", action="store_true", help="no --enforce-eager")
     parser.add_argument(
         "--vllm-args", default="", help='more flags for both servers, e.g. "--load-format dummy"'
