@@ -268,6 +268,20 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block):
             gather_key_blocks(cache, tables, packing), key_blocks(cache, packing)[tables],
             rtol=0, atol=0,
         )  # fmt: skip
+    # rows within one block read only its first `keep` positions (rounded up to whole tiles):
+    # the same logits as reading the whole block, on those positions; the same weights
+    one = table[:, :1].long()  # request 0 at position 19, request 1 at 9: block 0 of each
+    near, keep = torch.tensor([19, 9]), 20
+    whole = row_logits(query[:2], layers[0], one, packing, 0.125)
+    short = row_logits(query[:2], layers[0], one, packing, 0.125, keep=keep)
+    assert keep <= short.shape[-1] <= whole.shape[-1] == block
+    assert short.shape[-1] == (keep if packing[0] is None else -(-keep // tile) * tile)
+    torch.testing.assert_close(short, whole[..., : short.shape[-1]], rtol=1e-5, atol=1e-5)
+    takes = torch.tensor([keys, keys])
+    torch.testing.assert_close(
+        lookback_from_logits(short, near, takes, keys),
+        lookback_from_logits(whole, near, takes, keys), rtol=1e-5, atol=1e-7,
+    )  # fmt: skip
 
 
 def test_what_cannot_be_read_is_refused_by_name(tmp_path):
