@@ -218,7 +218,8 @@ def main() -> None:
         steps = {m: [r["tokens_per_step"] for r in rows
                      if r["mode"] == m and r["concurrency"] == width]
                  for m in ("plain", "plugin")}  # fmt: skip
-        print(f"  {width:<4} tokens per engine step: plain {steps['plain']}, plugin {steps['plugin']}")
+        print(f"  {width:<4} tokens per engine step: plain {steps['plain']}, "
+              f"plugin {steps['plugin']}")  # fmt: skip
     errors = [e for r in rows for e in r["errors"]]
     if errors:
         print("errors:", errors[:3])

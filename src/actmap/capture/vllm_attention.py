@@ -343,7 +343,8 @@ def row_logits(
     m, heads, dim = query.shape
     kv_heads = kv_cache.shape[1]
     groups = heads // kv_heads
-    blocks = gather_key_blocks(kv_cache, tables, packing, keep)  # (m, n, KV, tiles, d/per, tile, per)
+    # (m, n, KV, tiles, d / per, tile, per)
+    blocks = gather_key_blocks(kv_cache, tables, packing, keep)
     scaled = query.float() * scale  # (q * scale) . k: m x H x d multiplications, not m x H x S
     if packing[1] == 1:  # (d, tile) matrices as stored: one batched product, no copy
         q = scaled.view(m, 1, kv_heads, 1, groups, dim)
