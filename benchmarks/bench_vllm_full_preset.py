@@ -11,7 +11,9 @@ one finishes), each request keeping:
 * ``full``: + the lookback attention of K = 10 previous answer tokens, read inside vLLM's
   attention path (``actmap-plus:full``, `actmap.capture.vllm_attention`).
 
-The modes are interleaved ``--repeats`` times; each row is a mode's median run. ``full`` rows
+The modes are interleaved ``--repeats`` times; each row is a mode's median run, with the
+median over repeats of its run's throughput over the same repeat's map-only run (``paired``)
+and of the CPU time per run over map-only's (``CPU``). ``full`` rows
 also give ``attention_cpu_share``: the CPU time spent in the attention tap (its per-layer
 record and its per-step weights, `AttentionTap.record` / `finish`) over the run's CPU time,
 a figure less sensitive to the machine's load than the throughput ratio. Target
@@ -71,8 +73,8 @@ def run(args) -> list[dict]:
     capture = VllmCapture(args.model, args.dtype, options, greybox=True, max_context=2048)
     spent = timed_tap()
     configs = {
-        mode: CaptureConfig(max_new_tokens=args.max_tokens, **CAPTURE_NEEDS[needs])
-        for mode, needs in MODES.items()
+        mode: CaptureConfig(max_new_tokens=args.max_tokens, **CAPTURE_NEEDS[MODES[mode]])
+        for mode in args.modes
     }
     chats = [
         capture.tokenizer.apply_chat_template(
@@ -80,12 +82,12 @@ def run(args) -> list[dict]:
         )
         for p in questions(args.prompts)
     ]
-    ids = capture.encode(chats, configs["map-only"])
+    ids = capture.encode(chats, next(iter(configs.values())))
     rows = []
     for width in args.concurrency:
         n = max(args.requests, width)
         batch = (ids * (n // len(ids) + 1))[:n]
-        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        runs: dict[str, list[dict]] = {mode: [] for mode in configs}
         for config in configs.values():  # warm-up
             in_flight(capture, batch[: min(4, n)], width, args.max_tokens, config=config)
         for _ in range(args.repeats):
@@ -102,9 +104,20 @@ def run(args) -> list[dict]:
             row = {"mode": mode, "concurrency": width, **median[mode]}
             row["all_req_per_s"] = [r["req_per_s"] for r in results]
             rows.append(row)
-        base = median["map-only"]["req_per_s"]
-        for row in rows[-len(MODES) :]:
+        first = "map-only" if "map-only" in runs else args.modes[0]
+        base = median[first]["req_per_s"]
+        for row in rows[-len(configs) :]:
             row["ratio_vs_map_only"] = round(row["req_per_s"] / base, 3)
+            # each repeat's run over the same repeat's map-only run (slow drifts of the
+            # machine's speed cancel), throughput and CPU time per request
+            mine, theirs = runs[row["mode"]], runs[first]
+            paired = sorted(
+                a["req_per_s"] / b["req_per_s"] for a, b in zip(mine, theirs, strict=True)
+            )
+            cpu = sorted(a["cpu_s"] / b["cpu_s"] for a, b in zip(mine, theirs, strict=True))
+            row["paired_ratios"] = [round(r, 3) for r in paired]
+            row["paired_ratio_median"] = round(paired[len(paired) // 2], 3)
+            row["cpu_ratio_median"] = round(cpu[len(cpu) // 2], 3)
     capture.close()
     return rows
 
@@ -118,10 +131,17 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64, help="distinct questions")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per mode")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} to run"
+    )
     parser.add_argument("--compiled", action="store_true", help="vLLM's compiled model")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown or not args.modes:
+        parser.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     print(f"load at start: {os.getloadavg()}", flush=True)
     rows = run(args)
     print(f"load at end: {os.getloadavg()}")
@@ -131,7 +151,8 @@ def main() -> None:
         print(
             f"c={row['concurrency']:>3} {row['mode']:<10} {row['req_per_s']:8.3f} req/s "
             f"{row['tokens_per_s']:9.2f} tok/s  p50 {row['p50_s']}s  cpu {row['cpu_s']}s  "
-            f"x{ratio:.3f} of map-only"
+            f"x{ratio:.3f} of map-only (paired median x{row['paired_ratio_median']:.3f}, "
+            f"CPU x{row['cpu_ratio_median']:.3f})"
             + (
                 f"{mark}; attention tap {row['attention_cpu_share']:.1%} of CPU"
                 if row["mode"] == "full"

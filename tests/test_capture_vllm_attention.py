@@ -194,20 +194,30 @@ def test_full_preset_scores_vllm_rows_as_transformers_rows(family_engine, word_t
 
 
 # -- the pieces, without an engine ------------------------------------------------------------
-@pytest.mark.parametrize("block", [32, 64])
+@pytest.mark.parametrize(("block", "bag"), [(32, 64), (64, 64), (64, 16)])
 @pytest.mark.parametrize(
     ("isa", "dtype"),
     [("vec", torch.float32), ("vec16", torch.float32), ("amx", torch.bfloat16)],
 )
-def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block):
+def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block, bag, monkeypatch):
     """`key_blocks` reads back the keys vLLM's CPU cache writer stored, and the lookback
     weights from `row_logits` equal a naive per-row loop (GQA: query head h reads key head
-    h // G)."""
+    h // G); ``bag``: the most positions an in-place read's row covers (16: several chunks a
+    block, as a 128-position block has with the default 64)."""
     from vllm import _custom_ops as ops
+
+    from actmap.capture import vllm_attention
+
+    if dtype != torch.float32 and bag != 64:
+        pytest.skip("bfloat16 keys are gathered: the in-place read's width does not apply")
+    monkeypatch.setattr(vllm_attention, "BAG_WIDTH", bag)
 
     from actmap.capture.vllm_attention import (
         _CPU_KEY_PACKING,
+        bag_readable,
+        bag_width,
         gather_key_blocks,
+        gathered_logits,
         key_blocks,
         lookback_from_logits,
         row_logits,
@@ -248,20 +258,27 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block):
     batch, positions, rows = [0, 0, 1], [69, 35, 39], [9, 1, 2]
     query = torch.randn(3, heads, dim).to(dtype)
     tables = table.index_select(0, torch.tensor(batch))[:, : 69 // block + 1].long()
-    logits = row_logits(query, cache, tables, packing, 0.125)
-    got = lookback_from_logits(
-        logits, torch.tensor(positions), torch.tensor([min(r, keys) for r in rows]), keys
-    )
-    start = [0, sum(lengths[:1])]
-    for m, (r, p, row) in enumerate(zip(batch, positions, rows, strict=True)):
-        own = written[start[r] : start[r] + p + 1].float()  # keys of positions 0..p
-        for h in range(heads):
-            z = own[:, h // (heads // kv_heads)] @ query[m, h].float() * 0.125
-            w = torch.softmax(z, dim=0)
-            want = torch.zeros(keys)
-            for k in range(1, min(row, keys) + 1):
-                want[k - 1] = w[p + 1 - k]
-            torch.testing.assert_close(got[m, h], want, rtol=1e-5, atol=1e-7)
+    # float32 in the transposed layout is read in place (`bag_logits`), bfloat16 tiles are
+    # gathered: both equal the naive loop, over the whole blocks and over positions 0..69
+    assert bag_readable(cache, packing) == (dtype == torch.float32)
+    readings = [(row_logits, None), (row_logits, 70), (gathered_logits, None)]
+    for read, keep in readings:
+        logits = read(query, cache, tables, packing, 0.125, keep)
+        if keep is not None and bag_readable(cache, packing):  # whole chunks of positions
+            assert logits.shape[-1] == -(-keep // bag_width(block)) * bag_width(block)
+        got = lookback_from_logits(
+            logits, torch.tensor(positions), torch.tensor([min(r, keys) for r in rows]), keys
+        )
+        start = [0, sum(lengths[:1])]
+        for m, (r, p, row) in enumerate(zip(batch, positions, rows, strict=True)):
+            own = written[start[r] : start[r] + p + 1].float()  # keys of positions 0..p
+            for h in range(heads):
+                z = own[:, h // (heads // kv_heads)] @ query[m, h].float() * 0.125
+                w = torch.softmax(z, dim=0)
+                want = torch.zeros(keys)
+                for k in range(1, min(row, keys) + 1):
+                    want[k - 1] = w[p + 1 - k]
+                torch.testing.assert_close(got[m, h], want, rtol=1e-5, atol=1e-7)
     # the fast gather (contiguous runs) reads what indexing the view reads, in both layers
     for cache in layers:
         torch.testing.assert_close(
@@ -272,8 +289,8 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block):
     # the same logits as reading the whole block, on those positions; the same weights
     one = table[:, :1].long()  # request 0 at position 19, request 1 at 9: block 0 of each
     near, keep = torch.tensor([19, 9]), 20
-    whole = row_logits(query[:2], layers[0], one, packing, 0.125)
-    short = row_logits(query[:2], layers[0], one, packing, 0.125, keep=keep)
+    whole = gathered_logits(query[:2], layers[0], one, packing, 0.125)
+    short = gathered_logits(query[:2], layers[0], one, packing, 0.125, keep=keep)
     assert keep <= short.shape[-1] <= whole.shape[-1] == block
     assert short.shape[-1] == (keep if packing[0] is None else -(-keep // tile) * tile)
     torch.testing.assert_close(short, whole[..., : short.shape[-1]], rtol=1e-5, atol=1e-5)

@@ -13,13 +13,15 @@ beside `actmap.capture.vllm_engine`'s record points). In a compiled model the ho
 of the opaque custom op ``actmap::record_attention`` on the module's post-RoPE query and its
 output (the output orders the op after vLLM's attention; under piecewise CUDA graphs the op is
 a splitting op, like ``record_layer``); in an eager model it calls the op's body directly.
-Either way it keeps the query of each row the recorder planned (generated tokens of requests
-that keep attention). Once the forward has run, every layer's keys are in the paged cache and
-stay there until the next step: `AttentionTap.finish` then reads, layer by layer, the keys of
-positions ``0..p`` of each row through its block table (whole blocks, one gather), takes one
+Either way, right after vLLM's attention of that layer wrote and read its keys, it takes the
+query of each row the recorder planned (generated tokens of requests that keep attention),
+reads the keys of positions ``0..p`` of each row through its block table, takes one
 ``(H, p+1)`` float32 logit vector per row, and writes the K weights into a step buffer
-``(rows, L, H, K)`` that leaves the device with the step's other rows. Only the planned rows
-are computed (nothing of size queries x keys), and vLLM's own attention output is untouched.
+``(rows, L, H, K)`` that leaves the device with the step's other rows (`AttentionTap.finish`).
+A float32 cache in the transposed layout is read in place, one ``embedding_bag`` summing each
+key dimension's row weighted by the query's component (`bag_logits`); the others are gathered
+first (`gathered_logits`). Only the planned rows are computed (nothing of size queries x keys),
+and vLLM's own attention output is untouched.
 
 What it reads must be how vLLM stored the keys: the CPU backend (``CPU_ATTN``) stores each
 block's keys of one head transposed, ``(head_size, block)``, for its ``vec``/``vec16`` kernels,
@@ -33,6 +35,7 @@ are model families whose attention this has not been tested against
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,9 +49,10 @@ VLLM_ATTENTION_FAMILIES = frozenset({"llama", "qwen2"})
 # CPU_ATTN's key layout per kernel ISA, (tile, per): a block's keys of one head as
 # (block / tile, head_size / per, tile, per); tile None: the whole block
 _CPU_KEY_PACKING = {"vec": (None, 1), "vec16": (None, 1), "amx": (16, 2)}
-# the keys gathered for the layers computed together at the end of a step stay within this
-# many bytes
-KEYS_BUDGET = 64 << 20
+# the layers' logits a step holds before weighing them stay within this many bytes
+LOGITS_BUDGET = 32 << 20
+# the most positions one row of an in-place read covers (`bag_width`)
+BAG_WIDTH = 64
 
 # the tap reading this process's engine (one per process, as `vllm_engine._ACTIVE`)
 _TAPS: list[AttentionTap] = []
@@ -162,11 +166,11 @@ class AttentionRows:
 
 
 class AttentionTap:
-    """The lookback weights of the planned rows: each layer's op keeps the rows' queries; once
-    the forward has run (every layer's keys are in the cache, and stay there until the next
-    step), `finish` computes all layers' weights into one step buffer, a few layers at a time
-    (their gathered keys within `KEYS_BUDGET` bytes). (One view over every layer's cache, which
-    vLLM's CPU worker keeps in one buffer, gathered no faster here than layer by layer.)"""
+    """The lookback weights of the planned rows: right after vLLM's attention of layer i has
+    read its keys (they are still in the CPU's caches, and stay in vLLM's paged cache until
+    the next step), that layer's op computes its rows' logits; the layers' logits are then
+    normalised together into the step buffer ``(rows, L, H, K)`` (at `finish`, or earlier
+    when they reach `LOGITS_BUDGET` bytes), and `finish` hands the buffer on."""
 
     def __init__(self, model: nn.Module, capacity: int) -> None:
         self.modules = model._actmap_attention
@@ -176,17 +180,20 @@ class AttentionTap:
         self.head_size = int(first.head_size)
         self.device = first.kv_cache.device
         self.packing = [_CPU_KEY_PACKING[m.isa] for m in self.modules]
+        # every layer's keys read in place (`bag_logits`), else gathered
+        self.bag = all(
+            bag_readable(m.kv_cache, p) and m.kv_cache.shape == first.kv_cache.shape
+            for m, p in zip(self.modules, self.packing, strict=True)
+        )
         self.scale = float(first.impl.scale)  # the same in every layer (`attention_problem`)
         self.keys = 1  # K of the buffer: the most any request asked for so far
         self.buffer = torch.zeros(capacity, self.n_layers, self.heads, 1, device=self.device)
-        self.queries = torch.zeros(
-            self.n_layers, capacity, self.heads, self.head_size, device=self.device,
-            dtype=first.kv_cache.dtype,
-        )  # fmt: skip
         self.planned = False
         self._picks: np.ndarray | None = None
         self._select = self._batch = self._position = self._take = None
         self._tables: torch.Tensor | None = None  # (m, blocks) this step's rows' cache blocks
+        self._bag: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's `bag_index`
+        self._logits: list[tuple[int, torch.Tensor]] = []  # layers read, not yet weighed
         self._blocks = 0  # key blocks the furthest row reads
         self._keep = 0  # positions the furthest row reads
         self._fired = 0
@@ -207,7 +214,7 @@ class AttentionTap:
             if row >= 1 and owner.config.attention_keys > 0
         ]  # fmt: skip
         self.planned = bool(picks)
-        self._tables, self._fired = None, 0
+        self._tables, self._bag, self._fired, self._logits = None, None, 0, []
         if not picks:
             return
         keys = max(owners[k].config.attention_keys for k in picks)
@@ -217,9 +224,6 @@ class AttentionTap:
             self.buffer = torch.zeros(
                 size, self.n_layers, self.heads, self.keys, device=self.device
             )
-        if len(picks) > self.queries.shape[1]:
-            shape = (self.n_layers, self.buffer.shape[0], self.heads, self.head_size)
-            self.queries = torch.zeros(shape, device=self.device, dtype=self.queries.dtype)
         positions = [rows[k] + owners[k].prompt_tokens - 1 for k in picks]
         takes = [min(rows[k], owners[k].config.attention_keys) for k in picks]
         block = int(self.modules[0].kv_cache.shape[2])
@@ -238,7 +242,7 @@ class AttentionTap:
 
     def finish(self) -> AttentionRows | None:
         """Every layer's weights of the planned rows, on their way to the host (None: none
-        were planned). Called after the forward, before the next step writes the cache."""
+        were planned). Called after the forward."""
         if not self.planned:
             return None
         self.planned = False
@@ -247,20 +251,8 @@ class AttentionTap:
                 f"lookback attention recorded {self._fired} of {self.n_layers} layers: its "
                 "op did not run at every attention layer"
             )
+        self._weigh()
         m = len(self._picks)
-        span = self._blocks * int(self.modules[0].kv_cache.shape[2])
-        keep = self._keep if self._blocks == 1 else None  # one block a row: its used part
-        per_layer = 4 * m * min(span, keep or span) * self.kv_heads * self.head_size
-        chunk = max(1, KEYS_BUDGET // per_layer)  # float32 keys gathered within the budget
-        for lo in range(0, self.n_layers, chunk):
-            layers = range(lo, min(self.n_layers, lo + chunk))
-            logits = torch.stack([
-                row_logits(self.queries[i, :m], self.modules[i].kv_cache, self._tables,
-                           self.packing[i], self.scale, keep)
-                for i in layers
-            ])  # fmt: skip  # (layers, m, H, span)
-            weights = lookback_from_logits(logits, self._position, self._take, self.keys)
-            self.buffer[:m, layers.start : layers.stop, :, : self.keys] = weights.transpose(0, 1)
         if self.device.type == "cuda":
             host = torch.empty(self.buffer[:m].shape, pin_memory=True)
             host.copy_(self.buffer[:m], non_blocking=True)  # the step's event follows
@@ -270,17 +262,45 @@ class AttentionTap:
 
     # -- inside the forward ------------------------------------------------------------------
     def record(self, index: int, query: torch.Tensor) -> None:
-        """Layer ``index``'s query at the planned rows (and, at the step's first layer, the
-        rows' block tables)."""
+        """Layer ``index``'s logits of the planned rows, from its query (and, at the step's
+        first layer, the rows' block tables), after vLLM's attention wrote its keys."""
+        module = self.modules[index]
         if self._tables is None:
             from vllm.model_executor.layers.attention.attention import get_attention_context
 
-            metadata = get_attention_context(self.modules[index].layer_name)[0]
+            metadata = get_attention_context(module.layer_name)[0]
             table = metadata.block_table.index_select(0, self._batch)
             self._tables = table[:, : self._blocks].long()
-        rows = self.queries[index, : len(self._picks)]
-        torch.index_select(query.view(-1, self.heads, self.head_size), 0, self._select, out=rows)
+            if self.bag:
+                self._bag = bag_index(self._tables, module.kv_cache.shape, self.heads, self._keep)
+        rows = query.view(-1, self.heads, self.head_size).index_select(0, self._select)
+        if self._bag is not None:  # read in place: positions 0..keep-1 of the rows' blocks
+            logits = bag_logits(rows, module.kv_cache, *self._bag, self.scale)
+        else:  # gathered: whole blocks, or a one-block row's used part
+            keep = self._keep if self._blocks == 1 else None
+            logits = gathered_logits(rows, module.kv_cache, self._tables, self.packing[index],
+                                     self.scale, keep)  # fmt: skip
+        self._logits.append((index, logits))
         self._fired += 1
+        if len(self._logits) * logits.numel() * 4 >= LOGITS_BUDGET:
+            self._weigh()
+
+    def _weigh(self) -> None:
+        """The held layers' logits -> their weights in the step buffer (one batched
+        normalisation: per layer, its handful of small operations cost more than the
+        logits)."""
+        if not self._logits:
+            return
+        layers = [index for index, _ in self._logits]
+        logits = torch.stack([logits for _, logits in self._logits])  # (layers, m, H, span)
+        logits = logits[..., : self._keep]  # no row reads past the furthest row's position
+        self._logits = []
+        weights = lookback_from_logits(logits, self._position, self._take, self.keys)
+        if layers != list(range(layers[0], layers[-1] + 1)):
+            raise RuntimeError(f"lookback attention recorded layers {layers} out of order")
+        self.buffer[: len(self._picks), layers[0] : layers[-1] + 1, :, : self.keys] = (
+            weights.transpose(0, 1)
+        )
 
 
 def key_blocks(kv_cache: torch.Tensor, packing: tuple[int | None, int]) -> torch.Tensor:
@@ -338,8 +358,84 @@ def row_logits(
 ) -> torch.Tensor:
     """(m, H, span) float32 logits ``scale * q . k`` of each row's query (``query``
     (m, H, d)) to the keys of its ``n`` cache blocks (``tables`` (m, n)); span is
-    ``n * block``, or about ``keep`` with one block per row (`gather_key_blocks`); query head
-    h reads key head h // G, vLLM's grouping; positions past a row's own are not masked here."""
+    ``n * block``, or about ``keep`` (`bag_index`, `gather_key_blocks`); query head h reads
+    key head h // G, vLLM's grouping; positions past a row's own are not masked here.
+
+    A float32 cache in the transposed layout is read in place (`bag_logits`); the others are
+    gathered first (`gathered_logits`)."""
+    if bag_readable(kv_cache, packing):
+        index, offsets = bag_index(tables, kv_cache.shape, query.shape[1], keep)
+        return bag_logits(query, kv_cache, index, offsets, scale)
+    return gathered_logits(query, kv_cache, tables, packing, scale, keep)
+
+
+def bag_readable(kv_cache: torch.Tensor, packing: tuple[int | None, int]) -> bool:
+    """Whether `bag_logits` reads this cache: float32, contiguous, each (block, head)'s keys
+    stored transposed, ``(head_size, block)`` (the ``vec``/``vec16`` kernels' layout)."""
+    return packing == (None, 1) and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+
+
+def bag_width(block: int) -> int:
+    """The positions one `bag_logits` row covers: a key dimension's values at ``w``
+    consecutive positions of one block (64, or the block if it divides 64)."""
+    return math.gcd(block, BAG_WIDTH)
+
+
+def bag_index(
+    tables: torch.Tensor, shape: torch.Size, heads: int, keep: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `bag_logits` reads for rows with these cache blocks (``tables`` (m, n)) of a
+    cache of ``shape`` (blocks, KV, block, 2 * d): for each row, query head, span chunk of
+    `bag_width` positions and key dimension, the row of ``kv_cache.view(-1, w)`` holding that
+    key dimension at those positions (``(m * H * chunks * d,)``), and where each (row, head,
+    chunk)'s ``d`` entries start. The chunks cover positions ``0..keep-1`` (None: the ``n``
+    blocks), so a short context reads only the first chunks of its block."""
+    _, kv_heads, block, twice = shape
+    dim, width = twice // 2, bag_width(block)
+    per = block // width  # chunks a block holds
+    span = tables.shape[1] * block if keep is None else min(keep, tables.shape[1] * block)
+    chunk = torch.arange(-(-span // width), device=tables.device)  # (chunks,)
+    blocks = tables[:, chunk // per]  # (m, chunks): the block each chunk lies in
+    key_head = torch.arange(heads, device=tables.device) // (heads // kv_heads)
+    # row of (block b, key head k, dimension c, chunk j) = ((b * KV + k) * 2d + c) * per + j
+    start = (blocks[:, None, :] * kv_heads + key_head[None, :, None]) * twice  # (m, H, chunks)
+    dims = torch.arange(dim, device=tables.device)
+    index = (start[..., None] + dims) * per + (chunk % per)[None, None, :, None]
+    offsets = torch.arange(0, index.numel(), dim, device=tables.device)
+    return index.flatten(), offsets
+
+
+def bag_logits(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    index: torch.Tensor,
+    offsets: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """(m, H, chunks * w) logits read in place from the cache: each (row, head, chunk) is one
+    bag of ``torch.nn.functional.embedding_bag`` summing the ``d`` key-dimension rows that
+    `bag_index` names, each weighted by the query's component (``scale * q_c``), so the keys
+    are read once and never copied (a gather first copies them, then reads them again)."""
+    m, heads, dim = query.shape
+    chunks, width = index.numel() // (m * heads * dim), bag_width(kv_cache.shape[2])
+    weights = (query.float() * scale)[:, :, None, :].expand(m, heads, chunks, dim)
+    logits = torch.nn.functional.embedding_bag(
+        index, kv_cache.view(-1, width), offsets, mode="sum",
+        per_sample_weights=weights.reshape(-1),
+    )  # fmt: skip  # (m * H * chunks, w)
+    return logits.view(m, heads, chunks * width)
+
+
+def gathered_logits(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    packing: tuple[int | None, int],
+    scale: float,
+    keep: int | None = None,
+) -> torch.Tensor:
+    """`row_logits` from a copy of the rows' key blocks (`gather_key_blocks`): any layout
+    and dtype."""
     m, heads, dim = query.shape
     kv_heads = kv_cache.shape[1]
     groups = heads // kv_heads
@@ -361,12 +457,12 @@ def lookback_from_logits(
 ) -> torch.Tensor:
     """(..., m, H, keys) weights ``exp(z_{p+1-k} - logsumexp_{j <= p} z_j)`` for k = 1..keys,
     0 where k > take, from logits (..., m, H, span) (row r's keys are its positions
-    0..positions[r]; leading dims, such as layers, are batched)."""
+    0..positions[r]; leading dims, such as layers, are batched). ``logits`` is overwritten
+    past each row's position."""
     span = torch.arange(logits.shape[-1], device=logits.device)
-    logits = logits.masked_fill((span[None, :] > positions[:, None])[:, None, :], float("-inf"))
-    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # (..., m, H, 1)
+    beyond = span[None, :] > positions[:, None]  # (m, span)
+    weights = torch.softmax(logits.masked_fill_(beyond[:, None, :], float("-inf")), dim=-1)
     back = torch.arange(keys, device=logits.device)
     where = (positions[:, None] - back[None, :]).clamp(min=0)  # (m, keys): k = 1 is p itself
-    picked = logits.gather(-1, where[:, None, :].expand(*logits.shape[:-1], keys))
-    weights = torch.exp(picked - normaliser)
-    return weights.masked_fill((back[None, :] >= takes[:, None])[:, None, :], 0.0)
+    picked = weights.gather(-1, where[:, None, :].expand(*weights.shape[:-1], keys))
+    return picked.masked_fill_((back[None, :] >= takes[:, None])[:, None, :], 0.0)

@@ -641,16 +641,16 @@ class _Recorder:
         torch.index_select(hidden, 0, self._select, out=picked)
         if residual is not None:  # the stream is their sum (add after selecting: a prefill
             picked.add_(residual.index_select(0, self._select))  # selects few rows)
-        if self._keep_full:
-            self.full[:n, index] = saturated_float16(picked)
         self._fired += 1
 
     def _pool_step(self, n: int) -> None:
-        """Every layer's selected rows pooled at once into the step buffer (one op, not one
-        per layer)."""
+        """Every layer's selected rows pooled at once into the step buffer, and kept unpooled
+        where a request keeps position states (one op each, not one per layer)."""
         d = self.pooled_dim
         pooled = pool_hidden(self._stage[:, :n], d)  # (L, n, d)
         self.buffer[:n, :-1].view(n, self.n_layers, d).copy_(pooled.transpose(0, 1))
+        if self._keep_full:  # the unpooled rows, float16 (position states)
+            self.full[:n].copy_(saturated_float16(self._stage[:, :n]).transpose(0, 1))
 
     def _end_step(self, logp: torch.Tensor | None = None) -> None:
         owners, rows, has_entropy = self._plan
