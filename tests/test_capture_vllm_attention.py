@@ -95,17 +95,31 @@ def test_batch_of_different_prompt_lengths_equals_transformers(family_engine, wo
     assert_same_attention(got, want)
 
 
-def test_preempted_requests_keep_their_attention(family_engine, word_tokenizer):
+def test_preempted_requests_keep_their_attention(family_engine, word_tokenizer, monkeypatch):
     """Eight requests of two cache blocks each share six: vLLM preempts and recomputes some
-    (a recompute prefills prompt + answer; its new row's keys include the ones it rewrote)."""
+    (a recompute prefills prompt + answer; its new row's keys include the ones it rewrote).
+    Each layer's logits are normalised as soon as they are read (a budget of one byte), as
+    a long context's are, not with the step's other layers."""
+    from actmap.capture import vllm_attention
+
     family, model, engine = family_engine
     if family != "llama":
         pytest.skip("one family is enough for the scheduler's cases")
+    monkeypatch.setattr(vllm_attention, "LOGITS_BUDGET", 1)
+    weighed = []
+    original = vllm_attention.AttentionTap._weigh
+
+    def counted(self):
+        weighed.append(len(self._logits))
+        return original(self)
+
+    monkeypatch.setattr(vllm_attention.AttentionTap, "_weigh", counted)
     words = "what is the capital of the river and the city how many days".split()
     prompts = [" ".join(words[i:] + words[:i] + words[:8]) for i in range(8)]  # 22 tokens
     before = engine.recorder.recomputed
     got = engine.generate(prompts, CONFIG)
     assert engine.recorder.recomputed > before, "no request was preempted"
+    assert max(weighed) == 1  # one layer at a time
     assert_same_attention(got, generate_batch(model, word_tokenizer, prompts, CONFIG))
 
 
@@ -214,6 +228,8 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block, bag, mon
 
     from actmap.capture.vllm_attention import (
         _CPU_KEY_PACKING,
+        bag_index,
+        bag_logits,
         bag_readable,
         bag_width,
         gather_key_blocks,
@@ -261,7 +277,14 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block, bag, mon
     # float32 in the transposed layout is read in place (`bag_logits`), bfloat16 tiles are
     # gathered: both equal the naive loop, over the whole blocks and over positions 0..69
     assert bag_readable(cache, packing) == (dtype == torch.float32)
+
+    def own_chunks(query, cache, tables, packing, scale, keep):  # a row's own chunks only
+        index = bag_index(tables, cache.shape, heads, keep, torch.tensor(positions))
+        return bag_logits(query, cache, *index, scale)
+
     readings = [(row_logits, None), (row_logits, 70), (gathered_logits, None)]
+    if bag_readable(cache, packing):
+        readings.append((own_chunks, 70))
     for read, keep in readings:
         logits = read(query, cache, tables, packing, 0.125, keep)
         if keep is not None and bag_readable(cache, packing):  # whole chunks of positions

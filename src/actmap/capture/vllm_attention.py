@@ -192,7 +192,7 @@ class AttentionTap:
         self._picks: np.ndarray | None = None
         self._select = self._batch = self._position = self._take = None
         self._tables: torch.Tensor | None = None  # (m, blocks) this step's rows' cache blocks
-        self._bag: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's `bag_index`
+        self._bag: tuple[torch.Tensor, ...] | None = None  # this step's `bag_index`
         self._logits: list[tuple[int, torch.Tensor]] = []  # layers read, not yet weighed
         self._blocks = 0  # key blocks the furthest row reads
         self._keep = 0  # positions the furthest row reads
@@ -272,11 +272,20 @@ class AttentionTap:
             table = metadata.block_table.index_select(0, self._batch)
             self._tables = table[:, : self._blocks].long()
             if self.bag:
-                self._bag = bag_index(self._tables, module.kv_cache.shape, self.heads, self._keep)
-        rows = query.view(-1, self.heads, self.head_size).index_select(0, self._select)
+                shape = module.kv_cache.shape
+                read, offsets, picks = bag_index(
+                    self._tables, shape, self.heads, self._keep, self._position
+                )
+                # the picks as elements of the whole step's query (tokens, H * d)
+                width = self.heads * self.head_size
+                picks = self._select[picks // width] * width + picks % width
+                self._bag = (read, offsets, picks)
+        m = len(self._picks)
         if self._bag is not None:  # read in place: positions 0..keep-1 of the rows' blocks
-            logits = bag_logits(rows, module.kv_cache, *self._bag, self.scale)
+            logits = bag_logits(query, module.kv_cache, *self._bag, self.scale,
+                                (m, self.heads))  # fmt: skip
         else:  # gathered: whole blocks, or a one-block row's used part
+            rows = query.view(-1, self.heads, self.head_size).index_select(0, self._select)
             keep = self._keep if self._blocks == 1 else None
             logits = gathered_logits(rows, module.kv_cache, self._tables, self.packing[index],
                                      self.scale, keep)  # fmt: skip
@@ -292,8 +301,8 @@ class AttentionTap:
         if not self._logits:
             return
         layers = [index for index, _ in self._logits]
-        logits = torch.stack([logits for _, logits in self._logits])  # (layers, m, H, span)
-        logits = logits[..., : self._keep]  # no row reads past the furthest row's position
+        # (layers, m, H, keep): no row reads past the furthest row's position
+        logits = torch.stack([logits[..., : self._keep] for _, logits in self._logits])
         self._logits = []
         weights = lookback_from_logits(logits, self._position, self._take, self.keys)
         if layers != list(range(layers[0], layers[-1] + 1)):
@@ -364,8 +373,8 @@ def row_logits(
     A float32 cache in the transposed layout is read in place (`bag_logits`); the others are
     gathered first (`gathered_logits`)."""
     if bag_readable(kv_cache, packing):
-        index, offsets = bag_index(tables, kv_cache.shape, query.shape[1], keep)
-        return bag_logits(query, kv_cache, index, offsets, scale)
+        return bag_logits(query, kv_cache, *bag_index(tables, kv_cache.shape, query.shape[1], keep),
+                          scale)  # fmt: skip
     return gathered_logits(query, kv_cache, tables, packing, scale, keep)
 
 
@@ -382,27 +391,44 @@ def bag_width(block: int) -> int:
 
 
 def bag_index(
-    tables: torch.Tensor, shape: torch.Size, heads: int, keep: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    tables: torch.Tensor,
+    shape: torch.Size,
+    heads: int,
+    keep: int | None = None,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `bag_logits` reads for rows with these cache blocks (``tables`` (m, n)) of a
-    cache of ``shape`` (blocks, KV, block, 2 * d): for each row, query head, span chunk of
-    `bag_width` positions and key dimension, the row of ``kv_cache.view(-1, w)`` holding that
-    key dimension at those positions (``(m * H * chunks * d,)``), and where each (row, head,
-    chunk)'s ``d`` entries start. The chunks cover positions ``0..keep-1`` (None: the ``n``
-    blocks), so a short context reads only the first chunks of its block."""
+    cache of ``shape`` (blocks, KV, block, 2 * d): one bag per row, query head and span chunk
+    of `bag_width` positions; in it, for each key dimension, the row of
+    ``kv_cache.view(-1, w)`` holding that dimension at those positions (``index``), and which
+    element of the flattened query ``(m * H * d,)`` weighs it (``picks``); ``offsets``: where
+    each bag starts. The chunks cover positions ``0..keep-1`` (None: the ``n`` blocks), so a
+    short context reads only the first chunks of its block; with ``positions`` (m,), a row's
+    bags past the chunk holding its own position are empty (their logits 0: positions a
+    row's lookback never reads)."""
     _, kv_heads, block, twice = shape
     dim, width = twice // 2, bag_width(block)
     per = block // width  # chunks a block holds
     span = tables.shape[1] * block if keep is None else min(keep, tables.shape[1] * block)
-    chunk = torch.arange(-(-span // width), device=tables.device)  # (chunks,)
+    device = tables.device
+    chunk = torch.arange(-(-span // width), device=device)  # (chunks,)
     blocks = tables[:, chunk // per]  # (m, chunks): the block each chunk lies in
-    key_head = torch.arange(heads, device=tables.device) // (heads // kv_heads)
+    key_head = torch.arange(heads, device=device) // (heads // kv_heads)
     # row of (block b, key head k, dimension c, chunk j) = ((b * KV + k) * 2d + c) * per + j
     start = (blocks[:, None, :] * kv_heads + key_head[None, :, None]) * twice  # (m, H, chunks)
-    dims = torch.arange(dim, device=tables.device)
+    dims = torch.arange(dim, device=device)
     index = (start[..., None] + dims) * per + (chunk % per)[None, None, :, None]
-    offsets = torch.arange(0, index.numel(), dim, device=tables.device)
-    return index.flatten(), offsets
+    m = tables.shape[0]
+    picks = torch.arange(m * heads * dim, device=device).view(m, heads, 1, dim)
+    picks = picks.expand(m, heads, len(chunk), dim)  # (m, H, chunks, d)
+    if positions is None:
+        offsets = torch.arange(0, index.numel(), dim, device=device)
+        return index.flatten(), offsets, picks.flatten()
+    used = chunk[None, :] <= (positions // width)[:, None]  # (m, chunks)
+    used = used[:, None, :].expand(m, heads, len(chunk))  # (m, H, chunks)
+    sizes = used.flatten().long() * dim
+    offsets = torch.cumsum(sizes, 0) - sizes
+    return index[used].flatten(), offsets, picks[used].flatten()
 
 
 def bag_logits(
@@ -410,20 +436,22 @@ def bag_logits(
     kv_cache: torch.Tensor,
     index: torch.Tensor,
     offsets: torch.Tensor,
+    picks: torch.Tensor,
     scale: float,
+    shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """(m, H, chunks * w) logits read in place from the cache: each (row, head, chunk) is one
-    bag of ``torch.nn.functional.embedding_bag`` summing the ``d`` key-dimension rows that
-    `bag_index` names, each weighted by the query's component (``scale * q_c``), so the keys
-    are read once and never copied (a gather first copies them, then reads them again)."""
-    m, heads, dim = query.shape
-    chunks, width = index.numel() // (m * heads * dim), bag_width(kv_cache.shape[2])
-    weights = (query.float() * scale)[:, :, None, :].expand(m, heads, chunks, dim)
+    """(m, H, chunks * w) logits read in place from the cache (`bag_index`): each bag of
+    ``torch.nn.functional.embedding_bag`` sums the ``d`` key-dimension rows its index names,
+    each weighted by the query's component (``scale * q_c``), so the keys are read once and
+    never copied (a gather first copies them, then reads them again). ``picks`` are elements
+    of ``query`` in `torch.take`'s order; ``shape``: (m, H) (None: ``query``'s (m, H, d))."""
+    m, heads = shape or query.shape[:2]
+    width = bag_width(kv_cache.shape[2])
+    weights = torch.take(query, picks).float().mul_(scale)
     logits = torch.nn.functional.embedding_bag(
-        index, kv_cache.view(-1, width), offsets, mode="sum",
-        per_sample_weights=weights.reshape(-1),
-    )  # fmt: skip  # (m * H * chunks, w)
-    return logits.view(m, heads, chunks * width)
+        index, kv_cache.view(-1, width), offsets, mode="sum", per_sample_weights=weights
+    )  # (m * H * chunks, w)
+    return logits.view(m, heads, -1)
 
 
 def gathered_logits(
@@ -457,11 +485,16 @@ def lookback_from_logits(
 ) -> torch.Tensor:
     """(..., m, H, keys) weights ``exp(z_{p+1-k} - logsumexp_{j <= p} z_j)`` for k = 1..keys,
     0 where k > take, from logits (..., m, H, span) (row r's keys are its positions
-    0..positions[r]; leading dims, such as layers, are batched). ``logits`` is overwritten
-    past each row's position."""
-    span = torch.arange(logits.shape[-1], device=logits.device)
-    beyond = span[None, :] > positions[:, None]  # (m, span)
-    weights = torch.softmax(logits.masked_fill_(beyond[:, None, :], float("-inf")), dim=-1)
+    0..positions[r]; leading dims, such as layers, are batched). A contiguous ``logits`` is
+    overwritten past each row's position."""
+    m, heads, width = logits.shape[-3:]
+    logits = logits.contiguous()
+    span = torch.arange(width, device=logits.device)
+    beyond = (span[None, :] > positions[:, None])[:, None, :].expand(m, heads, width)
+    # one (m * H * span) mask over the leading dims: a contiguous inner loop, unlike the same
+    # mask broadcast over H
+    logits.view(-1, m * heads * width).masked_fill_(beyond.reshape(1, -1), float("-inf"))
+    weights = torch.softmax(logits, dim=-1)
     back = torch.arange(keys, device=logits.device)
     where = (positions[:, None] - back[None, :]).clamp(min=0)  # (m, keys): k = 1 is p itself
     picked = weights.gather(-1, where[:, None, :].expand(*weights.shape[:-1], keys))
