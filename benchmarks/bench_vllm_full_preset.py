@@ -13,16 +13,20 @@ one finishes), each request keeping:
 
 The modes are interleaved ``--repeats`` times; each row is a mode's median run, with the
 median over repeats of its run's throughput over the same repeat's map-only run (``paired``)
-and of the CPU time per run over map-only's (``CPU``). ``full`` rows
-also give ``attention_cpu_share``: the CPU time spent in the attention tap (its per-layer
-record and its per-step weights, `AttentionTap.record` / `finish`) over the run's CPU time,
-a figure less sensitive to the machine's load than the throughput ratio. Target
-(issue 54, item 3): ``full`` costs at most +5% over ``map-only``, i.e. throughput ratio
-full / map-only >= 1 / 1.05 = 0.952 (printed beside each ratio). Record the machine's load
-with the figures (printed at start and end); run it alone on the machine:
+and of the CPU time per run over map-only's (``CPU``). ``full`` rows also give
+``attention_cpu_share``: the CPU time spent in the attention tap (`AttentionTap.record` /
+`finish`) over the run's CPU time. Every row gives ``actmap_added_share``: the thread CPU
+time of actmap's own code (record points, step planning, the tap, scatter, `actmap_take`,
+the rows made `Generation`s) in its run minus map-only's in the same repeat, over the CPU the
+run would take without that difference (median over repeats): what the mode adds, measured
+directly, so that the machine's speed drifting between runs (identical GEMMs here take 5-12%
+longer from one run to the next) does not enter. Target (issue 54, item 3): ``full`` costs at
+most +5% over ``map-only``, i.e. throughput ratio full / map-only >= 1 / 1.05 = 0.952
+(printed beside each ratio). Record the machine's load with the figures (printed at start
+and end); run it alone on the machine:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_vllm_full_preset.py --concurrency 16,64 \\
-        --requests 64 --repeats 3
+        --requests 192 --repeats 4 --modes map-only,full
 """
 
 from __future__ import annotations
@@ -41,25 +45,48 @@ TARGET = 1 / 1.05  # full may cost +5% over map-only
 MODES = {"map-only": "actmap", "deployable": "actmap-plus:deployable", "full": "actmap-plus:full"}
 
 
-def timed_tap() -> dict[str, float]:
-    """Thread CPU seconds spent in the attention tap's record and finish, accumulated."""
+def timed(owner, names: tuple[str, ...], spent: dict[str, float], key: str) -> None:
+    """Wrap ``owner``'s methods so the thread CPU seconds spent in them (outermost calls only:
+    nested timed calls are not counted twice) accumulate in ``spent[key]``."""
     import time
 
-    from actmap.capture.vllm_attention import AttentionTap
+    depth = spent.setdefault("_depth", {"n": 0})
+    for name in names:
+        original = getattr(owner, name)
 
-    spent = {"seconds": 0.0}
-    for name in ("record", "finish"):
-        original = getattr(AttentionTap, name)
-
-        def timed(self, *args, _original=original, **kwargs):
+        def wrapper(*args, _original=original, **kwargs):
+            if depth["n"]:
+                return _original(*args, **kwargs)
+            depth["n"] += 1
             tick = time.thread_time()
             try:
-                return _original(self, *args, **kwargs)
+                return _original(*args, **kwargs)
             finally:
-                spent["seconds"] += time.thread_time() - tick
+                depth["n"] -= 1
+                spent[key] += time.thread_time() - tick
 
-        setattr(AttentionTap, name, timed)
-    return spent
+        setattr(owner, name, wrapper)
+
+
+def timed_actmap() -> dict[str, float]:
+    """Thread CPU seconds spent in actmap's code inside vLLM's worker, accumulated: the
+    attention tap (``tap``: `AttentionTap.record` / `finish`) and all of it (``actmap``: the
+    recorder's record points, step planning and ends, scatter, the tap, `actmap_take` and
+    the engine's rows made `Generation`s)."""
+    from actmap.capture.vllm_attention import AttentionTap
+    from actmap.capture.vllm_engine import VllmCapture, _Recorder
+    from actmap.capture.vllm_worker import ActmapWorker
+
+    spent = {"tap": 0.0, "actmap": 0.0}
+    timed(AttentionTap, ("record", "finish"), spent, "tap")  # inner: counted on its own
+    outer: dict[str, float] = {"_depth": {"n": 0}}
+    outer["actmap"] = 0.0
+    recorder = ("record", "_begin_step", "_end_step", "scatter")
+    timed(_Recorder, recorder, outer, "actmap")
+    timed(AttentionTap, ("record",), outer, "actmap")  # called by the forward, not the recorder
+    timed(ActmapWorker, ("actmap_take",), outer, "actmap")
+    timed(VllmCapture, ("_rows", "_cut"), outer, "actmap")  # the rows made `Generation`s
+    return {"tap": spent, "actmap": outer}
 
 
 def run(args) -> list[dict]:
@@ -71,7 +98,7 @@ def run(args) -> list[dict]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     options = VllmOptions(max_num_seqs=widest, kv_cache_gib=2, enforce_eager=not args.compiled)
     capture = VllmCapture(args.model, args.dtype, options, greybox=True, max_context=2048)
-    spent = timed_tap()
+    spent = timed_actmap()
     configs = {
         mode: CaptureConfig(max_new_tokens=args.max_tokens, **CAPTURE_NEEDS[MODES[mode]])
         for mode in args.modes
@@ -92,11 +119,12 @@ def run(args) -> list[dict]:
             in_flight(capture, batch[: min(4, n)], width, args.max_tokens, config=config)
         for _ in range(args.repeats):
             for mode, config in configs.items():
-                before = spent["seconds"]
+                tap, own = spent["tap"]["tap"], spent["actmap"]["actmap"]
                 result = in_flight(capture, batch, width, args.max_tokens, config=config)
                 result["attention_cpu_share"] = round(
-                    (spent["seconds"] - before) / result["cpu_s"], 4
+                    (spent["tap"]["tap"] - tap) / result["cpu_s"], 4
                 )
+                result["actmap_cpu_s"] = round(spent["actmap"]["actmap"] - own, 3)
                 runs[mode].append(result)
         median = {}
         for mode, results in runs.items():
@@ -118,6 +146,15 @@ def run(args) -> list[dict]:
             row["paired_ratios"] = [round(r, 3) for r in paired]
             row["paired_ratio_median"] = round(paired[len(paired) // 2], 3)
             row["cpu_ratio_median"] = round(cpu[len(cpu) // 2], 3)
+            # what this mode's own code adds, as a share of the CPU the run would take
+            # without it: actmap's CPU in this run over map-only's in the same repeat, both
+            # measured, so the machine's drift between runs does not enter
+            added = sorted(
+                (a["actmap_cpu_s"] - b["actmap_cpu_s"])
+                / (a["cpu_s"] - a["actmap_cpu_s"] + b["actmap_cpu_s"])
+                for a, b in zip(mine, theirs, strict=True)
+            )
+            row["actmap_added_share"] = round(added[len(added) // 2], 4)
     capture.close()
     return rows
 
@@ -152,7 +189,8 @@ def main() -> None:
             f"c={row['concurrency']:>3} {row['mode']:<10} {row['req_per_s']:8.3f} req/s "
             f"{row['tokens_per_s']:9.2f} tok/s  p50 {row['p50_s']}s  cpu {row['cpu_s']}s  "
             f"x{ratio:.3f} of map-only (paired median x{row['paired_ratio_median']:.3f}, "
-            f"CPU x{row['cpu_ratio_median']:.3f})"
+            f"CPU x{row['cpu_ratio_median']:.3f}; actmap's own code adds "
+            f"{row['actmap_added_share']:+.1%})"
             + (
                 f"{mark}; attention tap {row['attention_cpu_share']:.1%} of CPU"
                 if row["mode"] == "full"
