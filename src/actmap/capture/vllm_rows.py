@@ -38,7 +38,8 @@ class _Request:
     config: CaptureConfig
     states: torch.Tensor  # (L, max_rows, D') float32, host
     entropies: torch.Tensor | None  # (max_rows,) float32, host; None in map-only capture
-    full_rows: list[torch.Tensor] | None = None  # keep_positions: row t's (L, D) float16
+    # keep_positions: row t's (L, D) float16, as a list, or one (rows, L, D) tensor
+    full_rows: list[torch.Tensor] | torch.Tensor | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     recorded: int = 0  # rows 0..recorded-1 are filled
@@ -96,7 +97,9 @@ def _record(request: _Request, tokenizer, ends: set[int]) -> Generation:
     extras = stop_step_extras(logprobs, request.entropies, n, has_stop_step)
     positions = None
     if request.full_rows is not None and n > 0:
-        positions = position_states(torch.stack(request.full_rows, dim=1), n)
+        rows = request.full_rows
+        steps = rows.transpose(0, 1) if torch.is_tensor(rows) else torch.stack(rows, dim=1)
+        positions = position_states(steps, n)  # (L, rows, D): a view of one tensor
     return Generation(
         prompt=request.prompt,
         answer=answer,
@@ -143,8 +146,9 @@ def payload(request: _Request, index: int) -> dict:
     }
     if request.entropies is not None:
         out["entropies"] = request.entropies[:rows].contiguous().numpy().tobytes()
-    if request.full_rows:
-        full = torch.stack(request.full_rows)  # (rows, L, D) float16
+    if request.full_rows is not None and len(request.full_rows):
+        full = request.full_rows
+        full = full if torch.is_tensor(full) else torch.stack(full)  # (rows, L, D) float16
         out["full"], out["full_shape"] = full.numpy().tobytes(), list(full.shape)
     if request.attention is not None:  # (rows, L, H, K) float32
         attention = request.attention[:rows].contiguous()
@@ -161,8 +165,11 @@ def payload_attention(item: dict) -> torch.Tensor | None:
     return torch.from_numpy(attention.copy())
 
 
-def payload_arrays(item: dict) -> tuple[torch.Tensor, torch.Tensor | None, list | None]:
-    """A `payload`'s (states ``(L, rows, D')`` float32, entropies or None, full rows or None)."""
+def payload_arrays(
+    item: dict,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A `payload`'s (states ``(L, rows, D')`` float32, entropies or None, full rows
+    ``(rows, L, D)`` float16 or None)."""
     n_layers, rows, dim = item["states_shape"]
     states = torch.from_numpy(np.frombuffer(item["states"], np.float32).copy())
     states = states.view(n_layers, rows, dim)
@@ -172,7 +179,7 @@ def payload_arrays(item: dict) -> tuple[torch.Tensor, torch.Tensor | None, list 
     full_rows = None
     if item["full"] is not None:
         full = np.frombuffer(item["full"], np.float16).reshape(item["full_shape"])
-        full_rows = list(torch.from_numpy(full.copy()))
+        full_rows = torch.from_numpy(full.copy())
     return states, entropies, full_rows
 
 
