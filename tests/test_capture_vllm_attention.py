@@ -215,7 +215,7 @@ def test_full_preset_scores_vllm_rows_as_transformers_rows(family_engine, word_t
 )
 def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block, bag, monkeypatch):
     """`key_blocks` reads back the keys vLLM's CPU cache writer stored, and the lookback
-    weights from `row_logits` equal a naive per-row loop (GQA: query head h reads key head
+    weights from `bag_logits` (in place) and `gathered_logits` equal a naive per-row loop (GQA: query head h reads key head
     h // G); ``bag``: the most positions an in-place read's row covers (16: several chunks a
     block, as a 128-position block has with the default 64)."""
     from vllm import _custom_ops as ops
@@ -236,7 +236,6 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block, bag, mon
         gathered_logits,
         key_blocks,
         lookback_from_logits,
-        row_logits,
     )
 
     torch.manual_seed(0)
@@ -278,16 +277,19 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block, bag, mon
     # gathered: both equal the naive loop, over the whole blocks and over positions 0..69
     assert bag_readable(cache, packing) == (dtype == torch.float32)
 
+    def in_place(query, cache, tables, packing, scale, keep):
+        return bag_logits(query, cache, *bag_index(tables, cache.shape, heads, keep), scale)
+
     def own_chunks(query, cache, tables, packing, scale, keep):  # a row's own chunks only
         index = bag_index(tables, cache.shape, heads, keep, torch.tensor(positions))
         return bag_logits(query, cache, *index, scale)
 
-    readings = [(row_logits, None), (row_logits, 70), (gathered_logits, None)]
+    readings = [(gathered_logits, None), (gathered_logits, 70)]
     if bag_readable(cache, packing):
-        readings.append((own_chunks, 70))
+        readings += [(in_place, None), (in_place, 70), (own_chunks, 70)]
     for read, keep in readings:
         logits = read(query, cache, tables, packing, 0.125, keep)
-        if keep is not None and bag_readable(cache, packing):  # whole chunks of positions
+        if keep is not None and read is not gathered_logits:  # whole chunks of positions
             assert logits.shape[-1] == -(-keep // bag_width(block)) * bag_width(block)
         got = lookback_from_logits(
             logits, torch.tensor(positions), torch.tensor([min(r, keys) for r in rows]), keys

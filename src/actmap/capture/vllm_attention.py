@@ -357,27 +357,6 @@ def gather_key_blocks(
     return picked.view(*tables.shape, kv_heads, tiles, *layout[1:])
 
 
-def row_logits(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    tables: torch.Tensor,
-    packing: tuple[int | None, int],
-    scale: float,
-    keep: int | None = None,
-) -> torch.Tensor:
-    """(m, H, span) float32 logits ``scale * q . k`` of each row's query (``query``
-    (m, H, d)) to the keys of its ``n`` cache blocks (``tables`` (m, n)); span is
-    ``n * block``, or about ``keep`` (`bag_index`, `gather_key_blocks`); query head h reads
-    key head h // G, vLLM's grouping; positions past a row's own are not masked here.
-
-    A float32 cache in the transposed layout is read in place (`bag_logits`); the others are
-    gathered first (`gathered_logits`)."""
-    if bag_readable(kv_cache, packing):
-        return bag_logits(query, kv_cache, *bag_index(tables, kv_cache.shape, query.shape[1], keep),
-                          scale)  # fmt: skip
-    return gathered_logits(query, kv_cache, tables, packing, scale, keep)
-
-
 def bag_readable(kv_cache: torch.Tensor, packing: tuple[int | None, int]) -> bool:
     """Whether `bag_logits` reads this cache: float32, contiguous, each (block, head)'s keys
     stored transposed, ``(head_size, block)`` (the ``vec``/``vec16`` kernels' layout)."""
@@ -462,8 +441,11 @@ def gathered_logits(
     scale: float,
     keep: int | None = None,
 ) -> torch.Tensor:
-    """`row_logits` from a copy of the rows' key blocks (`gather_key_blocks`): any layout
-    and dtype."""
+    """(m, H, span) float32 logits ``scale * q . k`` of each row's query (``query``
+    (m, H, d)) to the keys of its ``n`` cache blocks (``tables`` (m, n)), from a copy of them
+    (`gather_key_blocks`: any layout and dtype); span is ``n * block``, or about ``keep`` with
+    one block per row; query head h reads key head h // G, vLLM's grouping; positions past a
+    row's own are not masked here. (`bag_logits` reads a float32 transposed cache in place.)"""
     m, heads, dim = query.shape
     kv_heads = kv_cache.shape[1]
     groups = heads // kv_heads
