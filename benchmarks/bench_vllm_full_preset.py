@@ -45,30 +45,30 @@ TARGET = 1 / 1.05  # full may cost +5% over map-only
 MODES = {"map-only": "actmap", "deployable": "actmap-plus:deployable", "full": "actmap-plus:full"}
 
 
-def timed(owner, names: tuple[str, ...], spent: dict[str, float], key: str) -> None:
-    """Wrap ``owner``'s methods so the thread CPU seconds spent in them (outermost calls only:
-    nested timed calls are not counted twice) accumulate in ``spent[key]``."""
+def timed(owner, names: tuple[str, ...], spent: dict[str, float], depth: list[int]) -> None:
+    """Wrap ``owner``'s methods so the thread CPU seconds spent in them accumulate in
+    ``spent["seconds"]``; wrappers sharing ``depth`` count only the outermost of nested
+    calls."""
     import time
 
-    depth = spent.setdefault("_depth", {"n": 0})
     for name in names:
         original = getattr(owner, name)
 
         def wrapper(*args, _original=original, **kwargs):
-            if depth["n"]:
+            if depth[0]:
                 return _original(*args, **kwargs)
-            depth["n"] += 1
+            depth[0] += 1
             tick = time.thread_time()
             try:
                 return _original(*args, **kwargs)
             finally:
-                depth["n"] -= 1
-                spent[key] += time.thread_time() - tick
+                depth[0] -= 1
+                spent["seconds"] += time.thread_time() - tick
 
         setattr(owner, name, wrapper)
 
 
-def timed_actmap() -> dict[str, float]:
+def timed_actmap() -> dict[str, dict[str, float]]:
     """Thread CPU seconds spent in actmap's code inside vLLM's worker, accumulated: the
     attention tap (``tap``: `AttentionTap.record` / `finish`) and all of it (``actmap``: the
     recorder's record points, step planning and ends, scatter, the tap, `actmap_take` and
@@ -77,16 +77,14 @@ def timed_actmap() -> dict[str, float]:
     from actmap.capture.vllm_engine import VllmCapture, _Recorder
     from actmap.capture.vllm_worker import ActmapWorker
 
-    spent = {"tap": 0.0, "actmap": 0.0}
-    timed(AttentionTap, ("record", "finish"), spent, "tap")  # inner: counted on its own
-    outer: dict[str, float] = {"_depth": {"n": 0}}
-    outer["actmap"] = 0.0
-    recorder = ("record", "_begin_step", "_end_step", "scatter")
-    timed(_Recorder, recorder, outer, "actmap")
-    timed(AttentionTap, ("record",), outer, "actmap")  # called by the forward, not the recorder
-    timed(ActmapWorker, ("actmap_take",), outer, "actmap")
-    timed(VllmCapture, ("_rows", "_cut"), outer, "actmap")  # the rows made `Generation`s
-    return {"tap": spent, "actmap": outer}
+    tap, actmap = {"seconds": 0.0}, {"seconds": 0.0}
+    timed(AttentionTap, ("record", "finish"), tap, [0])  # inner: counted on its own
+    outer = [0]
+    timed(_Recorder, ("record", "_begin_step", "_end_step", "scatter"), actmap, outer)
+    timed(AttentionTap, ("record",), actmap, outer)  # called by the forward, not the recorder
+    timed(ActmapWorker, ("actmap_take",), actmap, outer)
+    timed(VllmCapture, ("_rows", "_cut"), actmap, outer)  # the rows made `Generation`s
+    return {"tap": tap, "actmap": actmap}
 
 
 def run(args) -> list[dict]:
@@ -119,12 +117,12 @@ def run(args) -> list[dict]:
             in_flight(capture, batch[: min(4, n)], width, args.max_tokens, config=config)
         for _ in range(args.repeats):
             for mode, config in configs.items():
-                tap, own = spent["tap"]["tap"], spent["actmap"]["actmap"]
+                tap, own = spent["tap"]["seconds"], spent["actmap"]["seconds"]
                 result = in_flight(capture, batch, width, args.max_tokens, config=config)
                 result["attention_cpu_share"] = round(
-                    (spent["tap"]["tap"] - tap) / result["cpu_s"], 4
+                    (spent["tap"]["seconds"] - tap) / result["cpu_s"], 4
                 )
-                result["actmap_cpu_s"] = round(spent["actmap"]["actmap"] - own, 3)
+                result["actmap_cpu_s"] = round(spent["actmap"]["seconds"] - own, 3)
                 runs[mode].append(result)
         median = {}
         for mode, results in runs.items():

@@ -284,9 +284,16 @@ def test_keys_read_from_the_cache_as_vllm_wrote_them(isa, dtype, block, bag, mon
         index = bag_index(tables, cache.shape, heads, keep, torch.tensor(positions))
         return bag_logits(query, cache, *index, scale)
 
+    def from_the_step(query, cache, tables, packing, scale, keep):  # rows among 5 tokens
+        tokens = torch.tensor([4, 0, 2])
+        step = torch.randn(5, heads, dim).to(query.dtype)
+        step[tokens] = query
+        index = bag_index(tables, cache.shape, heads, keep, torch.tensor(positions), tokens)
+        return bag_logits(step, cache, *index, scale, (len(tokens), heads))
+
     readings = [(gathered_logits, None), (gathered_logits, 70)]
     if bag_readable(cache, packing):
-        readings += [(in_place, None), (in_place, 70), (own_chunks, 70)]
+        readings += [(in_place, None), (in_place, 70), (own_chunks, 70), (from_the_step, 70)]
     for read, keep in readings:
         logits = read(query, cache, tables, packing, 0.125, keep)
         if keep is not None and read is not gathered_logits:  # whole chunks of positions

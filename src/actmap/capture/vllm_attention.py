@@ -272,14 +272,8 @@ class AttentionTap:
             table = metadata.block_table.index_select(0, self._batch)
             self._tables = table[:, : self._blocks].long()
             if self.bag:
-                shape = module.kv_cache.shape
-                read, offsets, picks = bag_index(
-                    self._tables, shape, self.heads, self._keep, self._position
-                )
-                # the picks as elements of the whole step's query (tokens, H * d)
-                width = self.heads * self.head_size
-                picks = self._select[picks // width] * width + picks % width
-                self._bag = (read, offsets, picks)
+                self._bag = bag_index(self._tables, module.kv_cache.shape, self.heads,
+                                      self._keep, self._position, self._select)  # fmt: skip
         m = len(self._picks)
         if self._bag is not None:  # read in place: positions 0..keep-1 of the rows' blocks
             logits = bag_logits(query, module.kv_cache, *self._bag, self.scale,
@@ -365,7 +359,8 @@ def bag_readable(kv_cache: torch.Tensor, packing: tuple[int | None, int]) -> boo
 
 def bag_width(block: int) -> int:
     """The positions one `bag_logits` row covers: a key dimension's values at ``w``
-    consecutive positions of one block (64, or the block if it divides 64)."""
+    consecutive positions of one block (the largest width dividing both the block and
+    `BAG_WIDTH`: 64 for the CPU's 128-position blocks)."""
     return math.gcd(block, BAG_WIDTH)
 
 
@@ -375,16 +370,18 @@ def bag_index(
     heads: int,
     keep: int | None = None,
     positions: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `bag_logits` reads for rows with these cache blocks (``tables`` (m, n)) of a
     cache of ``shape`` (blocks, KV, block, 2 * d): one bag per row, query head and span chunk
     of `bag_width` positions; in it, for each key dimension, the row of
     ``kv_cache.view(-1, w)`` holding that dimension at those positions (``index``), and which
-    element of the flattened query ``(m * H * d,)`` weighs it (``picks``); ``offsets``: where
+    element of the query (`torch.take`'s order) weighs it (``picks``); ``offsets``: where
     each bag starts. The chunks cover positions ``0..keep-1`` (None: the ``n`` blocks), so a
     short context reads only the first chunks of its block; with ``positions`` (m,), a row's
     bags past the chunk holding its own position are empty (their logits 0: positions a
-    row's lookback never reads)."""
+    row's lookback never reads). ``tokens`` (m,): each row's token in a query of the whole
+    step, ``(tokens, H, d)`` (None: the query is the rows', ``(m, H, d)``)."""
     _, kv_heads, block, twice = shape
     dim, width = twice // 2, bag_width(block)
     per = block // width  # chunks a block holds
@@ -398,7 +395,10 @@ def bag_index(
     dims = torch.arange(dim, device=device)
     index = (start[..., None] + dims) * per + (chunk % per)[None, None, :, None]
     m = tables.shape[0]
-    picks = torch.arange(m * heads * dim, device=device).view(m, heads, 1, dim)
+    if tokens is None:
+        tokens = torch.arange(m, device=device)
+    head = tokens[:, None] * heads + torch.arange(heads, device=device)  # (m, H)
+    picks = (head[..., None] * dim + dims).view(m, heads, 1, dim)
     picks = picks.expand(m, heads, len(chunk), dim)  # (m, H, chunks, d)
     if positions is None:
         offsets = torch.arange(0, index.numel(), dim, device=device)
